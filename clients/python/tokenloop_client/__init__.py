@@ -1,0 +1,43 @@
+"""Python client for tokenloop: sync `Client`, asyncio `AsyncClient`, typed results and errors."""
+
+from ._channel import RetryPolicy
+from .aio import AsyncClient, AsyncTextStream
+from .client import Client, TextStream
+from .errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    TokenloopError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+)
+from .types import (
+    ChatMessage,
+    Completion,
+    Delta,
+    FinishReason,
+    GenerateResult,
+    Load,
+    ModelInfo,
+    Timing,
+    TokenizeResult,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient", "AsyncTextStream", "CancelledError", "ChatMessage", "Client", "Completion",
+    "DeadlineExceededError", "Delta", "FinishReason", "GenerateResult", "InternalError",
+    "InvalidArgumentError", "Load", "ModelInfo", "NotFoundError", "PermissionDeniedError",
+    "ResourceExhaustedError", "RetryPolicy", "TextStream", "Timing", "TokenLogprob", "TokenizeResult",
+    "TokenloopError", "TopLogprob", "UnauthenticatedError", "UnavailableError", "UnimplementedError",
+    "Usage",
+]

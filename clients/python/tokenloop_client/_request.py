@@ -1,0 +1,133 @@
+"""Request building and response assembly shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+
+from ._gen import tokenloop_pb2 as pb
+from .types import ChatMessage, Completion, Delta, GenerateResult
+
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed")
+_STOPPING = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos",
+             "include_stop_str_in_output")
+_OUTPUT = ("logprobs", "top_logprobs", "skip_special_tokens", "echo")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Every generation option; None leaves the server's default. Names match the proto fields."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    stop: Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    skip_special_tokens: bool | None = None
+    echo: bool | None = None
+    n: int | None = None
+
+    def apply(self, req: pb.GenerateRequest) -> None:
+        """Copy the set options into a GenerateRequest."""
+        for group, names in (("sampling", _SAMPLING), ("stopping", _STOPPING), ("output", _OUTPUT)):
+            target = getattr(req, group)
+            for name in names:
+                value = getattr(self, name)
+                if value is None:
+                    continue
+                if isinstance(value, (list, tuple)):
+                    getattr(target, name).extend(value)
+                else:
+                    setattr(target, name, value)
+        if self.n is not None:
+            req.n = self.n
+
+
+PARAM_NAMES = frozenset(f.name for f in fields(GenerationParams))
+
+
+def to_chat(messages: Iterable[ChatMessage | dict | tuple[str, str]]) -> pb.Chat:
+    """Build a protobuf Chat from ChatMessages, {"role", "content"} dicts or (role, content) pairs."""
+    chat = pb.Chat()
+    for msg in messages:
+        if isinstance(msg, ChatMessage):
+            role, content = msg.role, msg.content
+        elif isinstance(msg, dict):
+            role, content = msg["role"], msg["content"]
+        else:
+            role, content = msg
+        chat.messages.add(role=role, content=content)
+    return chat
+
+
+def build_generate(
+    prompt: str | None,
+    *,
+    messages: Iterable | None = None,
+    token_ids: Sequence[int] | None = None,
+    stream: bool,
+    request_id: str | None = None,
+    params: dict,
+) -> pb.GenerateRequest:
+    """Build a GenerateRequest from exactly one input and keyword options (TypeError on unknown ones)."""
+    inputs = [x is not None for x in (prompt, messages, token_ids)]
+    if sum(inputs) != 1:
+        raise ValueError("give exactly one of prompt, messages, token_ids")
+    req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, stream=stream)
+    if prompt is not None:
+        req.text = prompt
+    elif messages is not None:
+        req.chat.CopyFrom(to_chat(messages))
+    else:
+        req.token_ids.ids.extend(token_ids)
+    GenerationParams(**params).apply(req)
+    return req
+
+
+def build_tokenize(text: str | None, messages: Iterable | None) -> pb.TokenizeRequest:
+    """Build a TokenizeRequest from text or chat messages."""
+    if (text is None) == (messages is None):
+        raise ValueError("give exactly one of text, messages")
+    if text is not None:
+        return pb.TokenizeRequest(text=text)
+    return pb.TokenizeRequest(chat=to_chat(messages))
+
+
+class ResultBuilder:
+    """Collects Generate responses; turns chunks into Deltas and completes into a GenerateResult."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.completions: dict[int, Completion] = {}
+        self.num_messages = 0
+
+    def add(self, msg: pb.GenerateResponse) -> Delta | None:
+        """Record one response message; return its Delta for a chunk, None for a complete."""
+        self.num_messages += 1
+        if msg.request_id:
+            self.request_id = msg.request_id
+        kind = msg.WhichOneof("response")
+        if kind == "chunk":
+            return Delta.from_pb(msg.chunk)
+        if kind == "complete":
+            done = Completion.from_pb(msg.complete)
+            self.completions[done.index] = done
+        return None
+
+    def result(self) -> GenerateResult:
+        """The final result, sequences ordered by index."""
+        done = tuple(self.completions[i] for i in sorted(self.completions))
+        return GenerateResult(self.request_id, done)

@@ -1,0 +1,191 @@
+"""The asyncio client: `AsyncClient` and the `AsyncTextStream` its `stream()` returns."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+
+from . import _request
+from ._channel import HEALTH_CHECK, ChannelConfig, RetryPolicy, aio_channel
+from ._channel import decode_health_response, encode_health_request
+from ._gen import tokenloop_pb2 as pb
+from ._gen import tokenloop_pb2_grpc as pb_grpc
+from .errors import TokenloopError, from_rpc_error
+from .types import Delta, GenerateResult, Load, ModelInfo, TokenizeResult
+
+
+class AsyncTextStream:
+    """Async iterator of Deltas for one Generate call; `result` holds the final GenerateResult."""
+
+    def __init__(self, start: Callable[[], grpc.aio.UnaryStreamCall], request_id: str,
+                 retry: RetryPolicy) -> None:
+        self._start = start
+        self._retry = retry
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._builder = _request.ResultBuilder(request_id)
+        self._num_attempts = 0
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        """The request's id (usable with `AsyncClient.abort`)."""
+        return self._builder.request_id
+
+    def __aiter__(self) -> AsyncTextStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        while True:
+            msg = await self._next_message()
+            if msg is None:
+                raise StopAsyncIteration
+            delta = self._builder.add(msg)
+            if delta is not None:
+                return delta
+
+    async def _next_message(self) -> pb.GenerateResponse | None:
+        while not self._done:
+            if self._call is None:
+                self._num_attempts += 1
+                self._call = self._start()
+            try:
+                msg = await self._call.read()
+            except grpc.RpcError as err:
+                if not self._retry.should_retry(err, self._num_attempts, self._builder.num_messages):
+                    self._done = True
+                    raise from_rpc_error(err, self.request_id) from None
+                await asyncio.sleep(self._retry.backoff_s(self._num_attempts))
+                self._call = None
+                continue
+            if msg is grpc.aio.EOF:
+                self._done = True
+                break
+            return msg
+        return None
+
+    async def final(self) -> GenerateResult:
+        """Read the rest of the stream and return the final result."""
+        async for _ in self:
+            pass
+        return self.result
+
+    @property
+    def result(self) -> GenerateResult:
+        """The final result; only once the stream is exhausted."""
+        if not self._done:
+            raise RuntimeError("the stream is not finished yet: iterate it or await final()")
+        if not self._builder.completions:
+            raise TokenloopError(grpc.StatusCode.UNKNOWN, "stream ended without a complete", self.request_id)
+        return self._builder.result()
+
+    def cancel(self) -> None:
+        """Hang up: the server cancels the request."""
+        if self._call is not None and not self._done:
+            self._call.cancel()
+        self._done = True
+
+    async def __aenter__(self) -> AsyncTextStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class AsyncClient:
+    """asyncio tokenloop client. Use `async with` or await close()."""
+
+    def __init__(
+        self,
+        address: str = ChannelConfig.address,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.config = ChannelConfig(address, api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._metadata = self.config.metadata()
+        self._channel = aio_channel(self.config)
+        self._stub = pb_grpc.TextGenerationStub(self._channel)
+
+    async def close(self) -> None:
+        """Close the channel."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def stream(self, prompt: str | None = None, *, messages: Iterable | None = None,
+               token_ids: Sequence[int] | None = None, request_id: str | None = None,
+               timeout: float | None = None, **params) -> AsyncTextStream:
+        """Start a streaming Generate; `async for` over the result for Deltas."""
+        return self._generate(prompt, messages, token_ids, request_id, timeout, True, params)
+
+    async def generate(self, prompt: str | None = None, *, messages: Iterable | None = None,
+                       token_ids: Sequence[int] | None = None, request_id: str | None = None,
+                       timeout: float | None = None, **params) -> GenerateResult:
+        """Generate without streaming and return the final result."""
+        return await self._generate(prompt, messages, token_ids, request_id, timeout, False, params).final()
+
+    def chat(self, messages: Iterable, *, stream: bool = False, **kwargs):
+        """The assistant's next turn: an awaitable GenerateResult, or an AsyncTextStream when stream=True."""
+        return (self.stream if stream else self.generate)(messages=messages, **kwargs)
+
+    def _generate(self, prompt, messages, token_ids, request_id, timeout, stream, params) -> AsyncTextStream:
+        req = _request.build_generate(prompt, messages=messages, token_ids=token_ids, stream=stream,
+                                      request_id=request_id, params=params)
+        timeout = timeout if timeout is not None else self.timeout
+
+        def start() -> grpc.aio.UnaryStreamCall:
+            return self._stub.Generate(req, timeout=timeout, metadata=self._metadata)
+
+        return AsyncTextStream(start, req.request_id, self.retry)
+
+    async def tokenize(self, text: str | None = None, *, messages: Iterable | None = None) -> TokenizeResult:
+        """Token ids of a text, or of a chat rendered with the model's template."""
+        res = await self._unary(self._stub.Tokenize, _request.build_tokenize(text, messages))
+        return TokenizeResult(tuple(res.token_ids), tuple(res.tokens), res.text)
+
+    async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None) -> str:
+        """Text of token ids."""
+        req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self._unary(self._stub.Detokenize, req)).text
+
+    async def model_info(self) -> ModelInfo:
+        """The loaded model and the server's limits."""
+        return ModelInfo.from_pb(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+
+    async def load(self) -> Load:
+        """What the server is doing now."""
+        return Load.from_pb(await self._unary(self._stub.GetLoad, pb.GetLoadRequest()))
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel a request by id; True when a live request was found."""
+        return (await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id))).found
+
+    async def health(self, service: str = "") -> str:
+        """grpc.health.v1 status of `service` ("" = the whole server): SERVING, NOT_SERVING, ..."""
+        check = self._channel.unary_unary(HEALTH_CHECK, request_serializer=None, response_deserializer=None)
+        return decode_health_response(await self._unary(check, encode_health_request(service)))
+
+    async def _unary(self, method, request):
+        num_attempts = 0
+        while True:
+            num_attempts += 1
+            try:
+                return await method(request, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as err:
+                if not self.retry.should_retry(err, num_attempts, 0):
+                    raise from_rpc_error(err) from None
+                await asyncio.sleep(self.retry.backoff_s(num_attempts))

@@ -1,0 +1,186 @@
+"""The blocking client: `Client` and the `TextStream` its `stream()` returns."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import grpc
+
+from . import _request
+from ._channel import ChannelConfig, RetryPolicy, decode_health_response, encode_health_request, sync_channel
+from ._channel import HEALTH_CHECK
+from ._gen import tokenloop_pb2 as pb
+from ._gen import tokenloop_pb2_grpc as pb_grpc
+from .errors import TokenloopError, from_rpc_error
+from .types import Delta, GenerateResult, Load, ModelInfo, TokenizeResult
+
+
+class TextStream:
+    """Iterator of Deltas for one Generate call; `result` holds the final GenerateResult."""
+
+    def __init__(self, start: Callable[[], Iterator], request_id: str, retry: RetryPolicy) -> None:
+        self._start = start
+        self._retry = retry
+        self._call = None
+        self._builder = _request.ResultBuilder(request_id)
+        self._num_attempts = 0
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        """The request's id (usable with `Client.abort`)."""
+        return self._builder.request_id
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> Delta:
+        while True:
+            delta = self._builder.add(self._next_message())
+            if delta is not None:
+                return delta
+
+    def _next_message(self) -> pb.GenerateResponse:
+        while True:
+            if self._done:
+                raise StopIteration
+            if self._call is None:
+                self._num_attempts += 1
+                self._call = self._start()
+            try:
+                return next(self._call)
+            except StopIteration:
+                self._done = True
+                raise
+            except grpc.RpcError as err:
+                if not self._retry.should_retry(err, self._num_attempts, self._builder.num_messages):
+                    self._done = True
+                    raise from_rpc_error(err, self.request_id) from None
+                time.sleep(self._retry.backoff_s(self._num_attempts))
+                self._call = None
+
+    def final(self) -> GenerateResult:
+        """Read the rest of the stream and return the final result."""
+        for _ in self:
+            pass
+        return self.result
+
+    @property
+    def result(self) -> GenerateResult:
+        """The final result; only once the stream is exhausted."""
+        if not self._done:
+            raise RuntimeError("the stream is not finished yet: iterate it or call final()")
+        if not self._builder.completions:
+            raise TokenloopError(grpc.StatusCode.UNKNOWN, "stream ended without a complete", self.request_id)
+        return self._builder.result()
+
+    def cancel(self) -> None:
+        """Hang up: the server cancels the request."""
+        if self._call is not None and not self._done:
+            self._call.cancel()
+        self._done = True
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class Client:
+    """Blocking tokenloop client. Use as a context manager or call close()."""
+
+    def __init__(
+        self,
+        address: str = ChannelConfig.address,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.config = ChannelConfig(address, api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._metadata = self.config.metadata()
+        self._channel = sync_channel(self.config)
+        self._stub = pb_grpc.TextGenerationStub(self._channel)
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stream(self, prompt: str | None = None, *, messages: Iterable | None = None,
+               token_ids: Sequence[int] | None = None, request_id: str | None = None,
+               timeout: float | None = None, **params) -> TextStream:
+        """Start a streaming Generate; iterate the returned TextStream for Deltas."""
+        return self._generate(prompt, messages, token_ids, request_id, timeout, True, params)
+
+    def generate(self, prompt: str | None = None, *, messages: Iterable | None = None,
+                 token_ids: Sequence[int] | None = None, request_id: str | None = None,
+                 timeout: float | None = None, **params) -> GenerateResult:
+        """Generate without streaming and return the final result."""
+        return self._generate(prompt, messages, token_ids, request_id, timeout, False, params).final()
+
+    def chat(self, messages: Iterable, *, stream: bool = False, **kwargs) -> GenerateResult | TextStream:
+        """Generate the assistant's next turn of a conversation (a TextStream when stream=True)."""
+        return (self.stream if stream else self.generate)(messages=messages, **kwargs)
+
+    def _generate(self, prompt, messages, token_ids, request_id, timeout, stream, params) -> TextStream:
+        req = _request.build_generate(prompt, messages=messages, token_ids=token_ids, stream=stream,
+                                      request_id=request_id, params=params)
+        timeout = timeout if timeout is not None else self.timeout
+
+        def start() -> Iterator:
+            return self._stub.Generate(req, timeout=timeout, metadata=self._metadata)
+
+        return TextStream(start, req.request_id, self.retry)
+
+    def tokenize(self, text: str | None = None, *, messages: Iterable | None = None) -> TokenizeResult:
+        """Token ids of a text, or of a chat rendered with the model's template."""
+        res = self._unary(self._stub.Tokenize, _request.build_tokenize(text, messages))
+        return TokenizeResult(tuple(res.token_ids), tuple(res.tokens), res.text)
+
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None) -> str:
+        """Text of token ids."""
+        req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self._unary(self._stub.Detokenize, req).text
+
+    def model_info(self) -> ModelInfo:
+        """The loaded model and the server's limits."""
+        return ModelInfo.from_pb(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+
+    def load(self) -> Load:
+        """What the server is doing now."""
+        return Load.from_pb(self._unary(self._stub.GetLoad, pb.GetLoadRequest()))
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request by id; True when a live request was found."""
+        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id)).found
+
+    def health(self, service: str = "") -> str:
+        """grpc.health.v1 status of `service` ("" = the whole server): SERVING, NOT_SERVING, ..."""
+        check = self._channel.unary_unary(HEALTH_CHECK, request_serializer=None, response_deserializer=None)
+        return decode_health_response(self._unary(check, encode_health_request(service)))
+
+    def _unary(self, method, request):
+        num_attempts = 0
+        while True:
+            num_attempts += 1
+            try:
+                return method(request, timeout=self.timeout, metadata=self._metadata)
+            except grpc.RpcError as err:
+                if not self.retry.should_retry(err, num_attempts, 0):
+                    raise from_rpc_error(err) from None
+                time.sleep(self.retry.backoff_s(num_attempts))

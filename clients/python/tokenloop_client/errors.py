@@ -1,0 +1,80 @@
+"""Typed exceptions: every failed call raises a TokenloopError that keeps the gRPC status."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class TokenloopError(Exception):
+    """A failed tokenloop call; `code` is the grpc.StatusCode and `message` the server's text."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, request_id: str = "") -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class InvalidArgumentError(TokenloopError):
+    """INVALID_ARGUMENT: the request broke a validation rule (the message names it)."""
+
+
+class ResourceExhaustedError(TokenloopError):
+    """RESOURCE_EXHAUSTED: the server is overloaded (queue full); back off and retry."""
+
+
+class UnavailableError(TokenloopError):
+    """UNAVAILABLE: the server is unreachable, shutting down, or its engine died."""
+
+
+class DeadlineExceededError(TokenloopError):
+    """DEADLINE_EXCEEDED: the call's timeout expired."""
+
+
+class CancelledError(TokenloopError):
+    """CANCELLED: the call was cancelled (by the client or the server)."""
+
+
+class UnauthenticatedError(TokenloopError):
+    """UNAUTHENTICATED: missing or wrong API key."""
+
+
+class PermissionDeniedError(TokenloopError):
+    """PERMISSION_DENIED: the credentials are not allowed to do this."""
+
+
+class NotFoundError(TokenloopError):
+    """NOT_FOUND: the named thing does not exist."""
+
+
+class UnimplementedError(TokenloopError):
+    """UNIMPLEMENTED: the server does not offer this RPC."""
+
+
+class InternalError(TokenloopError):
+    """INTERNAL or UNKNOWN: a server-side bug; the message says no more than the server allowed."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[TokenloopError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.CANCELLED: CancelledError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+    grpc.StatusCode.INTERNAL: InternalError,
+    grpc.StatusCode.UNKNOWN: InternalError,
+}
+
+
+def from_rpc_error(err: grpc.RpcError, request_id: str = "") -> TokenloopError:
+    """Turn a grpc.RpcError (sync or aio) into the matching TokenloopError subclass."""
+    code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    code = code or grpc.StatusCode.UNKNOWN
+    cls = _BY_CODE.get(code, TokenloopError)
+    return cls(code, details or "", request_id)

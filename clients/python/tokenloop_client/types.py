@@ -1,0 +1,209 @@
+"""Typed results: plain frozen dataclasses built from the protobuf responses."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+
+from ._gen import tokenloop_pb2 as pb
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended (the proto's FinishReason names)."""
+
+    UNSPECIFIED = "FINISH_REASON_UNSPECIFIED"
+    LENGTH = "LENGTH"
+    EOS = "EOS"
+    STOP_SEQUENCE = "STOP_SEQUENCE"
+    STOP_TOKEN = "STOP_TOKEN"
+    CANCELLED = "CANCELLED"
+
+    @classmethod
+    def from_pb(cls, value: int) -> FinishReason:
+        """Map a proto enum number to a FinishReason."""
+        return cls(pb.FinishReason.Name(value))
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One turn of a conversation: role is `system`, `user` or `assistant`."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One alternative token and its log probability."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log probability of one generated token, with alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+    @classmethod
+    def from_pb(cls, msg: pb.TokenLogprob) -> TokenLogprob:
+        """Build from a protobuf TokenLogprob."""
+        tops = tuple(TopLogprob(t.token_id, t.logprob) for t in msg.top_logprobs)
+        return cls(msg.token_id, msg.logprob, tops)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one sequence."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Server-side timing of one sequence, in seconds since the request arrived."""
+
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text (and token ids) of one sequence, as streamed."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+    @classmethod
+    def from_pb(cls, msg: pb.Chunk) -> Delta:
+        """Build from a protobuf Chunk."""
+        return cls(msg.index, msg.text, tuple(msg.token_ids), tuple(map(TokenLogprob.from_pb, msg.logprobs)))
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The end of one sequence: its whole text and why it stopped."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+    seed: int = 0
+    matched_stop: str | int | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_text: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_pb(cls, msg: pb.Complete) -> Completion:
+        """Build from a protobuf Complete."""
+        which = msg.WhichOneof("matched_stop")
+        return cls(
+            index=msg.index,
+            text=msg.text,
+            token_ids=tuple(msg.token_ids),
+            finish_reason=FinishReason.from_pb(msg.finish_reason),
+            usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens),
+            timing=Timing(msg.timing.queue_s, msg.timing.ttft_s, msg.timing.total_s),
+            seed=msg.seed,
+            matched_stop=getattr(msg, which) if which else None,
+            logprobs=tuple(map(TokenLogprob.from_pb, msg.logprobs)),
+            prompt_text=msg.prompt_text,
+            prompt_token_ids=tuple(msg.prompt_token_ids),
+        )
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """The final result of a Generate call: one Completion per sequence, by index."""
+
+    request_id: str
+    completions: tuple[Completion, ...]
+
+    @property
+    def text(self) -> str:
+        """Text of the first sequence."""
+        return self.completions[0].text
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """Finish reason of the first sequence."""
+        return self.completions[0].finish_reason
+
+    @property
+    def usage(self) -> Usage:
+        """Token counts: the prompt once, completion tokens summed over sequences."""
+        prompt = self.completions[0].usage.prompt_tokens
+        return Usage(prompt, sum(c.usage.completion_tokens for c in self.completions))
+
+    @property
+    def timing(self) -> Timing:
+        """Timing of the first sequence."""
+        return self.completions[0].timing
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    """Token ids of a text, the pieces they stand for, and the rendered chat prompt."""
+
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded model and the server's limits."""
+
+    model_id: str
+    architecture: str
+    backend: str
+    max_context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    has_chat_template: bool
+    max_new_tokens_limit: int
+    max_n: int
+    dtype: str
+
+    @classmethod
+    def from_pb(cls, msg: pb.ModelInfo) -> ModelInfo:
+        """Build from a protobuf ModelInfo."""
+        bos = msg.bos_token_id if msg.HasField("bos_token_id") else None
+        return cls(
+            msg.model_id, msg.architecture, msg.backend, msg.max_context_length, msg.vocab_size,
+            tuple(msg.eos_token_ids), bos, msg.has_chat_template, msg.max_new_tokens_limit, msg.max_n,
+            msg.dtype,
+        )
+
+
+@dataclass(frozen=True)
+class Load:
+    """A snapshot of what the server is doing."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_block_size: int = 0
+    kv_cache_utilization: float = 0.0
+    num_in_flight: int = 0
+    max_concurrent_requests: int = 0
+    max_queue: int = 0
+    step_latency_s: float = 0.0
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_pb(cls, msg: pb.Load) -> Load:
+        """Build from a protobuf Load."""
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})

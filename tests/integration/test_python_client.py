@@ -1,0 +1,364 @@
+"""The Python client (`tokenloop_client`) against a real in-process server and against fakes.
+
+The real server runs on a background thread with the scripted executor (no model); fakes built on
+the client's own stubs inject UNAVAILABLE before / after the first token, check the API key and TLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import sys
+import subprocess
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+try:
+    import tokenloop_client
+except ImportError:  # not pip-installed: use the source tree
+    sys.path.insert(0, str(ROOT / "clients" / "python"))
+    import tokenloop_client
+
+from tokenloop_client import AsyncClient, Client, FinishReason, RetryPolicy
+from tokenloop_client._gen import tokenloop_pb2 as pb
+from tokenloop_client._gen import tokenloop_pb2_grpc as pb_grpc
+
+FAST_RETRY = RetryPolicy(max_retries=3, initial_backoff_s=0.01, max_backoff_s=0.02)
+
+
+class _ServerThread:
+    """Runs a tokenloop Server (scripted executor) on its own event loop thread."""
+
+    def __init__(self, model_dir: Path, tick: float) -> None:
+        from tests.scripted_executor import ScriptedExecutor
+        from tokenloop.service.config import ServerConfig
+        from tokenloop.service.server import Server
+
+        async def start() -> int:
+            self.server = Server(ServerConfig(model=str(model_dir), port=0),
+                                 executor_factory=lambda cfg: ScriptedExecutor(tick=tick))
+            return await self.server.start()
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(60)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(1.0), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def address(tokenizer_dir):
+    """HOST:PORT of a real tokenloop server on loopback, scripted executor behind it."""
+    srv = _ServerThread(tokenizer_dir, tick=0.002)
+    yield f"127.0.0.1:{srv.port}"
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def slow_address(tokenizer_dir):
+    """The same server with a slow executor, for cancelling mid-stream."""
+    srv = _ServerThread(tokenizer_dir, tick=0.05)
+    yield f"127.0.0.1:{srv.port}"
+    srv.close()
+
+
+# -- real server: sync -----------------------------------------------------------------------------
+
+def test_sync_generate_returns_typed_result(address):
+    with Client(address) as client:
+        result = client.generate("hello world", max_new_tokens=6, request_id="req-sync-1")
+    assert isinstance(result, tokenloop_client.GenerateResult)
+    assert result.request_id == "req-sync-1"
+    assert result.finish_reason is FinishReason.LENGTH
+    assert result.usage.completion_tokens == 6 == len(result.completions[0].token_ids)
+    assert result.usage.prompt_tokens > 0
+    assert result.text.startswith("hello world")  # the scripted executor echoes the prompt
+    assert result.timing.total_s >= result.timing.ttft_s >= 0
+
+
+def test_sync_stream_deltas_add_up_to_the_final_text(address):
+    with Client(address) as client:
+        stream = client.stream("hello world", max_new_tokens=8)
+        deltas = list(stream)
+        result = stream.result
+    assert len(deltas) >= 2
+    assert all(isinstance(d, tokenloop_client.Delta) for d in deltas)
+    assert "".join(d.text for d in deltas) == result.text
+    assert sum(len(d.token_ids) for d in deltas) == 8
+    assert result.finish_reason is FinishReason.LENGTH
+
+
+def test_sync_unary_calls(address):
+    with Client(address) as client:
+        info = client.model_info()
+        tok = client.tokenize("hello world")
+        text = client.detokenize(list(tok.token_ids))
+        chat_tok = client.tokenize(messages=[{"role": "user", "content": "hi"}])
+        load = client.load()
+        found = client.abort("no-such-request")
+        health = client.health()
+    assert isinstance(info, tokenloop_client.ModelInfo) and info.vocab_size > 0 and info.has_chat_template
+    assert len(tok.token_ids) == len(tok.tokens) > 0
+    assert text == "hello world"
+    assert "hi" in chat_tok.text and len(chat_tok.token_ids) > len(tok.token_ids)
+    assert isinstance(load, tokenloop_client.Load) and load.max_concurrent_requests > 0
+    assert found is False
+    assert health == "SERVING"
+
+
+def test_sync_chat_uses_the_template(address):
+    with Client(address) as client:
+        result = client.chat([("user", "hi")], max_new_tokens=4)
+        rendered = client.tokenize(messages=[("user", "hi")])
+    assert result.usage.prompt_tokens == len(rendered.token_ids)
+
+
+def test_invalid_argument_is_typed_and_keeps_the_status(address):
+    with Client(address) as client:
+        with pytest.raises(tokenloop_client.InvalidArgumentError) as info:
+            client.generate("hello", temperature=-1.0)
+        with pytest.raises(tokenloop_client.InvalidArgumentError):
+            list(client.stream("hello", top_p=0.0))
+    err = info.value
+    assert isinstance(err, tokenloop_client.TokenloopError)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature" in err.message
+
+
+def test_cancelling_a_stream_frees_the_request(slow_address):
+    with Client(slow_address) as client:
+        with client.stream("hello world", max_new_tokens=200) as stream:
+            first = next(stream)
+        assert first.text
+        assert _eventually(lambda: client.load().num_in_flight == 0)
+
+
+def test_abort_by_request_id_ends_the_stream(slow_address):
+    with Client(slow_address) as client:
+        stream = client.stream("hello world", max_new_tokens=200, request_id="to-abort")
+        next(stream)
+        assert client.abort("to-abort") is True
+        try:
+            result = stream.final()
+            assert result.finish_reason is FinishReason.CANCELLED
+            assert result.usage.completion_tokens < 200
+        except tokenloop_client.CancelledError as err:
+            assert err.code == grpc.StatusCode.CANCELLED
+
+
+def _eventually(check, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- real server: asyncio --------------------------------------------------------------------------
+
+def test_async_generate_and_stream_with_n(address):
+    async def go():
+        async with AsyncClient(address) as client:
+            result = await client.generate("hello world", max_new_tokens=5)
+            stream = client.stream("hello world", max_new_tokens=5, n=2)
+            texts = {0: "", 1: ""}
+            async for delta in stream:
+                texts[delta.index] += delta.text
+            return result, stream.result, texts, await client.model_info()
+
+    result, streamed, texts, info = asyncio.run(go())
+    assert result.usage.completion_tokens == 5 and result.finish_reason is FinishReason.LENGTH
+    assert [c.index for c in streamed.completions] == [0, 1]
+    assert texts == {c.index: c.text for c in streamed.completions}
+    assert texts[0] != texts[1]  # the scripted executor rotates each sequence differently
+    assert info.max_n >= 2
+
+
+def test_async_errors_are_typed(address):
+    async def go():
+        async with AsyncClient(address) as client:
+            with pytest.raises(tokenloop_client.InvalidArgumentError) as info:
+                async for _ in client.stream("hello", max_new_tokens=0):
+                    pass
+            return info.value
+
+    err = asyncio.run(go())
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in err.message
+
+
+# -- fakes: retries, API key, TLS ------------------------------------------------------------------
+
+class FlakyServicer(pb_grpc.TextGenerationServicer):
+    """Fails the first `num_failures` Generate calls with `code`, optionally after one chunk."""
+
+    def __init__(self, num_failures: int, code=grpc.StatusCode.UNAVAILABLE, after_first_chunk=False):
+        self.num_failures = num_failures
+        self.code = code
+        self.after_first_chunk = after_first_chunk
+        self.num_calls = 0
+        self.num_load_calls = 0
+        self.metadata: list[dict] = []
+
+    def Generate(self, request, context):
+        self.num_calls += 1
+        self.metadata.append(dict(context.invocation_metadata()))
+        if self.num_calls <= self.num_failures:
+            if self.after_first_chunk:
+                yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.Chunk(text="Hel"))
+            context.abort(self.code, "injected failure")
+        yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.Chunk(text="Hel"))
+        yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.Chunk(text="lo"))
+        yield pb.GenerateResponse(request_id=request.request_id, complete=pb.Complete(
+            text="Hello", finish_reason=pb.EOS, usage=pb.Usage(prompt_tokens=1, completion_tokens=2)))
+
+    def GetLoad(self, request, context):
+        self.num_load_calls += 1
+        if self.num_load_calls <= self.num_failures:
+            context.abort(self.code, "injected failure")
+        return pb.Load(num_running=7)
+
+
+def _fake_server(servicer, credentials=None) -> tuple[grpc.Server, str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_TextGenerationServicer_to_server(servicer, server)
+    if credentials is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def fake():
+    servers = []
+
+    def start(servicer, credentials=None):
+        server, addr = _fake_server(servicer, credentials)
+        servers.append(server)
+        return addr
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+def test_unavailable_before_the_first_token_is_retried(fake):
+    servicer = FlakyServicer(num_failures=2)
+    with Client(fake(servicer), retry=FAST_RETRY) as client:
+        result = client.generate("x")
+        assert client.load().num_running == 7
+    assert result.text == "Hello" and result.finish_reason is FinishReason.EOS
+    assert servicer.num_calls == 3 and servicer.num_load_calls == 3  # two failures, then success
+
+
+def test_retries_are_bounded(fake):
+    servicer = FlakyServicer(num_failures=10)
+    policy = RetryPolicy(max_retries=1, initial_backoff_s=0.01)
+    with Client(fake(servicer), retry=policy) as client:
+        with pytest.raises(tokenloop_client.UnavailableError) as info:
+            client.generate("x")
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert servicer.num_calls == 2
+
+
+def test_unavailable_after_the_first_token_is_not_retried(fake):
+    servicer = FlakyServicer(num_failures=1, after_first_chunk=True)
+    with Client(fake(servicer), retry=FAST_RETRY) as client:
+        stream = client.stream("x")
+        assert next(stream).text == "Hel"
+        with pytest.raises(tokenloop_client.UnavailableError):
+            next(stream)
+    assert servicer.num_calls == 1
+
+
+def test_other_codes_are_not_retried(fake):
+    servicer = FlakyServicer(num_failures=1, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    with Client(fake(servicer), retry=FAST_RETRY) as client:
+        with pytest.raises(tokenloop_client.ResourceExhaustedError) as info:
+            client.generate("x")
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.message == "injected failure"
+    assert servicer.num_calls == 1
+
+
+def test_async_retry_only_before_the_first_token(fake):
+    before = FlakyServicer(num_failures=2)
+    after = FlakyServicer(num_failures=1, after_first_chunk=True)
+    addr_before, addr_after = fake(before), fake(after)
+
+    async def go():
+        async with AsyncClient(addr_before, retry=FAST_RETRY) as client:
+            texts = [d.text async for d in client.stream("x")]
+        async with AsyncClient(addr_after, retry=FAST_RETRY) as client:
+            got = []
+            with pytest.raises(tokenloop_client.UnavailableError):
+                async for d in client.stream("x"):
+                    got.append(d.text)
+        return texts, got
+
+    texts, got = asyncio.run(go())
+    assert texts == ["Hel", "lo"] and before.num_calls == 3
+    assert got == ["Hel"] and after.num_calls == 1
+
+
+def test_api_key_is_sent_as_bearer_metadata(fake):
+    servicer = FlakyServicer(num_failures=0)
+    with Client(fake(servicer), api_key="s3cret") as client:
+        client.generate("x")
+    assert servicer.metadata[0]["authorization"] == "Bearer s3cret"
+
+
+def test_tls_with_a_private_ca(fake, tmp_path):
+    key_pem, cert_pem = _self_signed_cert()
+    (tmp_path / "ca.pem").write_bytes(cert_pem)
+    creds = grpc.ssl_server_credentials([(key_pem, cert_pem)])
+    servicer = FlakyServicer(num_failures=0)
+    addr = fake(servicer, creds)
+    with Client(addr, tls_ca=str(tmp_path / "ca.pem"), retry=RetryPolicy(max_retries=0)) as client:
+        assert client.generate("x").text == "Hello"
+    with Client(addr, retry=RetryPolicy(max_retries=0), timeout=5) as plain:
+        with pytest.raises(tokenloop_client.TokenloopError):
+            plain.generate("x")  # plaintext against a TLS port fails
+
+
+def _self_signed_cert() -> tuple[bytes, bytes]:
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1)).add_extension(san, critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return key_pem, cert.public_bytes(serialization.Encoding.PEM)
+
+
+def test_client_imports_without_the_server_package_and_stubs_are_fresh():
+    client_dir = ROOT / "clients" / "python"
+    code = "import sys; sys.modules['tokenloop'] = None; import tokenloop_client.cli; print('ok')"
+    alone = subprocess.run([sys.executable, "-c", code], cwd=client_dir, capture_output=True, text=True)
+    assert alone.stdout.strip() == "ok", alone.stderr
+    check = subprocess.run([sys.executable, str(client_dir / "generate.py"), "--check"],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
