@@ -1,0 +1,250 @@
+"""The C++ executor adapter: `tensorrt_llm.bindings.executor.Executor` on a prebuilt TensorRT engine.
+
+Written against NVIDIA/TensorRT-LLM's bindings, nanobind (1.x, keyword arguments required):
+  cpp/tensorrt_llm/nanobind/executor/request.cpp        @ 008b2b8d23af95e4e19fa6f354f9c5f6349b2bfc
+  cpp/tensorrt_llm/nanobind/executor/executor.cpp       @ 1dd50d0741fa3bdae3ffd2f54e53547cbe1a043d
+  cpp/tensorrt_llm/nanobind/executor/executorConfig.cpp @ 008b2b8d23af95e4e19fa6f354f9c5f6349b2bfc
+  cpp/tensorrt_llm/nanobind/executor/bindings.cpp       @ 01315fdb274cd036bfc6d893761ce97eb55305cd
+and pybind (0.1x; `max_new_tokens` and `random_seed` were the old names):
+  cpp/tensorrt_llm/pybind/executor/bindings.cpp (the version that still accepts both names).
+Response mapping follows TGI's backends/trtllm/csrc/ffi.hpp (`as_generation_step`): in streaming
+mode `Result.output_token_ids[beam]` is the new tokens only, while `log_probs[beam]` holds every
+log probability so far, so the adapter takes its tail.
+
+Only the looper thread calls this object, except `stats()`, which returns a snapshot that the
+looper thread refreshes from `get_latest_iteration_stats()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from .executor import EngineDeadError, ExecutorStats, Step
+from .request import FinishReason, ValidRequest
+from .trtllm import (
+    TrtllmConfig,
+    end_and_stop_ids,
+    engine_world_size,
+    sampling_kwargs,
+    stats_from_iteration,
+    stop_reason,
+)
+
+log = logging.getLogger("tokenloop.trtllm")
+
+_STATS_INTERVAL_S = 0.5
+_REASONS = {"LENGTH": FinishReason.LENGTH, "END_ID": FinishReason.EOS, "CANCELLED": FinishReason.CANCELLED,
+            # a TIMED_OUT request was stopped by TensorRT-LLM before it finished: the closest of ours
+            "TIMED_OUT": FinishReason.CANCELLED}
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the adapter remembers about one request until its final response."""
+
+    request: ValidRequest
+    open_seqs: set[int]
+    last_token: dict[int, int] = field(default_factory=dict)
+    cancelled: bool = False
+
+
+class TrtllmExecutor:
+    """`Executor` on `tensorrt_llm.bindings.executor.Executor` (prebuilt TensorRT engines)."""
+
+    def __init__(self, engine_dir: str, config: TrtllmConfig, eos_token_ids: tuple[int, ...] = ()):
+        from tensorrt_llm.bindings import executor as tle  # lazily: see trtllm.py
+
+        self._tle = tle
+        self._config = config
+        self._eos = tuple(eos_token_ids)
+        self._tracked: dict[int, _Tracked] = {}
+        self._stats = ExecutorStats()
+        self._stats_lock = threading.Lock()
+        self._stats_due = 0.0
+        self._max_tokens_arg = self._probe(tle.Request, {"input_token_ids": [1]}, "max_tokens", "max_new_tokens", 1)
+        self._seed_arg = self._probe(tle.SamplingConfig, {"beam_width": 1}, "seed", "random_seed", 0)
+        self._executor = tle.Executor(engine_dir, tle.ModelType.DECODER_ONLY, self._executor_config(engine_dir))
+
+    @staticmethod
+    def _probe(binding, base: dict, name: str, old_name: str, value) -> str:
+        """Which keyword this binding version takes: 1.x `name`, or 0.1x `old_name`."""
+        try:
+            binding(**base, **{name: value})
+            return name
+        except TypeError:
+            return old_name
+
+    def _executor_config(self, engine_dir: str):
+        tle, c = self._tle, self._config
+        kv = {"enable_block_reuse": c.enable_block_reuse, "free_gpu_memory_fraction": c.kv_cache_free_gpu_memory_fraction}
+        kwargs = {
+            "max_beam_width": c.beam_width,
+            "kv_cache_config": tle.KvCacheConfig(**{k: v for k, v in kv.items() if v is not None}),
+            "max_batch_size": c.max_batch_size,
+            "max_num_tokens": c.max_num_tokens,
+        }
+        if c.scheduler_policy is not None:
+            policy = getattr(tle.CapacitySchedulerPolicy, c.scheduler_policy.upper())
+            kwargs["scheduler_config"] = tle.SchedulerConfig(capacity_scheduler_policy=policy)
+        if c.enable_chunked_context is not None:
+            kwargs["enable_chunked_context"] = c.enable_chunked_context
+        world = engine_world_size(engine_dir)
+        if c.world_size > 1 and c.world_size != world:
+            raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size is {c.world_size} but the engine "
+                             f"in {engine_dir} was built for {world} GPUs")
+        if world > 1:
+            kwargs["parallel_config"] = self._orchestrator_config()
+        return tle.ExecutorConfig(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def _orchestrator_config(self):
+        """A multi-GPU engine from a single process: the executor spawns its MPI workers itself."""
+        tle = self._tle
+        worker = self._config.executor_worker_path
+        if worker is None:
+            import tensorrt_llm
+            worker = os.path.join(os.path.dirname(tensorrt_llm.__file__), "bin", "executorWorker")
+        orchestrator = tle.OrchestratorConfig(is_orchestrator=True, worker_executable_path=worker)
+        return tle.ParallelConfig(communication_type=tle.CommunicationType.MPI,
+                                  communication_mode=tle.CommunicationMode.ORCHESTRATOR,
+                                  orchestrator_config=orchestrator)
+
+    # -- Executor protocol -----------------------------------------------------------------
+    def enqueue(self, request: ValidRequest) -> int:
+        """Submit a request; ValueError when TensorRT-LLM refuses it."""
+        beams = self._config.beam_width
+        if request.output.top_logprobs > 0:
+            raise ValueError("top_logprobs is not supported by the TensorRT-LLM C++ executor; use logprobs")
+        if beams > 1 and request.n > beams:
+            raise ValueError(f"n must be <= the beam width ({beams})")
+        try:
+            request_id = self._executor.enqueue_request(self._to_request(request))
+        except (RuntimeError, TypeError) as exc:  # TllmException, or a field this version lacks
+            raise ValueError(f"TensorRT-LLM refused the request: {exc}") from None
+        self._tracked[request_id] = _Tracked(request, set(range(request.n)))
+        return request_id
+
+    def _to_request(self, request: ValidRequest):
+        tle, beams = self._tle, self._config.beam_width
+        end_id, stop_ids = end_and_stop_ids(request, self._eos)
+        sampling = sampling_kwargs(request)
+        sampling[self._seed_arg] = sampling.pop("seed")
+        if beams > 1:  # beam search: the beams replace sampling; whole beams come at the end
+            sampling = {self._seed_arg: sampling[self._seed_arg]}
+        num_sequences = {"num_return_sequences": request.n} if request.n > 1 else {}
+        return tle.Request(
+            input_token_ids=list(request.prompt_token_ids),
+            **{self._max_tokens_arg: request.stopping.max_new_tokens},
+            streaming=beams == 1,
+            sampling_config=tle.SamplingConfig(beam_width=beams, **num_sequences, **sampling),
+            output_config=tle.OutputConfig(return_log_probs=request.output.logprobs,
+                                           exclude_input_from_output=True),
+            end_id=end_id,
+            pad_id=end_id if end_id >= 0 else (self._eos[0] if self._eos else 0),
+            stop_words=[[t] for t in stop_ids] or None,
+        )
+
+    def await_responses(self, timeout: float) -> list[Step]:
+        """Wait up to `timeout` for responses (TensorRT-LLM releases the GIL meanwhile)."""
+        try:
+            responses = self._executor.await_responses(timeout=timedelta(seconds=timeout))
+        except Exception as exc:  # the executor itself failed: nothing more will come
+            raise EngineDeadError(f"TensorRT-LLM executor failed: {exc}") from exc
+        steps: list[Step] = []
+        for response in responses:
+            steps += self._steps(response)
+        self._refresh_stats()
+        return steps
+
+    def cancel(self, request_id: int) -> None:
+        """Idempotent; TensorRT-LLM answers with CANCELLED final responses."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.cancelled:
+            return
+        tracked.cancelled = True
+        self._executor.cancel_request(request_id)
+
+    def stats(self) -> ExecutorStats:
+        with self._stats_lock:
+            return self._stats
+
+    def shutdown(self) -> None:
+        self._executor.shutdown()
+
+    # -- responses -------------------------------------------------------------------------
+    def _steps(self, response) -> list[Step]:
+        """One response -> a step per sequence it carries (a beam result carries every beam)."""
+        request_id = response.request_id
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return []  # a late response for a request that already ended
+        if response.has_error():
+            del self._tracked[request_id]
+            return [Step(request_id, 0, [], is_final=True, error=response.error_msg)]
+        result = response.result
+        if self._config.beam_width > 1:
+            seqs = [(beam, beam) for beam in range(min(len(result.output_token_ids), tracked.request.n))]
+        else:
+            seqs = [(result.sequence_index, 0)]
+        steps = [self._step(request_id, tracked, result, seq, beam) for seq, beam in seqs]
+        if result.is_final:
+            del self._tracked[request_id]
+            steps += [self._unfinished(request_id, tracked, seq) for seq in sorted(tracked.open_seqs)]
+        return steps
+
+    @staticmethod
+    def _unfinished(request_id: int, tracked: _Tracked, seq: int) -> Step:
+        """A sequence the request's final response left open: cancelled with it, or an error."""
+        if tracked.cancelled:
+            return Step(request_id, seq, [], is_final=True, finish_reason=FinishReason.CANCELLED)
+        return Step(request_id, seq, [], is_final=True,
+                    error=f"TensorRT-LLM ended the request without finishing sequence {seq}")
+
+    def _step(self, request_id: int, tracked: _Tracked, result, seq: int, beam: int) -> Step:
+        tokens = list(result.output_token_ids[beam])
+        step = Step(request_id, seq, tokens, logprobs=self._logprobs(tracked, result, beam, len(tokens)))
+        if tokens:
+            tracked.last_token[seq] = tokens[-1]
+        if not (result.is_sequence_final or result.is_final) or seq not in tracked.open_seqs:
+            return step
+        tracked.open_seqs.discard(seq)
+        step.is_final = True
+        reason = result.finish_reasons[beam] if beam < len(result.finish_reasons) else None
+        name = getattr(reason, "name", str(reason))
+        if name == "STOP_WORDS":
+            step.finish_reason, step.matched_stop_token = stop_reason(tracked.last_token.get(seq), tracked.request)
+        elif name in _REASONS:
+            step.finish_reason = _REASONS[name]
+        else:
+            step.error = f"TensorRT-LLM finished sequence {seq} with an unknown reason {name}"
+        return step
+
+    @staticmethod
+    def _logprobs(tracked: _Tracked, result, beam: int, num_tokens: int) -> list[float] | None:
+        """Log probs of this step's tokens: the tail of the full list TensorRT-LLM returns."""
+        if not tracked.request.output.logprobs:
+            return None
+        every = list(result.log_probs[beam]) if result.log_probs is not None else []
+        tail = every[len(every) - num_tokens:] if num_tokens <= len(every) else every
+        return [float("nan")] * (num_tokens - len(tail)) + [float(lp) for lp in tail]
+
+    def _refresh_stats(self) -> None:
+        """Every half second, keep the latest iteration's stats for `stats()`."""
+        now = time.monotonic()
+        if now < self._stats_due:
+            return
+        self._stats_due = now + _STATS_INTERVAL_S
+        try:
+            iterations = self._executor.get_latest_iteration_stats()
+        except Exception:  # stats are best effort; a dead executor shows up in await_responses
+            log.debug("get_latest_iteration_stats failed", exc_info=True)
+            return
+        if iterations:
+            snapshot = stats_from_iteration(json.loads(iterations[-1].to_json_str()))
+            with self._stats_lock:
+                self._stats = snapshot

@@ -1,0 +1,292 @@
+"""The LLM API adapter: `tensorrt_llm.LLM` (PyTorch backend) on a Hugging Face checkpoint directory.
+
+Written against NVIDIA/TensorRT-LLM:
+  tensorrt_llm/llmapi/llm.py        @ 00966934ce32e0603a33f8c922525cf3678afab4 (generate_async,
+                                      get_stats_async; _prepare_sampling_params needs end_id when
+                                      the LLM has no tokenizer)
+  tensorrt_llm/executor/result.py   @ 005bc848893f575ec14b45d6b13139360d67c790 (CompletionOutput,
+                                      GenerationResult.abort, IterationResult yields dicts)
+  tensorrt_llm/sampling_params.py   @ 000a01de66f0eab4ab05640711f0253f50f5209c
+  tensorrt_llm/llmapi/llm_args.py   (kv_cache_config, scheduler_config, enable_chunked_prefill,
+                                      enable_iter_perf_stats)
+
+The LLM API is asyncio-based: `generate_async` must run on the event loop that later iterates
+its result. The adapter owns that loop on its own thread; the looper sees only the `Executor`
+protocol and blocks on a thread-safe queue of steps (`SimpleQueue.get` releases the GIL).
+Sequences are tracked with the adapter's own offsets rather than `token_ids_diff`, which is
+only refreshed for the sequence a response carries (stale for the others when n > 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+
+from .executor import EngineDeadError, ExecutorStats, Step
+from .request import FinishReason, ValidRequest
+from .trtllm import TrtllmConfig, end_and_stop_ids, sampling_kwargs, stats_from_iteration, stop_reason
+
+log = logging.getLogger("tokenloop.trtllm")
+
+_STATS_TIMEOUT_S = 0.5
+_HEALTH_INTERVAL_S = 1.0
+_FINISH = {"length": FinishReason.LENGTH, "cancelled": FinishReason.CANCELLED,
+           "timeout": FinishReason.CANCELLED}  # "stop" depends on stop_reason
+
+
+class TrtllmLlmApi:
+    """`Executor` on `tensorrt_llm.LLM` with its own asyncio loop thread."""
+
+    def __init__(self, model_dir: str, config: TrtllmConfig, eos_token_ids: tuple[int, ...] = ()):
+        import tensorrt_llm  # lazily: see trtllm.py
+
+        self._trtllm = tensorrt_llm
+        self._config = config
+        self._eos = tuple(eos_token_ids)
+        self._ids = itertools.count(1)
+        self._ready: queue.SimpleQueue[Step] = queue.SimpleQueue()
+        self._results: dict[int, object] = {}  # id -> RequestOutput (loop thread only)
+        self._aborted: set[int] = set()  # (loop thread only)
+        self._stats: ExecutorStats | None = None
+        self._stats_lock = threading.Lock()
+        self._stats_task: asyncio.Task | None = None
+        self._health_due = 0.0
+        self._dead: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tokenloop-trtllm-llmapi", daemon=True)
+        self._thread.start()
+        try:
+            self._llm = self._call(lambda: tensorrt_llm.LLM(model=model_dir, **self._llm_kwargs()))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _llm_kwargs(self) -> dict:
+        from tensorrt_llm import llmapi
+
+        c = self._config
+        kv = {"enable_block_reuse": c.enable_block_reuse, "free_gpu_memory_fraction": c.kv_cache_free_gpu_memory_fraction}
+        kwargs = {
+            "backend": "pytorch",
+            "skip_tokenizer_init": True,  # the looper tokenizes and detokenizes
+            "tensor_parallel_size": c.tensor_parallel_size,
+            "pipeline_parallel_size": c.pipeline_parallel_size,
+            "kv_cache_config": llmapi.KvCacheConfig(**{k: v for k, v in kv.items() if v is not None}),
+            "enable_iter_perf_stats": True,
+            "max_batch_size": c.max_batch_size,
+            "max_num_tokens": c.max_num_tokens,
+            "max_beam_width": c.beam_width if c.beam_width > 1 else None,
+            "enable_chunked_prefill": c.enable_chunked_context,
+        }
+        if c.scheduler_policy is not None:
+            policy = getattr(llmapi.CapacitySchedulerPolicy, c.scheduler_policy.upper())
+            kwargs["scheduler_config"] = llmapi.SchedulerConfig(capacity_scheduler_policy=policy)
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+    def _call(self, fn):
+        """Run `fn()` on the adapter's loop thread and return its result (or raise its error)."""
+        async def call():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
+
+    # -- Executor protocol -----------------------------------------------------------------
+    def enqueue(self, request: ValidRequest) -> int:
+        """Submit a request; ValueError when the LLM API refuses it."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        params = self._sampling_params(request)
+        request_id = next(self._ids)
+        self._call(lambda: self._start(request_id, request, params))
+        return request_id
+
+    def _sampling_params(self, request: ValidRequest):
+        beams = self._config.beam_width
+        if request.n > 1 and request.sampling.greedy and beams == 1:
+            raise ValueError("n > 1 needs sampling (temperature > 0) with the TensorRT-LLM LLM API")
+        end_id, stop_ids = end_and_stop_ids(request, self._eos)
+        default_end = self._eos[0] if self._eos else -1
+        kwargs = sampling_kwargs(request)
+        if beams > 1:  # beam search: n of best_of=beam_width beams; the beams replace sampling
+            kwargs = {"seed": kwargs["seed"], "use_beam_search": True, "best_of": beams}
+        top = request.output.top_logprobs
+        try:
+            return self._trtllm.SamplingParams(
+                max_tokens=request.stopping.max_new_tokens, n=request.n,
+                end_id=end_id if end_id >= 0 else default_end, pad_id=default_end,
+                ignore_eos=request.stopping.ignore_eos, stop_token_ids=stop_ids or None,
+                include_stop_str_in_output=True,  # keep stop tokens, as the C++ executor does
+                logprobs=(top or 1) if request.output.logprobs else None,
+                detokenize=False, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"TensorRT-LLM refused the request: {exc}") from None
+
+    def _start(self, request_id: int, request: ValidRequest, params) -> None:
+        """On the loop thread: submit and start reading the result."""
+        try:
+            result = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,
+                                              streaming=self._config.beam_width == 1)
+        except Exception as exc:
+            if isinstance(exc, ValueError) or type(exc).__name__ == "RequestError":
+                raise ValueError(f"TensorRT-LLM refused the request: {exc}") from None
+            raise
+        self._results[request_id] = result
+        self._loop.create_task(self._consume(request_id, request, result))
+        if self._stats_task is None:  # stats exist only once something was submitted
+            self._stats_task = self._loop.create_task(self._poll_stats())
+
+    def await_responses(self, timeout: float) -> list[Step]:
+        """Block up to `timeout` for steps; EngineDeadError once the LLM is gone."""
+        self._check_alive()
+        try:
+            steps = [self._ready.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                steps.append(self._ready.get_nowait())
+            except queue.Empty:
+                return steps
+
+    def cancel(self, request_id: int) -> None:
+        """Idempotent; the request then ends with `cancelled` outputs."""
+        if self._dead is None:
+            self._loop.call_soon_threadsafe(self._abort, request_id)
+
+    def _abort(self, request_id: int) -> None:
+        result = self._results.get(request_id)
+        if result is None or request_id in self._aborted or result.finished:
+            return
+        self._aborted.add(request_id)
+        try:
+            result.abort()
+        except Exception:
+            log.exception("abort of request %d failed", request_id)
+
+    def stats(self) -> ExecutorStats:
+        with self._stats_lock:
+            if self._stats is not None:
+                return self._stats
+        return ExecutorStats(num_running=len(self._results))
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self._call(self._llm.shutdown)
+            finally:
+                self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        for task in asyncio.all_tasks(self._loop):
+            self._loop.call_soon_threadsafe(task.cancel)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def _check_alive(self) -> None:
+        if self._dead is None and not self._thread.is_alive():
+            self._dead = "the TensorRT-LLM LLM API thread stopped"
+        now = time.monotonic()
+        if self._dead is None and now >= self._health_due:
+            self._health_due = now + _HEALTH_INTERVAL_S
+            check = getattr(self._llm, "_check_health", None)  # TensorRT-LLM >= 1.0
+            if callable(check) and not check():
+                self._dead = "the TensorRT-LLM executor is no longer healthy"
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    # -- results (loop thread) -------------------------------------------------------------
+    async def _consume(self, request_id: int, request: ValidRequest, result) -> None:
+        """Turn each update of one request into steps, one final step per sequence."""
+        sent = [0] * request.n
+        try:
+            async for output in result:
+                for step in self._steps(request_id, request, output, sent):
+                    self._ready.put(step)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (a failed request, e.g. RequestError: becomes its error step)
+            if request_id in self._aborted:
+                for seq in range(request.n):
+                    self._ready.put(Step(request_id, seq, [], is_final=True, finish_reason=FinishReason.CANCELLED))
+            else:
+                self._ready.put(Step(request_id, 0, [], is_final=True, error=str(exc) or type(exc).__name__))
+        finally:
+            self._results.pop(request_id, None)
+            self._aborted.discard(request_id)
+
+    def _steps(self, request_id: int, request: ValidRequest, output, sent: list[int]) -> list[Step]:
+        steps = []
+        for seq, completion in enumerate(output.outputs[:request.n]):
+            tokens = list(completion.token_ids[sent[seq]:])
+            logprobs, tops = _logprobs(completion, sent[seq], len(tokens), request)
+            sent[seq] += len(tokens)
+            if not tokens and not output.finished:
+                continue
+            step = Step(request_id, seq, tokens, logprobs=logprobs, top_logprobs=tops, is_final=output.finished)
+            if output.finished:
+                self._finish(step, completion, request, request_id in self._aborted)
+            steps.append(step)
+        return steps
+
+    @staticmethod
+    def _finish(step: Step, completion, request: ValidRequest, aborted: bool) -> None:
+        """Map `finish_reason` stop|length|timeout|cancelled (and `stop_reason`) to ours."""
+        reason = completion.finish_reason
+        if reason == "stop":
+            token = completion.stop_reason if isinstance(completion.stop_reason, int) else None
+            step.finish_reason, step.matched_stop_token = stop_reason(token, request)
+        elif reason in _FINISH:
+            step.finish_reason = _FINISH[reason]
+        elif reason is None:  # the LLM API sets it only for the sequence in the last response
+            step.finish_reason, step.matched_stop_token = _infer_finish(completion.token_ids, request, aborted)
+        else:
+            step.error = f"TensorRT-LLM finished sequence {step.seq_index} with an unknown reason {reason!r}"
+
+    async def _poll_stats(self) -> None:
+        """Keep the latest iteration stats (needs `enable_iter_perf_stats`)."""
+        while True:
+            try:
+                async for stats in self._llm.get_stats_async(timeout=_STATS_TIMEOUT_S):
+                    snapshot = stats_from_iteration(json.loads(stats) if isinstance(stats, str) else stats)
+                    with self._stats_lock:
+                        self._stats = snapshot
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.debug("get_stats_async failed", exc_info=True)
+            await asyncio.sleep(_STATS_TIMEOUT_S)
+
+
+def _infer_finish(token_ids: list[int], request: ValidRequest, aborted: bool) -> tuple[FinishReason, int | None]:
+    """Why a sequence ended when the LLM API did not say."""
+    if aborted:
+        return FinishReason.CANCELLED, None
+    if len(token_ids) >= request.stopping.max_new_tokens:
+        return FinishReason.LENGTH, None
+    return stop_reason(token_ids[-1] if token_ids else None, request)
+
+
+def _logprobs(completion, start: int, count: int, request: ValidRequest):
+    """(logprobs, top alternatives) of `count` tokens from `start`. Entries are floats in older
+    releases and `{token_id: Logprob(logprob, rank)}` dicts in newer ones."""
+    if not request.output.logprobs or completion.logprobs is None:
+        return None, None
+    entries = list(completion.logprobs[start:start + count])
+    ids = completion.token_ids[start:start + count]
+    lps: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    for token, entry in zip(ids, entries):
+        if isinstance(entry, dict):
+            lps.append(float(entry[token].logprob) if token in entry else float("nan"))
+            ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
+            tops.append([(t, float(lp.logprob)) for t, lp in ranked[:request.output.top_logprobs]])
+        else:
+            lps.append(float(entry))
+            tops.append([])
+    lps += [float("nan")] * (count - len(lps))
+    tops += [[] for _ in range(count - len(tops))]
+    return lps, (tops if request.output.top_logprobs else None)

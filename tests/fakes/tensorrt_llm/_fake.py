@@ -1,0 +1,46 @@
+"""The scripted "model" behind the fake tensorrt_llm, and the knobs tests turn.
+
+Not part of the real package. Next token of sequence `s` = (last token + 1 + s) mod VOCAB_SIZE,
+so outputs are predictable: prompt [10] -> 11, 12, 13, ... (sequence 1: 12, 14, 16, ...).
+A prompt containing one of the trigger ids makes the fake misbehave the way TensorRT-LLM can.
+"""
+
+from __future__ import annotations
+
+VOCAB_SIZE = 400
+ERROR_TOKEN = 397  # the request fails with an error response
+UNKNOWN_REASON_TOKEN = 398  # the first step finishes with a finish reason the adapters do not know
+DIE_TOKEN = 399  # the executor dies: await_responses raises / the LLM turns unhealthy
+MAX_INPUT_LEN = 200  # longer prompts are refused at enqueue
+
+LEGACY_NAMES = False  # True: bindings take 0.1x `max_new_tokens` / `random_seed` instead of 1.x names
+
+
+def next_token(tokens: list[int], seq_index: int) -> int:
+    return (tokens[-1] + 1 + seq_index) % VOCAB_SIZE
+
+
+def logprob(token: int) -> float:
+    return -((token % 7) + 1) / 10.0
+
+
+def top_logprobs(token: int, k: int) -> dict[int, float]:
+    """The sampled token first, then made-up alternatives with lower log probabilities."""
+    out = {token: logprob(token)}
+    for i in range(1, k):
+        out[(token + 100 * i) % VOCAB_SIZE] = logprob(token) - i
+    return out
+
+
+def kw_init(obj, cls_name: str, args: tuple, kwargs: dict, spec: dict, required: tuple = ()) -> None:
+    """nanobind-like keyword-only construction: positional or unknown arguments are a TypeError."""
+    if args:
+        raise TypeError(f"{cls_name}.__init__(): keyword arguments only in the fake (got {len(args)} positional)")
+    unknown = set(kwargs) - set(spec)
+    if unknown:
+        raise TypeError(f"{cls_name}.__init__(): incompatible function arguments: unexpected {sorted(unknown)}")
+    missing = [name for name in required if name not in kwargs]
+    if missing:
+        raise TypeError(f"{cls_name}.__init__(): missing required argument(s) {missing}")
+    for name, default in spec.items():
+        setattr(obj, name, kwargs.get(name, default))

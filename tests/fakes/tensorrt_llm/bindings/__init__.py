@@ -1,0 +1,1 @@
+"""Fake of the nanobind extension `tensorrt_llm.bindings`."""

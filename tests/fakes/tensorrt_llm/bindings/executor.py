@@ -1,0 +1,201 @@
+"""Fake `tensorrt_llm.bindings.executor`: the nanobind surface of TensorRT-LLM 1.2's C++ executor.
+
+Mirrors cpp/tensorrt_llm/nanobind/executor/{request,executor,executorConfig,bindings}.cpp: the
+argument names and defaults, `Response.has_error()` as a method, `Result` fields, streaming
+deltas in `output_token_ids` with the full `log_probs` list, CANCELLED final responses after
+`cancel_request`, error responses, iteration stats. Stricter than the real binding in one way:
+every constructor is keyword-only, so an adapter that passes anything positionally fails here.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+
+from .. import _fake
+from .._fake import kw_init
+
+
+class ModelType(enum.Enum):
+    DECODER_ONLY = 0
+    ENCODER_ONLY = 1
+    ENCODER_DECODER = 2
+
+
+class FinishReason(enum.Enum):
+    NOT_FINISHED = 0
+    END_ID = 1
+    STOP_WORDS = 2
+    LENGTH = 3
+    TIMED_OUT = 4
+    CANCELLED = 5
+
+
+class CapacitySchedulerPolicy(enum.Enum):
+    MAX_UTILIZATION = 0
+    GUARANTEED_NO_EVICT = 1
+    STATIC_BATCH = 2
+
+
+class CommunicationType(enum.Enum):
+    MPI = 0
+
+
+class CommunicationMode(enum.Enum):
+    LEADER = 0
+    ORCHESTRATOR = 1
+
+
+class _NewReason:
+    """A finish reason from a newer TensorRT-LLM than the adapter knows."""
+
+    name = "SOMETHING_NEW"
+
+
+def _config_class(name: str, spec: dict, required: tuple = ()):
+    def __init__(self, *args, **kwargs):
+        kw_init(self, name, args, kwargs, spec, required)
+    return type(name, (), {"__init__": __init__})
+
+
+KvCacheConfig = _config_class("KvCacheConfig", {
+    "enable_block_reuse": True, "max_tokens": None, "max_attention_window": None, "sink_token_length": None,
+    "free_gpu_memory_fraction": None, "host_cache_size": None, "onboard_blocks": True,
+    "cross_kv_cache_fraction": None, "secondary_offload_min_priority": None, "event_buffer_max_size": 0,
+    "enable_partial_reuse": True, "copy_on_partial_reuse": True, "use_uvm": False, "runtime_defaults": None})
+SchedulerConfig = _config_class("SchedulerConfig", {
+    "capacity_scheduler_policy": CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, "context_chunking_policy": None,
+    "dynamic_batch_config": None})
+OrchestratorConfig = _config_class("OrchestratorConfig", {
+    "is_orchestrator": True, "worker_executable_path": "", "orch_leader_comm": None, "spawn_processes": True})
+ParallelConfig = _config_class("ParallelConfig", {
+    "communication_type": CommunicationType.MPI, "communication_mode": CommunicationMode.LEADER,
+    "device_ids": None, "participant_ids": None, "orchestrator_config": None, "num_nodes": None})
+ExecutorConfig = _config_class("ExecutorConfig", {
+    "max_beam_width": 1, "scheduler_config": None, "kv_cache_config": None, "enable_chunked_context": False,
+    "normalize_log_probs": True, "iter_stats_max_iterations": 1000, "request_stats_max_iterations": 0,
+    "batching_type": None, "max_batch_size": None, "max_num_tokens": None, "parallel_config": None,
+    "peft_cache_config": None, "logits_post_processor_config": None, "decoding_config": None,
+    "use_gpu_direct_storage": False, "gpu_weights_percent": 1.0, "max_queue_size": None,
+    "extended_runtime_perf_knob_config": None, "debug_config": None, "recv_poll_period_ms": 0,
+    "max_seq_idle_microseconds": 180_000_000, "spec_dec_config": None, "guided_decoding_config": None,
+    "additional_model_outputs": None, "cache_transceiver_config": None, "gather_generation_logits": False,
+    "mm_embedding_offloading": False, "enable_trt_overlap": False})
+OutputConfig = _config_class("OutputConfig", {
+    "return_log_probs": False, "return_context_logits": False, "return_generation_logits": False,
+    "exclude_input_from_output": False, "return_encoder_output": False, "return_perf_metrics": False,
+    "additional_model_outputs": None})
+
+_SAMPLING = {"beam_width": 1, "top_k": None, "top_p": None, "top_p_min": None, "top_p_reset_ids": None,
+             "top_p_decay": None, "seed": None, "temperature": None, "min_tokens": None,
+             "beam_search_diversity_rate": None, "repetition_penalty": None, "presence_penalty": None,
+             "frequency_penalty": None, "length_penalty": None, "early_stopping": None,
+             "no_repeat_ngram_size": None, "num_return_sequences": None, "min_p": None, "beam_width_array": None}
+_REQUEST = {"input_token_ids": None, "max_tokens": None, "streaming": False, "sampling_config": None,
+            "output_config": None, "end_id": None, "pad_id": None, "position_ids": None, "bad_words": None,
+            "stop_words": None, "embedding_bias": None, "client_id": None, "return_all_generated_tokens": False,
+            "num_return_sequences": 1, "allotted_time_ms": None}
+
+
+def _legacy(spec: dict, new: str, old: str) -> dict:
+    return {(old if k == new else k): v for k, v in spec.items()} if _fake.LEGACY_NAMES else spec
+
+
+class SamplingConfig:
+    def __init__(self, *args, **kwargs):
+        kw_init(self, "SamplingConfig", args, kwargs, _legacy(_SAMPLING, "seed", "random_seed"))
+
+
+class Request:
+    def __init__(self, *args, **kwargs):
+        spec = _legacy(_REQUEST, "max_tokens", "max_new_tokens")
+        required = ("input_token_ids", "max_new_tokens" if _fake.LEGACY_NAMES else "max_tokens")
+        kw_init(self, "Request", args, kwargs, spec, required)
+        if _fake.LEGACY_NAMES:
+            self.max_tokens = self.max_new_tokens
+        if not all(isinstance(t, int) for t in self.input_token_ids):
+            raise TypeError("Request.__init__(): input_token_ids must be a list of int")
+        self.sampling_config = self.sampling_config or SamplingConfig()
+        self.output_config = self.output_config or OutputConfig()
+
+
+class Result:
+    def __init__(self):
+        self.is_final = False
+        self.output_token_ids: list[list[int]] = []
+        self.cum_log_probs: list[float] | None = None
+        self.log_probs: list[list[float]] | None = None
+        self.finish_reasons: list = []
+        self.sequence_index = 0
+        self.is_sequence_final = False
+        self.decoding_iter = 0
+
+
+class Response:
+    def __init__(self, *args, request_id: int, error_msg: str | None = None, result: Result | None = None,
+                 client_id: int | None = None):
+        if args:
+            raise TypeError("Response.__init__(): keyword arguments only in the fake")
+        self.request_id, self.client_id = request_id, client_id
+        self._error, self._result = error_msg, result
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    @property
+    def error_msg(self) -> str:
+        if self._error is None:
+            raise RuntimeError("Cannot get the error message of a response without an error")
+        return self._error
+
+    @property
+    def result(self) -> Result:
+        if self._error is not None:
+            raise RuntimeError("Cannot get the result of a response with an error")
+        return self._result
+
+
+class KvCacheStats:
+    def __init__(self):
+        self.max_num_blocks = self.free_num_blocks = self.used_num_blocks = self.tokens_per_block = 0
+
+
+class IterationStats:
+    def __init__(self):
+        self.iter = 0
+        self.iter_latency_ms = 0.0
+        self.num_active_requests = self.num_queued_requests = 0
+        self.kv_cache_stats: KvCacheStats | None = None
+
+    def to_json_str(self) -> str:
+        out = {"iter": self.iter, "iterLatencyMS": self.iter_latency_ms, "numActiveRequests": self.num_active_requests,
+               "numQueuedRequests": self.num_queued_requests}
+        if self.kv_cache_stats is not None:
+            kv = self.kv_cache_stats
+            out["kvCacheStats"] = {"maxNumBlocks": kv.max_num_blocks, "freeNumBlocks": kv.free_num_blocks,
+                                   "usedNumBlocks": kv.used_num_blocks, "tokensPerBlock": kv.tokens_per_block}
+        return json.dumps(out)
+
+
+from ._engine import Executor
+
+__all__ = [
+    "CapacitySchedulerPolicy",
+    "CommunicationMode",
+    "CommunicationType",
+    "Executor",
+    "ExecutorConfig",
+    "FinishReason",
+    "IterationStats",
+    "KvCacheConfig",
+    "KvCacheStats",
+    "ModelType",
+    "OrchestratorConfig",
+    "OutputConfig",
+    "ParallelConfig",
+    "Request",
+    "Response",
+    "Result",
+    "SamplingConfig",
+    "SchedulerConfig",
+]
