@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import sys
+import importlib.util
+import io
+import json
 import subprocess
+import sys
 import threading
 import time
 from concurrent import futures
@@ -36,9 +39,10 @@ class _ServerThread:
     """Runs a tokenloop Server (scripted executor) on its own event loop thread."""
 
     def __init__(self, model_dir: Path, tick: float) -> None:
-        from tests.scripted_executor import ScriptedExecutor
         from tokenloop.service.config import ServerConfig
         from tokenloop.service.server import Server
+
+        from tests.scripted_executor import ScriptedExecutor
 
         async def start() -> int:
             self.server = Server(ServerConfig(model=str(model_dir), port=0),
@@ -266,9 +270,8 @@ def test_unavailable_before_the_first_token_is_retried(fake):
 def test_retries_are_bounded(fake):
     servicer = FlakyServicer(num_failures=10)
     policy = RetryPolicy(max_retries=1, initial_backoff_s=0.01)
-    with Client(fake(servicer), retry=policy) as client:
-        with pytest.raises(tokenloop_client.UnavailableError) as info:
-            client.generate("x")
+    with Client(fake(servicer), retry=policy) as client, pytest.raises(tokenloop_client.UnavailableError) as info:
+        client.generate("x")
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert servicer.num_calls == 2
 
@@ -285,9 +288,9 @@ def test_unavailable_after_the_first_token_is_not_retried(fake):
 
 def test_other_codes_are_not_retried(fake):
     servicer = FlakyServicer(num_failures=1, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
-    with Client(fake(servicer), retry=FAST_RETRY) as client:
-        with pytest.raises(tokenloop_client.ResourceExhaustedError) as info:
-            client.generate("x")
+    with Client(fake(servicer), retry=FAST_RETRY) as client, \
+            pytest.raises(tokenloop_client.ResourceExhaustedError) as info:
+        client.generate("x")
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and info.value.message == "injected failure"
     assert servicer.num_calls == 1
 
@@ -327,9 +330,9 @@ def test_tls_with_a_private_ca(fake, tmp_path):
     addr = fake(servicer, creds)
     with Client(addr, tls_ca=str(tmp_path / "ca.pem"), retry=RetryPolicy(max_retries=0)) as client:
         assert client.generate("x").text == "Hello"
-    with Client(addr, retry=RetryPolicy(max_retries=0), timeout=5) as plain:
-        with pytest.raises(tokenloop_client.TokenloopError):
-            plain.generate("x")  # plaintext against a TLS port fails
+    with Client(addr, retry=RetryPolicy(max_retries=0), timeout=5) as plain, \
+            pytest.raises(tokenloop_client.TokenloopError):
+        plain.generate("x")  # plaintext against a TLS port fails
 
 
 def _self_signed_cert() -> tuple[bytes, bytes]:
@@ -354,11 +357,73 @@ def _self_signed_cert() -> tuple[bytes, bytes]:
     return key_pem, cert.public_bytes(serialization.Encoding.PEM)
 
 
+# -- the CLI in-process ----------------------------------------------------------------------------
+
+class ChatRecorder(pb_grpc.TextGenerationServicer):
+    """Records each chat request and answers "ok" as two chunks."""
+
+    def __init__(self):
+        self.requests: list[list[tuple[str, str]]] = []
+
+    def Generate(self, request, context):
+        self.requests.append([(m.role, m.content) for m in request.chat.messages])
+        yield pb.GenerateResponse(chunk=pb.Chunk(text="o"))
+        yield pb.GenerateResponse(chunk=pb.Chunk(text="k"))
+        yield pb.GenerateResponse(complete=pb.Complete(text="ok", finish_reason=pb.EOS))
+
+
+def test_cli_chat_keeps_the_conversation(fake, monkeypatch, capsys):
+    from tokenloop_client import cli
+
+    recorder = ChatRecorder()
+    addr = fake(recorder)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("apple\n/reset\nbanana\ncherry\n"))
+    assert cli.main(["--address", addr, "chat", "--system", "be brief"]) == 0
+    assert capsys.readouterr().out == "ok\nok\nok\n"
+    system = ("system", "be brief")
+    assert recorder.requests == [
+        [system, ("user", "apple")],
+        [system, ("user", "banana")],  # /reset dropped the first exchange, kept the system prompt
+        [system, ("user", "banana"), ("assistant", "ok"), ("user", "cherry")],
+    ]
+
+
+def test_cli_bench_json_and_plot(address, capsys, tmp_path):
+    from tokenloop_client import cli
+
+    args = ["--address", address, "bench", "-c", "1,3", "-r", "6", "--prompt-tokens", "8",
+            "--max-new-tokens", "5", "--json"]
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    if has_matplotlib:
+        args += ["--plot", str(tmp_path / "bench.png")]
+    assert cli.main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["concurrency"] for r in report["results"]] == [1, 3]
+    for level in report["results"]:
+        assert level["num_ok"] == 6 and level["output_tokens"] == 30
+        assert level["ttft_s"]["p50"] <= level["ttft_s"]["p99"]
+        assert level["config"]["prompt_tokens"] == 8
+    if has_matplotlib:
+        assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_bench_counts_errors_by_status_code(fake, capsys):
+    from tokenloop_client import cli
+
+    servicer = FlakyServicer(num_failures=3, code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    servicer.Tokenize = lambda request, context: pb.TokenizeResponse(token_ids=[5, 6, 7])
+    servicer.GetModelInfo = lambda request, context: pb.ModelInfo(model_id="fake")
+    assert cli.main(["--address", fake(servicer), "bench", "-r", "5", "--json"]) == 0
+    [level] = json.loads(capsys.readouterr().out)["results"]
+    assert level["errors_by_code"] == {"RESOURCE_EXHAUSTED": 3}
+    assert level["num_ok"] == 2
+
+
 def test_client_imports_without_the_server_package_and_stubs_are_fresh():
     client_dir = ROOT / "clients" / "python"
     code = "import sys; sys.modules['tokenloop'] = None; import tokenloop_client.cli; print('ok')"
-    alone = subprocess.run([sys.executable, "-c", code], cwd=client_dir, capture_output=True, text=True)
+    alone = subprocess.run([sys.executable, "-c", code], cwd=client_dir, check=False, capture_output=True, text=True)
     assert alone.stdout.strip() == "ok", alone.stderr
     check = subprocess.run([sys.executable, str(client_dir / "generate.py"), "--check"],
-                           capture_output=True, text=True)
+                           check=False, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr

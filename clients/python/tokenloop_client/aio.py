@@ -8,8 +8,14 @@ from collections.abc import Callable, Iterable, Sequence
 import grpc
 
 from . import _request
-from ._channel import HEALTH_CHECK, ChannelConfig, RetryPolicy, aio_channel
-from ._channel import decode_health_response, encode_health_request
+from ._channel import (
+    HEALTH_CHECK,
+    ChannelConfig,
+    RetryPolicy,
+    aio_channel,
+    decode_health_response,
+    encode_health_request,
+)
 from ._gen import tokenloop_pb2 as pb
 from ._gen import tokenloop_pb2_grpc as pb_grpc
 from .errors import TokenloopError, from_rpc_error
@@ -86,7 +92,7 @@ class AsyncTextStream:
             self._call.cancel()
         self._done = True
 
-    async def __aenter__(self) -> AsyncTextStream:
+    async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -120,7 +126,7 @@ class AsyncClient:
         """Close the channel."""
         await self._channel.close()
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc: object) -> None:

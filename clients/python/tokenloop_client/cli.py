@@ -18,8 +18,8 @@ from .types import ChatMessage, GenerateResult
 
 
 def _client_kwargs(args: argparse.Namespace) -> dict:
-    return dict(api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                tls_key=args.tls_key, tls_server_name=args.tls_server_name, timeout=args.timeout)
+    names = ("api_key", "tls", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "timeout")
+    return {name: getattr(args, name) for name in names}
 
 
 def _params(args: argparse.Namespace) -> dict:

@@ -8,8 +8,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import grpc
 
 from . import _request
-from ._channel import ChannelConfig, RetryPolicy, decode_health_response, encode_health_request, sync_channel
-from ._channel import HEALTH_CHECK
+from ._channel import (
+    HEALTH_CHECK,
+    ChannelConfig,
+    RetryPolicy,
+    decode_health_response,
+    encode_health_request,
+    sync_channel,
+)
 from ._gen import tokenloop_pb2 as pb
 from ._gen import tokenloop_pb2_grpc as pb_grpc
 from .errors import TokenloopError, from_rpc_error
@@ -81,7 +87,7 @@ class TextStream:
             self._call.cancel()
         self._done = True
 
-    def __enter__(self) -> TextStream:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -115,7 +121,7 @@ class Client:
         """Close the channel."""
         self._channel.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:

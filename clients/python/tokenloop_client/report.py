@@ -55,10 +55,11 @@ def plot(results: list[dict], path: str, title: str = "") -> None:
     ax_tp.set_xlabel("concurrent streams")
     ax_tp.set_ylabel("output tokens / s")
     ax_tp.set_title("throughput")
-    for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL")):
+    ax_tp.set_ylim(bottom=0)
+    for key, label, color in (("ttft_s", "TTFT", "tab:blue"), ("itl_s", "ITL", "tab:red")):
         for q, style in (("p50", "-"), ("p95", "--"), ("p99", ":")):
             values = [_none_to_nan(r[key][q]) * 1000 for r in results]
-            ax_lat.plot(conc, values, style, marker="o", label=f"{label} {q}")
+            ax_lat.plot(conc, values, style, color=color, marker="o", label=f"{label} {q}")
     ax_lat.set_yscale("log")
     ax_lat.set_xlabel("concurrent streams")
     ax_lat.set_ylabel("milliseconds (log)")

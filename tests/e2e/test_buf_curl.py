@@ -1,0 +1,127 @@
+"""The `buf curl` session from docs/clients.md, run against a real server through reflection only.
+
+Every command runs in an empty directory with no --schema: buf learns the API from the server's
+reflection service, as a user with no proto files would.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from tests.e2e.live_server import ROOT, live_address
+
+pytestmark = pytest.mark.e2e
+
+BUF_VERSION = "1.75.0"
+BUF_PREFIX = ROOT / ".cache" / "buf"
+GRPC = ("--protocol", "grpc", "--http2-prior-knowledge")
+
+
+@pytest.fixture(scope="module")
+def buf() -> str:
+    """The buf binary: on PATH, in .cache/buf, or installed there from npm now."""
+    found = shutil.which("buf")
+    local = BUF_PREFIX / "node_modules" / ".bin" / "buf"
+    if found:
+        return found
+    if not local.exists():
+        npm = shutil.which("npm")
+        if npm is None:
+            pytest.skip("neither buf nor npm is installed")
+        done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(BUF_PREFIX),
+                               f"@bufbuild/buf@{BUF_VERSION}"], check=False, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0 or not local.exists():
+            pytest.skip(f"could not install @bufbuild/buf from npm: {done.stderr[-500:]}")
+    return str(local)
+
+
+@pytest.fixture(scope="module")
+def url() -> str:
+    return f"http://{live_address()}"
+
+
+def curl(buf: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """Run `buf curl` in an empty directory (no proto files anywhere near)."""
+    return subprocess.run([buf, "curl", *GRPC, *args], cwd=tmp_path, check=False, capture_output=True, text=True,
+                          timeout=300)
+
+
+def messages(stdout: str) -> list[dict]:
+    """buf curl prints one JSON document per response message."""
+    decoder, out, pos = json.JSONDecoder(), [], 0
+    text = stdout.strip()
+    while pos < len(text):
+        obj, end = decoder.raw_decode(text, pos)
+        out.append(obj)
+        pos = end
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return out
+
+
+def test_list_services_and_methods(buf, url, tmp_path):
+    services = curl(buf, tmp_path, "--list-services", url)
+    methods = curl(buf, tmp_path, "--list-methods", url)
+    assert services.returncode == 0, services.stderr
+    assert {"tokenloop.v1.TextGeneration", "grpc.health.v1.Health"} <= set(services.stdout.split())
+    assert "tokenloop.v1.TextGeneration/Generate" in methods.stdout.split()
+
+
+def test_describe_generate_request_through_reflection(buf, url, tmp_path):
+    run = curl(buf, tmp_path, "-d", '{"fileContainingSymbol":"tokenloop.v1.GenerateRequest"}',
+               f"{url}/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    assert run.returncode == 0, run.stderr
+    encoded = messages(run.stdout)[0]["fileDescriptorResponse"]["fileDescriptorProto"][0]
+    (tmp_path / "tokenloop.binpb").write_bytes(base64.b64decode(encoded))
+    convert = subprocess.run([buf, "convert", "--type", "google.protobuf.FileDescriptorProto",
+                              "--from", "tokenloop.binpb#format=binpb", "--to", "-#format=json"],
+                             cwd=tmp_path, check=False, capture_output=True, text=True, timeout=120)
+    assert convert.returncode == 0, convert.stderr
+    file = json.loads(convert.stdout)
+    request = next(m for m in file["messageType"] if m["name"] == "GenerateRequest")
+    names = [f["name"] for f in request["field"]]
+    assert names[:3] == ["request_id", "text", "token_ids"]
+    assert {"chat", "stream", "sampling", "stopping", "output", "n"} <= set(names)
+
+
+def test_unary_generate(buf, url, tmp_path):
+    run = curl(buf, tmp_path, "-d", '{"text":"The capital of France is","stopping":{"maxNewTokens":8}}',
+               f"{url}/tokenloop.v1.TextGeneration/Generate")
+    assert run.returncode == 0, run.stderr
+    [only] = messages(run.stdout)
+    assert only["complete"]["finishReason"] in ("LENGTH", "EOS")
+    assert 0 < only["complete"]["usage"]["completionTokens"] <= 8
+    assert only["complete"]["text"]
+
+
+def test_streaming_generate(buf, url, tmp_path):
+    body = '{"text":"The capital of France is","stream":true,"stopping":{"maxNewTokens":8,"ignoreEos":true}}'
+    run = curl(buf, tmp_path, "-d", body, f"{url}/tokenloop.v1.TextGeneration/Generate")
+    assert run.returncode == 0, run.stderr
+    got = messages(run.stdout)
+    chunks, last = got[:-1], got[-1]
+    assert chunks and all("chunk" in m for m in chunks)
+    assert last["complete"]["finishReason"] == "LENGTH"
+    assert "".join(m["chunk"].get("text", "") for m in chunks) == last["complete"]["text"]
+
+
+def test_tokenize_and_health(buf, url, tmp_path):
+    tok = curl(buf, tmp_path, "-d", '{"text":"Hello world"}', f"{url}/tokenloop.v1.TextGeneration/Tokenize")
+    health = curl(buf, tmp_path, "-d", "{}", f"{url}/grpc.health.v1.Health/Check")
+    assert tok.returncode == 0, tok.stderr
+    [res] = messages(tok.stdout)
+    assert len(res["tokenIds"]) == len(res["tokens"]) >= 2
+    assert messages(health.stdout) == [{"status": "SERVING"}]
+
+
+def test_errors_show_the_status_code(buf, url, tmp_path):
+    run = curl(buf, tmp_path, "-d", '{"text":"Hi","sampling":{"temperature":-1}}',
+               f"{url}/tokenloop.v1.TextGeneration/Generate")
+    assert run.returncode != 0
+    error = messages(run.stderr)[0]
+    assert error["code"] == "invalid_argument" and "temperature" in error["message"]
