@@ -1,0 +1,159 @@
+"""Read a Hugging Face checkpoint directory: config.json and (sharded) safetensors weights.
+
+Weights are reshaped once here (q/k/v fused into one matrix, gate/up fused into another) so the
+forward pass never reshapes a weight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a Llama-family transformer, from config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_dict(cls, config: dict) -> ModelConfig:
+        archs = config.get("architectures") or []
+        arch = archs[0] if archs else config.get("model_type", "unknown")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; the engine supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; the engine supports 'silu'")
+        rope = dict(config.get("rope_parameters") or {})  # transformers 5 layout
+        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ValueError(f"unsupported rope scaling {kind!r}; the engine supports 'linear' and 'llama3'")
+            scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        window = config.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            sliding_window=int(window) if window else None,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} has no config.json; expected a Hugging Face checkpoint directory")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @property
+    def max_context_length(self) -> int:
+        """Longest sequence served: the position limit, and the sliding window when there is one."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], float32, computed as transformers does (incl. Llama-3 scaling)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def read_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every safetensors shard, by name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in _weight_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ValueError(f"checkpoint is missing weight {name!r}")
+    return tensors.pop(name)
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Weights by engine name, fused and cast to `dtype`: embed, norm, lm_head, layers.{i}.{qkv,o,gate_up,down,...}."""
+    raw = read_tensors(model_dir)
+    cast = lambda t: t.to(dtype).contiguous()  # noqa: E731
+    out = {"embed": cast(_take(raw, "model.embed_tokens.weight")), "norm": cast(_take(raw, "model.norm.weight"))}
+    lm_head = raw.pop("lm_head.weight", None)
+    out["lm_head"] = out["embed"] if lm_head is None or config.tie_word_embeddings else cast(lm_head)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[f"layers.{i}.qkv"] = cast(torch.cat([_take(raw, a + f"{x}_proj.weight") for x in "qkv"]))
+        if config.qkv_bias:
+            out[f"layers.{i}.qkv_bias"] = cast(torch.cat([_take(raw, a + f"{x}_proj.bias") for x in "qkv"]))
+        out[f"layers.{i}.o"] = cast(_take(raw, a + "o_proj.weight"))
+        gate, up = _take(raw, p + "mlp.gate_proj.weight"), _take(raw, p + "mlp.up_proj.weight")
+        out[f"layers.{i}.gate_up"] = cast(torch.cat([gate, up]))
+        out[f"layers.{i}.down"] = cast(_take(raw, p + "mlp.down_proj.weight"))
+        out[f"layers.{i}.input_norm"] = cast(_take(raw, p + "input_layernorm.weight"))
+        out[f"layers.{i}.post_norm"] = cast(_take(raw, p + "post_attention_layernorm.weight"))
+    return out

@@ -1,0 +1,145 @@
+"""The Llama-family transformer over a flat token batch, with a preallocated paged KV cache.
+
+One forward pass serves every scheduled sequence at once: prefill chunks and decodes share the
+matrix products (rows of one flat batch); attention runs once for all decodes and once for all
+prefill chunks, each padded to a common length and fed to `scaled_dot_product_attention`.
+Notation: T tokens in the flat batch, D hidden size, H query heads, K kv heads, E head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .loader import ModelConfig, rope_inv_freq
+from .matmul import MatmulPolicy
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences whose queries are padded to one length Q for one attention call (B sequences)."""
+
+    query_rows: torch.Tensor  # [B*Q] flat-batch row of each padded query (padding repeats a valid row)
+    valid: torch.Tensor | None  # [B*Q] bool, False on padded queries; None when there is no padding
+    kv_slots: torch.Tensor  # [B, C] cache slot of each context position (0 on padding)
+    mask: torch.Tensor | None  # [B, 1, Q, C] bool, True where a query may attend; None: attend to all
+    out_start: int  # the group's valid queries are flat rows out_start .. out_start + num_valid - 1
+    num_seqs: int
+    max_q: int
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Everything one forward pass needs; built by the runner from scheduled sequences."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    groups: list[AttentionGroup]
+    logits_rows: torch.Tensor  # [S] rows whose next-token logits are wanted
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer, fused at load time: qkv [(H+2K)*E, D], o [D, H*E], gate_up [2I, D], down [D, I]."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, as transformers computes it (so fp32 outputs match bit for bit)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split layout. x: [T, heads, E]; cos, sin: [T, 1, E]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Model:
+    """Weights, rope tables and the KV cache of one model; `forward` runs a ForwardBatch."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 num_slots: int, matmul: MatmulPolicy):
+        self.config = config
+        self.dtype = dtype
+        self.matmul = matmul
+        self.embed = weights["embed"]  # [V, D]
+        self.norm = weights["norm"]
+        self.lm_head = weights["lm_head"]  # [V, D], the embedding itself when tied
+        self.layers = [LayerWeights(
+            weights[f"layers.{i}.input_norm"], weights[f"layers.{i}.qkv"], weights.get(f"layers.{i}.qkv_bias"),
+            weights[f"layers.{i}.o"], weights[f"layers.{i}.post_norm"], weights[f"layers.{i}.gate_up"],
+            weights[f"layers.{i}.down"]) for i in range(config.num_layers)]
+        c = config
+        # k_cache, v_cache: [L, num_slots, K, E]; slot = block_id * block_size + offset
+        self.k_cache = torch.zeros(c.num_layers, num_slots, c.num_kv_heads, c.head_dim, dtype=dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        # cos, sin: [max_context, E], computed in float32 like transformers, then cast
+        pos = torch.arange(c.max_context_length, dtype=torch.float32)
+        freqs = pos[:, None] * rope_inv_freq(c)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+
+    @classmethod
+    def kv_bytes_per_token(cls, config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of K and V cache one token takes across all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the batch, write its K/V into the cache; returns float32 logits [S, V]."""
+        c, num_tokens = self.config, batch.input_ids.shape[0]
+        use_numpy = self.matmul.use_numpy(num_tokens)
+        linear = self.matmul.linear
+        h = self.embed[batch.input_ids]  # [T, D]
+        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, E]
+        sin = self.sin[batch.positions].unsqueeze(1)
+        for i, w in enumerate(self.layers):
+            x = rms_norm(h, w.input_norm, c.rms_norm_eps)
+            qkv = linear(x, w.qkv, use_numpy)  # [T, (H+2K)*E]
+            if w.qkv_bias is not None:
+                qkv = qkv + w.qkv_bias
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = rotate(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)  # [T, H, E]
+            k = rotate(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)  # [T, K, E]
+            self.k_cache[i].index_copy_(0, batch.slot_mapping, k)
+            self.v_cache[i].index_copy_(0, batch.slot_mapping, v.view(num_tokens, c.num_kv_heads, c.head_dim))
+            attn = self._attention(i, q, batch.groups)  # [T, H*E]
+            h = h + linear(attn, w.o, use_numpy)
+            x = rms_norm(h, w.post_norm, c.rms_norm_eps)
+            gate, up = linear(x, w.gate_up, use_numpy).chunk(2, dim=-1)  # [T, I] each
+            h = h + linear((F.silu(gate) * up).contiguous(), w.down, use_numpy)
+        x = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [S, D]
+        return linear(x, self.lm_head, self.matmul.use_numpy(x.shape[0])).float()  # [S, V]
+
+    def _attention(self, layer: int, q: torch.Tensor, groups: list[AttentionGroup]) -> torch.Tensor:
+        """Attention of every query over its sequence's cached context. q: [T, H, E] -> [T, H*E]."""
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        for g in groups:
+            qg = q[g.query_rows].view(g.num_seqs, g.max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, E]
+            kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, K, C, E]
+            vg = v_cache[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)  # [B, H, Q, E]
+            og = og.transpose(1, 2).reshape(g.num_seqs * g.max_q, num_heads * head_dim)
+            if g.valid is not None:
+                og = og[g.valid]
+            out[g.out_start:g.out_start + og.shape[0]] = og
+        return out

@@ -1,0 +1,73 @@
+"""Turn scheduled sequences into a ForwardBatch of index tensors and run the model. No policy here."""
+
+from __future__ import annotations
+
+import torch
+
+from .model import AttentionGroup, ForwardBatch, Model
+from .sequence import Sequence
+
+
+def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size: int) -> AttentionGroup:
+    """Pad the queries of `seqs` (their new tokens start at flat row `row_start`) to one length."""
+    max_q = max(num_new)
+    contexts = [s.num_computed_tokens + n for s, n in zip(seqs, num_new)]
+    max_c = max(contexts)
+    max_blocks = (max_c + block_size - 1) // block_size
+    tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
+                           for s in seqs], dtype=torch.long)  # [B, max_blocks]
+    pos = torch.arange(max_c)
+    kv_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, C]
+    starts, rows, valid = [], [], []
+    row = row_start
+    for n in num_new:
+        starts.append(row)
+        rows.extend(range(row, row + n))
+        rows.extend([row] * (max_q - n))  # padding repeats a valid row; its output is dropped
+        valid.extend([True] * n + [False] * (max_q - n))
+        row += n
+    computed = torch.tensor([s.num_computed_tokens for s in seqs])
+    q_pos = computed[:, None] + torch.arange(max_q)[None, :]  # [B, Q] absolute position of each query
+    mask = None
+    if max_q > 1 or min(contexts) != max_c:
+        mask = (pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [B, 1, Q, C] causal + padding
+    return AttentionGroup(
+        query_rows=torch.tensor(rows, dtype=torch.long),
+        valid=None if all(valid) else torch.tensor(valid),
+        kv_slots=kv_slots, mask=mask, out_start=row_start, num_seqs=len(seqs), max_q=max_q)
+
+
+def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[ForwardBatch, list[Sequence]]:
+    """Flat batch for `scheduled` (sequence, number of new tokens); decodes first, then prefill chunks.
+
+    Returns the batch and the sequences that sample after it (those whose last token is computed).
+    """
+    decodes = [(s, n) for s, n in scheduled if n == 1]
+    prefills = [(s, n) for s, n in scheduled if n > 1]
+    ids, positions, slots = [], [], []
+    samplers, logits_rows = [], []
+    for seq, n in decodes + prefills:
+        start = seq.num_computed_tokens
+        ids.extend(seq.token_ids[start:start + n])
+        positions.extend(range(start, start + n))
+        slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        if start + n == len(seq.token_ids):
+            samplers.append(seq)
+            logits_rows.append(len(ids) - 1)
+    groups = []
+    if decodes:
+        groups.append(_group([s for s, _ in decodes], [1] * len(decodes), 0, block_size))
+    if prefills:
+        groups.append(_group([s for s, _ in prefills], [n for _, n in prefills], len(decodes), block_size))
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(positions, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long), groups=groups,
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long))
+    return batch, samplers
+
+
+def run(model: Model, scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[torch.Tensor, list[Sequence]]:
+    """Forward `scheduled`; returns logits [S, V] for the sequences that sample, and those sequences."""
+    batch, samplers = prepare(scheduled, block_size)
+    logits = model.forward(batch)
+    return logits, samplers

@@ -1,0 +1,75 @@
+"""One generated sequence: its tokens, how many have K/V in the cache, its blocks and its RNG."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ..looper.request import FinishReason, ValidRequest
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """Prompt plus output tokens; `num_computed_tokens` of them have K/V in `block_table`'s blocks."""
+
+    request_id: int
+    seq_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    request: ValidRequest | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered with the prefix cache
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def from_request(cls, request_id: int, seq_index: int, request: ValidRequest) -> Sequence:
+        prompt = list(request.prompt_token_ids)
+        seq = cls(request_id, seq_index, prompt, len(prompt), request)
+        if not request.sampling.greedy:
+            # each sequence of a request draws from its own stream: seed, seq_index -> generator
+            seq.generator = torch.Generator().manual_seed(request.sampling.seed * 1_000_003 + seq_index)
+        return seq
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before this sequence can sample (1 when decoding)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: drop all cache state; prompt and output tokens are kept and recomputed later."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_cached_blocks = 0
+        self.status = SequenceStatus.WAITING

@@ -1,0 +1,58 @@
+"""Helpers shared by the engine tests: build requests, run an Engine until every sequence ends."""
+
+from __future__ import annotations
+
+import time
+
+from tokenloop.looper.executor import Step
+from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
+
+
+def greedy_request(prompt, max_new_tokens: int = 64, **stopping) -> ValidRequest:
+    """A greedy request for `prompt` token ids that ignores EOS unless told otherwise."""
+    stopping.setdefault("ignore_eos", True)
+    return ValidRequest(request_id="t", prompt_token_ids=tuple(prompt), sampling=SamplingParams(temperature=0.0),
+                        stopping=StoppingParams(max_new_tokens=max_new_tokens, **stopping))
+
+
+def sampled_request(prompt, seed: int, max_new_tokens: int = 24, n: int = 1, **sampling) -> ValidRequest:
+    """A seeded sampling request (temperature 1 unless told otherwise)."""
+    return ValidRequest(request_id="s", prompt_token_ids=tuple(prompt),
+                        sampling=SamplingParams(seed=seed, **{"temperature": 1.0, **sampling}),
+                        stopping=StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True), n=n)
+
+
+def with_output(request: ValidRequest, **output) -> ValidRequest:
+    return ValidRequest(request.request_id, request.prompt_token_ids, request.sampling, request.stopping,
+                        OutputParams(**output), request.n)
+
+
+def collect(engine, expected: dict[int, int], timeout: float = 120.0) -> dict[tuple[int, int], list[Step]]:
+    """Await steps until each request id in `expected` has that many final steps (one per sequence,
+    or one error step); returns steps by (request id, seq index)."""
+    steps: dict[tuple[int, int], list[Step]] = {}
+    open_seqs = dict(expected)
+    deadline = time.monotonic() + timeout
+    while any(n > 0 for n in open_seqs.values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"sequences still open after {timeout} s: {open_seqs}")
+        for step in engine.await_responses(0.5):
+            steps.setdefault((step.request_id, step.seq_index), []).append(step)
+            if step.is_final and step.request_id in open_seqs:
+                open_seqs[step.request_id] = 0 if step.error else open_seqs[step.request_id] - 1
+    return steps
+
+
+def run_all(engine, requests: list[ValidRequest], timeout: float = 120.0):
+    """Enqueue every request at once; returns (ids, steps by (id, seq index))."""
+    ids = [engine.enqueue(r) for r in requests]
+    return ids, collect(engine, {i: r.n for i, r in zip(ids, requests)}, timeout)
+
+
+def tokens(steps: list[Step]) -> list[int]:
+    return [t for s in steps for t in s.token_ids]
+
+
+def final(steps: list[Step]) -> Step:
+    assert steps[-1].is_final and all(not s.is_final for s in steps[:-1])
+    return steps[-1]
