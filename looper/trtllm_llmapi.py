@@ -97,8 +97,7 @@ class TrtllmLlmApi:
     # -- Executor protocol -----------------------------------------------------------------
     def enqueue(self, request: ValidRequest) -> int:
         """Submit a request; ValueError when the LLM API refuses it."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        self._check_alive(force=True)
         params = self._sampling_params(request)
         request_id = next(self._ids)
         self._call(lambda: self._start(request_id, request, params))
@@ -150,11 +149,14 @@ class TrtllmLlmApi:
             try:
                 steps.append(self._ready.get_nowait())
             except queue.Empty:
-                return steps
+                break
+        if self._dead is not None:  # died while we waited: these steps are the death's echoes
+            raise EngineDeadError(self._dead)
+        return steps
 
     def cancel(self, request_id: int) -> None:
         """Idempotent; the request then ends with `cancelled` outputs."""
-        if self._dead is None:
+        if self._dead is None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._abort, request_id)
 
     def _abort(self, request_id: int) -> None:
@@ -181,22 +183,34 @@ class TrtllmLlmApi:
                 self._stop_loop()
 
     def _stop_loop(self) -> None:
-        for task in asyncio.all_tasks(self._loop):
-            self._loop.call_soon_threadsafe(task.cancel)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        async def cancel_tasks():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_tasks(), self._loop).result(timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
 
-    def _check_alive(self) -> None:
-        if self._dead is None and not self._thread.is_alive():
-            self._dead = "the TensorRT-LLM LLM API thread stopped"
+    def _check_alive(self, force: bool = False) -> None:
+        """Raise EngineDeadError once the loop thread or the LLM's executor is gone."""
         now = time.monotonic()
-        if self._dead is None and now >= self._health_due:
+        if self._dead is None and (force or now >= self._health_due):
             self._health_due = now + _HEALTH_INTERVAL_S
-            check = getattr(self._llm, "_check_health", None)  # TensorRT-LLM >= 1.0
-            if callable(check) and not check():
-                self._dead = "the TensorRT-LLM executor is no longer healthy"
+            self._check_health()
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+
+    def _check_health(self) -> None:
+        if not self._thread.is_alive():
+            self._dead = "the TensorRT-LLM LLM API thread stopped"
+        check = getattr(self._llm, "_check_health", None)  # BaseLLM._check_health (what trtllm-serve's /health uses)
+        if self._dead is None and callable(check) and not check():
+            self._dead = "the TensorRT-LLM executor is no longer healthy"
 
     # -- results (loop thread) -------------------------------------------------------------
     async def _consume(self, request_id: int, request: ValidRequest, result) -> None:
@@ -209,6 +223,7 @@ class TrtllmLlmApi:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001  (a failed request, e.g. RequestError: becomes its error step)
+            self._check_health()  # a dead executor fails every request: report death, not this error
             if request_id in self._aborted:
                 for seq in range(request.n):
                     self._ready.put(Step(request_id, seq, [], is_final=True, finish_reason=FinishReason.CANCELLED))

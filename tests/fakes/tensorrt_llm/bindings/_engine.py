@@ -28,6 +28,7 @@ from .executor import (
 )
 
 _TOKENS_PER_BLOCK = 32
+_ITERATION_S = 0.001
 
 
 class _Req:
@@ -120,6 +121,8 @@ class Executor:
         with self._cv:
             if not self._active and self._dead is None:
                 self._cv.wait(None if timeout is None else timeout.total_seconds())
+            elif self._active:
+                self._cv.wait(_ITERATION_S)  # a decoding iteration takes time (and releases the GIL)
             if self._dead is not None:
                 raise RuntimeError(self._dead)
             return self._iterate()
