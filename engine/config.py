@@ -1,0 +1,79 @@
+"""EngineConfig: the embedded engine's knobs (the `tokenloop serve` flags map onto these fields)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+MATMUL_BACKENDS = ("auto", "torch", "numpy")
+DEFAULT_KV_CACHE_TOKENS = 32768
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings; checks itself on construction (ValueError naming the field)."""
+
+    max_batch_size: int = 32  # --max-batch-size: sequences in one step
+    max_num_tokens: int = 512  # --max-num-tokens: tokens in one step (prefill chunks + decodes)
+    kv_cache_tokens: int | None = None  # --kv-cache-tokens: KV cache size in tokens
+    kv_cache_memory_fraction: float | None = None  # --kv-cache-memory-fraction: of available RAM
+    block_size: int = 16  # --block-size: tokens per KV block
+    dtype: str = "float32"  # --dtype: float32 | bfloat16 (float64 for tests)
+    num_threads: int | None = None  # --num-threads: torch and BLAS threads (None: library default)
+    max_model_len: int | None = None  # cap on prompt + output tokens (None: the model's limit)
+    enable_prefix_caching: bool = True
+    matmul_backend: str = "auto"  # auto: time torch and numpy at start-up and pick per batch size
+
+    def __post_init__(self):
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size "
+                             f"({self.max_batch_size}) so every running sequence decodes each step")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be in 1..1024, got {self.block_size}")
+        if self.kv_cache_tokens is not None and self.kv_cache_memory_fraction is not None:
+            raise ValueError("set kv_cache_tokens or kv_cache_memory_fraction, not both")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0.0 < fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.matmul_backend not in MATMUL_BACKENDS:
+            raise ValueError(f"matmul_backend must be one of {', '.join(MATMUL_BACKENDS)}, got {self.matmul_backend!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def num_kv_blocks(self, bytes_per_token: int) -> int:
+        """Blocks in the KV cache, from kv_cache_tokens, a memory fraction, or the default token count."""
+        if self.kv_cache_memory_fraction is not None:
+            tokens = int(available_memory_bytes() * self.kv_cache_memory_fraction) // bytes_per_token
+        else:
+            tokens = self.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS
+        num_blocks = tokens // self.block_size
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({tokens} tokens) is smaller than one block ({self.block_size})")
+        return num_blocks
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo, or physical memory where that is unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,236 @@
+"""Engine: the embedded executor. Continuous batching on its own thread behind the Executor protocol.
+
+The looper thread calls enqueue / cancel / await_responses; the engine thread runs `step()`
+(schedule, run the model, postprocess) whenever it has work and sleeps on a condition when idle.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..looper.executor import EngineDeadError, ExecutorStats, Step
+from ..looper.request import ValidRequest
+from ..looper.tokenizer import ModelCard
+from . import runner
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .loader import ModelConfig, load_weights
+from .matmul import MatmulPolicy, set_blas_threads
+from .model import Model
+from .postprocess import cancelled_steps, error_steps, merge_steps, steps_for_samples
+from .sampler import sample_batch
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class Engine:
+    """Serves one Llama-family checkpoint; implements tokenloop.looper.executor.Executor."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, start: bool = True):
+        self.config = config or EngineConfig()
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+            set_blas_threads(self.config.num_threads)
+        self.card = ModelCard.from_dir(model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.max_context_length = min(self.model_config.max_context_length,
+                                      self.config.max_model_len or self.model_config.max_context_length)
+        dtype = self.config.torch_dtype
+        weights = load_weights(model_dir, self.model_config, dtype)
+        num_blocks = self.config.num_kv_blocks(Model.kv_bytes_per_token(self.model_config, dtype))
+        self.model = Model(self.model_config, weights, dtype, num_blocks * self.config.block_size,
+                           self._matmul_policy(weights["layers.0.gate_up"]))
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_tokens, self.config.max_batch_size)
+        self.eos_token_ids = self.card.eos_token_ids
+        self._requests: dict[int, list[Sequence]] = {}  # engine thread only
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._has_input = threading.Condition(self._lock)
+        self._has_output = threading.Condition(self._lock)
+        self._new: list[tuple[int, ValidRequest]] = []
+        self._cancels: list[int] = []
+        self._outputs: list[Step] = []
+        self._stopping = False
+        self._dead: str | None = None
+        self._num_failures = 0
+        self._latencies: collections.deque[float] = collections.deque(maxlen=32)
+        self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
+        self._thread = threading.Thread(target=self._loop, name="tokenloop-engine", daemon=True)
+        log.info("engine: %s, %d KV blocks of %d tokens, matmul %s", self.model_config.architecture,
+                 num_blocks, self.config.block_size, self.model.matmul.describe())
+        if start:
+            self._thread.start()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+        """Load the checkpoint in `model_dir` and start the engine thread."""
+        return cls(model_dir, config)
+
+    def _matmul_policy(self, sample_weight: torch.Tensor) -> MatmulPolicy:
+        if self.config.matmul_backend == "auto":
+            return MatmulPolicy.calibrate(sample_weight)
+        usable = sample_weight.dtype in (torch.float32, torch.float64)
+        return MatmulPolicy.fixed(self.config.matmul_backend == "numpy" and usable)
+
+    # --- the Executor protocol (looper thread) ---
+
+    def enqueue(self, request: ValidRequest) -> int:
+        """Submit a request; raises ValueError for one this engine cannot serve."""
+        self._check_request(request)
+        request_id = next(self._ids)
+        with self._lock:
+            if self._dead or self._stopping:
+                raise EngineDeadError(self._dead or "the engine is shutting down")
+            self._new.append((request_id, request))
+            self._has_input.notify()
+        return request_id
+
+    def _check_request(self, request: ValidRequest) -> None:
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.max_context_length:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; this model takes at most "
+                             f"{self.max_context_length - 1} so that one can be generated")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if request.n < 1:
+            raise ValueError(f"n must be >= 1, got {request.n}")
+        need = min(len(prompt) + request.stopping.max_new_tokens, self.max_context_length)
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if need > capacity:
+            raise ValueError(f"prompt plus max_new_tokens ({need} tokens) exceeds the KV cache ({capacity} tokens)")
+
+    def await_responses(self, timeout: float) -> list[Step]:
+        """Block up to `timeout` s for steps (releases the GIL); raises EngineDeadError once dead and drained."""
+        with self._lock:
+            if not self._outputs and not self._dead:
+                self._has_output.wait(timeout)
+            if self._dead and not self._outputs:
+                raise EngineDeadError(self._dead)
+            outputs, self._outputs = self._outputs, []
+        return merge_steps(outputs)
+
+    def cancel(self, request_id: int) -> None:
+        """Idempotent; the request's unfinished sequences end with CANCELLED at the next step."""
+        with self._lock:
+            self._cancels.append(request_id)
+            self._has_input.notify()
+
+    def stats(self) -> ExecutorStats:
+        """Thread-safe snapshot."""
+        with self._lock:
+            s = self._stats
+            return ExecutorStats(s.num_running, s.num_waiting + len(self._new), s.kv_blocks_used, s.kv_blocks_total,
+                                 s.tokens_per_block, s.step_latency_s, s.num_preemptions, s.num_steps)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; pending requests get no more steps."""
+        with self._lock:
+            self._stopping = True
+            self._has_input.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    # --- the engine thread ---
+
+    def _loop(self) -> None:
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stopping or self._new or self._cancels or self.scheduler.has_work()):
+                        self._has_input.wait()
+                    if self._stopping:
+                        return
+                    new, self._new = self._new, []
+                    cancels, self._cancels = self._cancels, []
+                self._admit(new)
+                self._cancel(cancels)
+                if self.scheduler.has_work():
+                    self.step()
+        except BaseException as exc:  # noqa: BLE001 - anything here leaves the engine unusable
+            log.exception("engine thread died")
+            self._die(f"the engine failed: {type(exc).__name__}: {exc}")
+
+    def _admit(self, new: list[tuple[int, ValidRequest]]) -> None:
+        for request_id, request in new:
+            seqs = [Sequence.from_request(request_id, i, request) for i in range(request.n)]
+            self._requests[request_id] = seqs
+            for seq in seqs:
+                self.scheduler.add(seq)
+
+    def _cancel(self, request_ids: list[int]) -> None:
+        steps = []
+        for request_id in request_ids:
+            seqs = self._requests.pop(request_id, None)
+            if seqs:
+                steps.extend(cancelled_steps(seqs, self.scheduler))
+        self._publish(steps)
+
+    def step(self) -> None:
+        """One iteration: schedule, run the model, postprocess."""
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return
+        try:
+            logits, samplers = runner.run(self.model, scheduled, self.block_manager.block_size)
+            samples = sample_batch(logits, samplers, self.eos_token_ids)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            self._fail_step(scheduled, exc)
+            return
+        self._num_failures = 0
+        self.scheduler.advance(scheduled)
+        steps = steps_for_samples(samplers, samples, self.scheduler, self.eos_token_ids, self.max_context_length)
+        for seq in samplers:
+            if seq.is_finished and all(s.is_finished for s in self._requests.get(seq.request_id, ())):
+                self._requests.pop(seq.request_id, None)
+        self._latencies.append(time.perf_counter() - start)
+        self._publish(steps)
+
+    def _fail_step(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> None:
+        log.exception("engine step failed; failing its requests")
+        self._num_failures += 1
+        message = f"generation failed: {type(exc).__name__}: {exc}"
+        request_ids = dict.fromkeys(seq.request_id for seq, _ in scheduled)
+        steps = []
+        for request_id in request_ids:
+            seqs = self._requests.pop(request_id, [])
+            steps.extend(error_steps(request_id, seqs, self.scheduler, message))
+        self._publish(steps)
+        if self._num_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(f"{self._num_failures} engine steps failed in a row; last: {message}")
+
+    def _publish(self, steps: list[Step]) -> None:
+        sched, blocks = self.scheduler, self.block_manager
+        running = {s.request_id for s in sched.running}
+        with self._lock:
+            self._outputs.extend(steps)
+            st = self._stats
+            st.num_running = len(running)
+            st.num_waiting = len({s.request_id for s in sched.waiting} - running)
+            st.kv_blocks_used = blocks.num_used_blocks
+            st.num_preemptions = sched.num_preemptions
+            st.num_steps += 1
+            st.step_latency_s = sum(self._latencies) / len(self._latencies) if self._latencies else 0.0
+            if steps:
+                self._has_output.notify_all()
+
+    def _die(self, message: str) -> None:
+        with self._lock:
+            self._dead = message
+            self._has_output.notify_all()

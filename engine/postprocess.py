@@ -1,0 +1,86 @@
+"""After a forward pass: append sampled tokens, decide which sequences end, and build Steps."""
+
+from __future__ import annotations
+
+from ..looper.executor import Step
+from ..looper.request import FinishReason
+from .sampler import Sample
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+
+def finish_reason(seq: Sequence, token_id: int, eos_token_ids: tuple[int, ...],
+                  max_context_length: int) -> FinishReason | None:
+    """Why `seq` ends after appending `token_id`, or None. Stop tokens and EOS wait for min_new_tokens."""
+    stopping = seq.request.stopping
+    if seq.num_output_tokens >= stopping.min_new_tokens:
+        if token_id in stopping.stop_token_ids:
+            return FinishReason.STOP_TOKEN
+        if not stopping.ignore_eos and token_id in eos_token_ids:
+            return FinishReason.EOS
+    if seq.num_output_tokens >= stopping.max_new_tokens or len(seq) >= max_context_length:
+        return FinishReason.LENGTH
+    return None
+
+
+def steps_for_samples(seqs: list[Sequence], samples: list[Sample], scheduler: Scheduler,
+                      eos_token_ids: tuple[int, ...], max_context_length: int) -> list[Step]:
+    """Append each sample to its sequence; finished sequences leave the scheduler."""
+    steps = []
+    for seq, sample in zip(seqs, samples):
+        seq.token_ids.append(sample.token_id)
+        reason = finish_reason(seq, sample.token_id, eos_token_ids, max_context_length)
+        step = Step(seq.request_id, seq.seq_index, [sample.token_id])
+        if sample.logprob is not None:
+            step.logprobs = [sample.logprob]
+        if sample.top_logprobs is not None:
+            step.top_logprobs = [sample.top_logprobs]
+        if reason is not None:
+            step.is_final, step.finish_reason = True, reason
+            if reason is FinishReason.STOP_TOKEN:
+                step.matched_stop_token = sample.token_id
+            seq.finish_reason = reason
+            scheduler.finish(seq)
+        steps.append(step)
+    return steps
+
+
+def cancelled_steps(seqs: list[Sequence], scheduler: Scheduler) -> list[Step]:
+    """End every unfinished sequence with CANCELLED and free its blocks."""
+    steps = []
+    for seq in seqs:
+        if not seq.is_finished:
+            scheduler.finish(seq)
+            seq.finish_reason = FinishReason.CANCELLED
+            steps.append(Step(seq.request_id, seq.seq_index, [], is_final=True,
+                              finish_reason=FinishReason.CANCELLED))
+    return steps
+
+
+def error_steps(request_id: int, seqs: list[Sequence], scheduler: Scheduler, message: str) -> list[Step]:
+    """Fail a whole request: free its sequences and emit one final error Step."""
+    for seq in seqs:
+        if not seq.is_finished:
+            scheduler.finish(seq)
+    return [Step(request_id, 0, [], is_final=True, error=message)]
+
+
+def merge_steps(steps: list[Step]) -> list[Step]:
+    """Join consecutive deltas of the same sequence (the looper fell behind): fewer, longer Steps."""
+    merged: list[Step] = []
+    last: dict[tuple[int, int], Step] = {}
+    for step in steps:
+        key = (step.request_id, step.seq_index)
+        prev = last.get(key)
+        if prev is None or prev.is_final or prev.error or step.error:
+            merged.append(step)
+            last[key] = step
+            continue
+        prev.token_ids = prev.token_ids + step.token_ids
+        if prev.logprobs is not None and step.logprobs is not None:
+            prev.logprobs = prev.logprobs + step.logprobs
+        if prev.top_logprobs is not None and step.top_logprobs is not None:
+            prev.top_logprobs = prev.top_logprobs + step.top_logprobs
+        prev.is_final, prev.finish_reason = step.is_final, step.finish_reason
+        prev.matched_stop_token = step.matched_stop_token
+    return merged

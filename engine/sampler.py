@@ -1,0 +1,128 @@
+"""Next-token choice: small pure functions over logits, and `sample_batch` that applies them per sequence.
+
+Order: penalties -> min_new_tokens mask -> (log probabilities reported here) -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> a draw from the sequence's own torch.Generator. Each
+sampled sequence draws exactly one number per step from its own generator, so a seed gives the same
+tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class Sample:
+    """One sequence's new token and, when asked, its log probability and the top alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], repetition: float,
+                    presence: float, frequency: float) -> torch.Tensor:
+    """logits [V]. Repetition (HF/CTRL) over prompt and output tokens; presence/frequency (OpenAI) over output."""
+    logits = logits.clone()
+    if repetition != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        if seen.numel():
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / repetition, picked * repetition)
+    if (presence or frequency) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=logits.shape[-1])
+        counts = counts[:logits.shape[-1]].to(logits.dtype)
+        logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits / temperature
+
+
+def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the `top_k` largest logits (0 or >= V: keep all). logits [V]."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches `top_p` (always >= 1)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = sorted_logits.softmax(-1)
+    drop_sorted = probs.cumsum(-1) - probs > top_p  # mass before this token already reaches top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below `min_p` times the most likely token's."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def draw(logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from softmax(logits), using `generator`'s stream."""
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def top_alternatives(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The `k` most likely (token id, log probability) pairs, best first. logprobs [V]."""
+    values, ids = torch.topk(logprobs, k)
+    return list(zip(ids.tolist(), values.tolist()))
+
+
+def _banned_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """Tokens that may not end the sequence yet (min_new_tokens)."""
+    stopping = seq.request.stopping
+    if seq.num_output_tokens >= stopping.min_new_tokens:
+        return []
+    banned = list(stopping.stop_token_ids)
+    if not stopping.ignore_eos:
+        banned.extend(eos_token_ids)
+    return banned
+
+
+def _process(row: torch.Tensor, seq: Sequence, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    sampling = seq.request.sampling
+    if sampling.repetition_penalty != 1.0 or sampling.presence_penalty or sampling.frequency_penalty:
+        row = apply_penalties(row, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
+                              sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty)
+    banned = [i for i in _banned_ids(seq, eos_token_ids) if i < row.shape[-1]]
+    if banned:
+        row = row.clone()
+        row[banned] = float("-inf")
+    return row
+
+
+def sample_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> list[Sample]:
+    """Choose the next token of each sequence. logits [S, V] float32, row i belongs to seqs[i]."""
+    rows = [_process(logits[i], seq, eos_token_ids) for i, seq in enumerate(seqs)]
+    samples = []
+    for row, seq in zip(rows, seqs):
+        sampling, output = seq.request.sampling, seq.request.output
+        if sampling.greedy:
+            token = int(row.argmax())
+        else:
+            scaled = apply_temperature(row, sampling.temperature)
+            scaled = apply_min_p(apply_top_p(apply_top_k(scaled, sampling.top_k), sampling.top_p), sampling.min_p)
+            token = draw(scaled, seq.generator)
+        sample = Sample(token)
+        if output.logprobs or output.top_logprobs:
+            logprobs = row.log_softmax(-1)
+            sample.logprob = float(logprobs[token])
+            if output.top_logprobs:
+                sample.top_logprobs = top_alternatives(logprobs, output.top_logprobs)
+        samples.append(sample)
+    return samples

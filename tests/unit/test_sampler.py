@@ -1,0 +1,102 @@
+"""Sampling functions: each filter, penalties, min_new_tokens masking, seeded draws, log probabilities."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenloop.engine import sampler
+from tokenloop.engine.sequence import Sequence
+from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
+
+NEG_INF = float("-inf")
+
+
+def seq_for(prompt=(1, 2), output=(), seed=0, n_index=0, **kw) -> Sequence:
+    sampling = {k: kw.pop(k) for k in list(kw) if k in SamplingParams.__slots__}
+    stopping = {k: kw.pop(k) for k in list(kw) if k in StoppingParams.__slots__}
+    request = ValidRequest("r", tuple(prompt), SamplingParams(seed=seed, **sampling), StoppingParams(**stopping),
+                           OutputParams(**kw))
+    s = Sequence.from_request(1, n_index, request)
+    s.token_ids.extend(output)
+    return s
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([1.0, 4.0, 3.0, 2.0])
+    assert sampler.apply_top_k(logits, 2).tolist() == [NEG_INF, 4.0, 3.0, NEG_INF]
+    assert sampler.apply_top_k(logits, 0).tolist() == logits.tolist()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = sampler.apply_top_p(logits, 0.7).isfinite().tolist()
+    assert kept == [True, True, False, False]
+    assert sampler.apply_top_p(logits, 0.1).isfinite().tolist() == [True, False, False, False]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
+    assert sampler.apply_min_p(logits, 0.2).isfinite().tolist() == [True, True, False, False]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = torch.tensor([2.0, -2.0, 2.0, 1.0])
+    out = sampler.apply_penalties(logits, prompt_ids=[0], output_ids=[1], repetition=2.0, presence=0.0,
+                                  frequency=0.0)
+    assert out.tolist() == [1.0, -4.0, 2.0, 1.0]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(4)
+    out = sampler.apply_penalties(logits, prompt_ids=[3], output_ids=[1, 1, 2], repetition=1.0, presence=0.5,
+                                  frequency=0.25)
+    assert out.tolist() == [0.0, -1.0, -0.75, 0.0]
+
+
+def test_greedy_picks_argmax_and_reports_logprobs():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    (sample,) = sampler.sample_batch(logits, [seq_for(temperature=0.0, logprobs=True, top_logprobs=2)], (0,))
+    assert sample.token_id == 1
+    expected = torch.log_softmax(logits[0], -1)
+    assert math.isclose(sample.logprob, expected[1].item(), rel_tol=1e-6)
+    assert [t for t, _ in sample.top_logprobs] == [1, 3]
+    assert math.isclose(sample.top_logprobs[1][1], expected[3].item(), rel_tol=1e-6)
+
+
+def test_min_new_tokens_masks_eos_and_stop_tokens():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])  # eos 1 and stop token 2 are the favourites
+    s = seq_for(temperature=0.0, min_new_tokens=1, stop_token_ids=(2,))
+    assert sampler.sample_batch(logits, [s], (1,))[0].token_id == 3
+    s_done = seq_for(output=[3], temperature=0.0, min_new_tokens=1, stop_token_ids=(2,))
+    assert sampler.sample_batch(logits, [s_done], (1,))[0].token_id == 1
+    s_ignore = seq_for(temperature=0.0, min_new_tokens=1, ignore_eos=True)
+    assert sampler.sample_batch(logits, [s_ignore], (1,))[0].token_id == 1  # EOS is just a token then
+
+
+def _draws(seed: int, seq_index: int = 0, num: int = 20, **sampling) -> list[int]:
+    s = seq_for(seed=seed, n_index=seq_index, **{"temperature": 1.0, **sampling})
+    logits = torch.linspace(0, 2, 50)[None, :]
+    return [sampler.sample_batch(logits, [s], (0,))[0].token_id for _ in range(num)]
+
+
+def test_same_seed_same_draws_other_seed_or_sequence_differs():
+    assert _draws(5) == _draws(5)
+    assert _draws(5) != _draws(6)
+    assert _draws(5, seq_index=0) != _draws(5, seq_index=1)
+
+
+def test_draws_respect_filters():
+    assert set(_draws(1, top_k=3)) <= {47, 48, 49}
+    assert set(_draws(1, temperature=0.01)) == {49}
+
+
+def test_a_sequences_draws_do_not_depend_on_its_batch_neighbours():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    alone = seq_for(seed=9)
+    alone_tokens = [sampler.sample_batch(logits[1:2], [alone], (0,))[0].token_id for _ in range(10)]
+    mid, others = seq_for(seed=9), [seq_for(seed=1), seq_for(seed=2, temperature=0.0)]
+    batch_tokens = [sampler.sample_batch(logits[[0, 1, 2]], [others[0], mid, others[1]], (0,))[1].token_id
+                    for _ in range(10)]
+    assert alone_tokens == batch_tokens
