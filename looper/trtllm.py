@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .executor import Executor, ExecutorStats
@@ -23,6 +23,7 @@ MISSING_TRTLLM = ("--backend trtllm needs TensorRT-LLM: run on NVIDIA's TensorRT
                   "https://pypi.nvidia.com (see docs/trtllm.md)")
 
 APIS = ("auto", "executor", "llm")
+STATS_MAX_AGE_S = 5.0
 SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
 
 
@@ -141,11 +142,27 @@ def sampling_kwargs(request: ValidRequest) -> dict:
     return kwargs
 
 
+def wants_logprobs(request: ValidRequest) -> bool:
+    return request.output.logprobs or request.output.top_logprobs > 0
+
+
 def stop_reason(token: int | None, request: ValidRequest) -> tuple[FinishReason, int | None]:
     """A sequence stopped on a stop word: the request's own stop token, or one more EOS id."""
     if token is not None and token in request.stopping.stop_token_ids:
         return FinishReason.STOP_TOKEN, token
     return FinishReason.EOS, None
+
+
+def current_stats(snapshot: ExecutorStats | None, taken_at: float, num_in_flight: int, now: float) -> ExecutorStats:
+    """The latest iteration's stats, with request counts from the adapter's own bookkeeping when
+    TensorRT-LLM has nothing in flight (an idle executor reports no new iterations) or the
+    snapshot is older than STATS_MAX_AGE_S."""
+    snapshot = snapshot or ExecutorStats()
+    if num_in_flight == 0:
+        return replace(snapshot, num_running=0, num_waiting=0)
+    if now - taken_at > STATS_MAX_AGE_S:
+        return replace(snapshot, num_running=num_in_flight, num_waiting=0)
+    return snapshot
 
 
 def stats_from_iteration(stats: dict) -> ExecutorStats:

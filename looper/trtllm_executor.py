@@ -29,11 +29,13 @@ from .executor import EngineDeadError, ExecutorStats, Step
 from .request import FinishReason, ValidRequest
 from .trtllm import (
     TrtllmConfig,
+    current_stats,
     end_and_stop_ids,
     engine_world_size,
     sampling_kwargs,
     stats_from_iteration,
     stop_reason,
+    wants_logprobs,
 )
 
 log = logging.getLogger("tokenloop.trtllm")
@@ -64,7 +66,8 @@ class TrtllmExecutor:
         self._config = config
         self._eos = tuple(eos_token_ids)
         self._tracked: dict[int, _Tracked] = {}
-        self._stats = ExecutorStats()
+        self._stats: ExecutorStats | None = None
+        self._stats_at = 0.0
         self._stats_lock = threading.Lock()
         self._stats_due = 0.0
         self._max_tokens_arg = self._probe(tle.Request, {"input_token_ids": [1]}, "max_tokens", "max_new_tokens", 1)
@@ -142,7 +145,7 @@ class TrtllmExecutor:
             **{self._max_tokens_arg: request.stopping.max_new_tokens},
             streaming=beams == 1,
             sampling_config=tle.SamplingConfig(beam_width=beams, **num_sequences, **sampling),
-            output_config=tle.OutputConfig(return_log_probs=request.output.logprobs,
+            output_config=tle.OutputConfig(return_log_probs=wants_logprobs(request),
                                            exclude_input_from_output=True),
             end_id=end_id,
             pad_id=end_id if end_id >= 0 else (self._eos[0] if self._eos else 0),
@@ -171,7 +174,8 @@ class TrtllmExecutor:
 
     def stats(self) -> ExecutorStats:
         with self._stats_lock:
-            return self._stats
+            snapshot, taken_at = self._stats, self._stats_at
+        return current_stats(snapshot, taken_at, len(self._tracked), time.monotonic())
 
     def shutdown(self) -> None:
         self._executor.shutdown()
@@ -227,7 +231,7 @@ class TrtllmExecutor:
     @staticmethod
     def _logprobs(tracked: _Tracked, result, beam: int, num_tokens: int) -> list[float] | None:
         """Log probs of this step's tokens: the tail of the full list TensorRT-LLM returns."""
-        if not tracked.request.output.logprobs:
+        if not wants_logprobs(tracked.request):
             return None
         every = list(result.log_probs[beam]) if result.log_probs is not None else []
         tail = every[len(every) - num_tokens:] if num_tokens <= len(every) else every
@@ -247,4 +251,4 @@ class TrtllmExecutor:
         if iterations:
             snapshot = stats_from_iteration(json.loads(iterations[-1].to_json_str()))
             with self._stats_lock:
-                self._stats = snapshot
+                self._stats, self._stats_at = snapshot, now

@@ -29,7 +29,15 @@ import time
 
 from .executor import EngineDeadError, ExecutorStats, Step
 from .request import FinishReason, ValidRequest
-from .trtllm import TrtllmConfig, end_and_stop_ids, sampling_kwargs, stats_from_iteration, stop_reason
+from .trtllm import (
+    TrtllmConfig,
+    current_stats,
+    end_and_stop_ids,
+    sampling_kwargs,
+    stats_from_iteration,
+    stop_reason,
+    wants_logprobs,
+)
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -53,6 +61,7 @@ class TrtllmLlmApi:
         self._results: dict[int, object] = {}  # id -> RequestOutput (loop thread only)
         self._aborted: set[int] = set()  # (loop thread only)
         self._stats: ExecutorStats | None = None
+        self._stats_at = 0.0
         self._stats_lock = threading.Lock()
         self._stats_task: asyncio.Task | None = None
         self._health_due = 0.0
@@ -119,7 +128,7 @@ class TrtllmLlmApi:
                 end_id=end_id if end_id >= 0 else default_end, pad_id=default_end,
                 ignore_eos=request.stopping.ignore_eos, stop_token_ids=stop_ids or None,
                 include_stop_str_in_output=True,  # keep stop tokens, as the C++ executor does
-                logprobs=(top or 1) if request.output.logprobs else None,
+                logprobs=(top or 1) if wants_logprobs(request) else None,
                 detokenize=False, **kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"TensorRT-LLM refused the request: {exc}") from None
@@ -171,9 +180,8 @@ class TrtllmLlmApi:
 
     def stats(self) -> ExecutorStats:
         with self._stats_lock:
-            if self._stats is not None:
-                return self._stats
-        return ExecutorStats(num_running=len(self._results))
+            snapshot, taken_at = self._stats, self._stats_at
+        return current_stats(snapshot, taken_at, len(self._results), time.monotonic())
 
     def shutdown(self) -> None:
         if self._thread.is_alive():
@@ -268,7 +276,7 @@ class TrtllmLlmApi:
                 async for stats in self._llm.get_stats_async(timeout=_STATS_TIMEOUT_S):
                     snapshot = stats_from_iteration(json.loads(stats) if isinstance(stats, str) else stats)
                     with self._stats_lock:
-                        self._stats = snapshot
+                        self._stats, self._stats_at = snapshot, time.monotonic()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -288,7 +296,7 @@ def _infer_finish(token_ids: list[int], request: ValidRequest, aborted: bool) ->
 def _logprobs(completion, start: int, count: int, request: ValidRequest):
     """(logprobs, top alternatives) of `count` tokens from `start`. Entries are floats in older
     releases and `{token_id: Logprob(logprob, rank)}` dicts in newer ones."""
-    if not request.output.logprobs or completion.logprobs is None:
+    if not wants_logprobs(request) or completion.logprobs is None:
         return None, None
     entries = list(completion.logprobs[start:start + count])
     ids = completion.token_ids[start:start + count]

@@ -202,6 +202,11 @@ def test_stats_come_from_the_latest_iteration(fake, engine_dir):
     stats = executor.stats()
     assert (stats.num_running, stats.num_waiting, stats.tokens_per_block, stats.kv_blocks_total) == (2, 0, 32, 1000)
     assert stats.kv_blocks_used == 3 and stats.step_latency_s == pytest.approx(0.00125) and stats.num_steps == 1
+    for request_id in (1, 2):
+        executor.cancel(request_id)
+    steps_until_final(executor, num_final=2)
+    idle = executor.stats()  # no iterations while idle: counts come from the adapter's own bookkeeping
+    assert (idle.num_running, idle.num_waiting, idle.kv_blocks_total) == (0, 0, 1000)
 
 
 def test_await_responses_passes_a_timedelta(fake, engine_dir):

@@ -200,6 +200,12 @@ def test_stats_come_from_get_stats_async(fake, adapter):
     stats = adapter.stats()
     assert (stats.num_running, stats.kv_blocks_total, stats.tokens_per_block) == (1, 500, 64)
     assert stats.kv_blocks_used == 1 and stats.step_latency_s == pytest.approx(0.0025) and stats.num_steps > 0
+    adapter.cancel(1)
+    steps_until_final(adapter)
+    deadline = time.monotonic() + 5
+    while adapter.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert adapter.stats().num_running == 0 and adapter.stats().kv_blocks_total == 500
 
 
 def test_shutdown_stops_the_llm_and_the_loop_thread(fake, tokenizer_dir):
