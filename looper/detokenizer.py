@@ -1,0 +1,102 @@
+"""Incremental detokenization and stop strings, per sequence.
+
+Decoding token by token breaks multi-byte characters (emoji, CJK split across byte-level
+tokens) and drops SentencePiece leading spaces (TGI #131). We keep two offsets into the
+sequence's ids, as TGI and vLLM do: text is decoded from `prefix_offset` (a few tokens of
+context) and only the part past `ids[prefix_offset:read_offset]` is new. A delta that ends in
+U+FFFD (an incomplete UTF-8 sequence) is held until the next token completes it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+_CONTEXT_TOKENS = 5  # prompt tokens used as decoding context for the first generated token
+
+
+class Decoder(Protocol):
+    def decode(self, ids, skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns appended token ids into text deltas."""
+
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix_offset", "_read_offset", "_prefix_text")
+
+    def __init__(self, tokenizer: Decoder, prompt_ids, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+
+    def _decode(self, ids) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def push(self, token_ids) -> str:
+        """Append ids; return the text they complete (possibly empty)."""
+        self._ids.extend(token_ids)
+        text = self._decode(self._ids[self._prefix_offset:])
+        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self._prefix_text):]
+        # keep the decoding window short: the new prefix is what was just read
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a sequence: whatever is still held back, replacement characters included."""
+        text = self._decode(self._ids[self._prefix_offset:])
+        delta = text[len(self._prefix_text):] if len(text) > len(self._prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = ""
+        return delta
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text without ever releasing a partial match.
+
+    Only the longest tail of the pending text that could still begin a stop string is held
+    back (at most `max(len(stop)) - 1` characters); everything before it is safe to send.
+    """
+
+    __slots__ = ("_stops", "_include", "_pending", "_max_hold")
+
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False):
+        self._stops = tuple(s for s in stops if s)
+        self._include = include_stop
+        self._pending = ""
+        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+
+    def push(self, delta: str) -> tuple[str, str | None]:
+        """Feed new text; return (text safe to emit, matched stop string or None)."""
+        if not self._stops:
+            return delta, None
+        buf = self._pending + delta
+        best, best_at = None, -1
+        for stop in self._stops:
+            at = buf.find(stop)
+            if at != -1 and (best is None or at < best_at or (at == best_at and len(stop) > len(best))):
+                best, best_at = stop, at
+        if best is not None:
+            self._pending = ""
+            end = best_at + len(best) if self._include else best_at
+            return buf[:end], best
+        hold = self._hold_length(buf)
+        self._pending = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], None
+
+    def _hold_length(self, buf: str) -> int:
+        for k in range(min(len(buf), self._max_hold), 0, -1):
+            tail = buf[-k:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        """The held-back text, once the sequence ended without a match."""
+        text, self._pending = self._pending, ""
+        return text

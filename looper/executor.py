@@ -1,0 +1,84 @@
+"""The executor seam: what the looper needs from TensorRT-LLM or the embedded engine.
+
+Shaped after the TensorRT-LLM C++ executor (`enqueue_request`, `await_responses`,
+`cancel_request`, `get_latest_iteration_stats`) so that adapters stay thin. The looper
+thread is the only caller of every method except `stats()`, which any thread may call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from .request import FinishReason, ValidRequest
+
+
+class EngineDeadError(RuntimeError):
+    """The executor can no longer serve any request; every open stream must fail."""
+
+
+@dataclass(slots=True)
+class Step:
+    """New output of one sequence of one request since its previous step.
+
+    `token_ids` are deltas. `logprobs[i]` is the log probability of `token_ids[i]`;
+    `top_logprobs[i]` lists `(token_id, logprob)` alternatives, best first. A step
+    with `is_final` ends that sequence: `finish_reason` says why, unless `error`
+    is set, in which case the whole request failed with that message.
+    """
+
+    request_id: int
+    seq_index: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    is_final: bool = False
+    finish_reason: FinishReason | None = None
+    matched_stop_token: int | None = None  # set with FinishReason.STOP_TOKEN
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class ExecutorStats:
+    """A snapshot for GetLoad and metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    tokens_per_block: int = 0
+    step_latency_s: float = 0.0  # mean of recent steps
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+    @property
+    def kv_cache_utilization(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """What the looper drives. Implementations: engine.Engine, looper.trtllm_*."""
+
+    def enqueue(self, request: ValidRequest) -> int:
+        """Submit a request; returns the executor's id for it. May raise ValueError for a request it
+        cannot take (the looper fails only that request)."""
+        ...
+
+    def await_responses(self, timeout: float) -> list[Step]:
+        """Block up to `timeout` seconds for new steps, releasing the GIL while waiting.
+        Raises EngineDeadError when the executor has died."""
+        ...
+
+    def cancel(self, request_id: int) -> None:
+        """Idempotent. The request then ends with a final step of FinishReason.CANCELLED per
+        unfinished sequence; unknown or finished ids are ignored."""
+        ...
+
+    def stats(self) -> ExecutorStats:
+        """Thread-safe snapshot of load."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the executor and free its resources."""
+        ...

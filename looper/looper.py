@@ -1,0 +1,259 @@
+"""The looper: one thread between the gRPC event loop and the executor.
+
+A port of TGI's `backends/trtllm/src/looper.rs`, with its faults fixed: it blocks on the
+channel when idle and on the executor's own wait when busy (no spinning), every request
+leaves the in-flight map on every path, stop strings are honoured, and a dead executor
+fails every open stream and is reported to health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from .detokenizer import Decoder
+from .executor import EngineDeadError, Executor, Step
+from .outputs import RequestState
+from .request import ValidRequest
+from .stream import ErrorKind, Event, RequestFailed, RequestStream
+
+log = logging.getLogger("tokenloop.looper")
+
+_SUBMIT, _CANCEL, _FAIL_ALL, _STOP = range(4)
+
+
+class Looper:
+    """Drains the channel, drives the executor, fans steps out to request streams."""
+
+    def __init__(self, executor: Executor, tokenizer: Decoder, *, poll_timeout: float = 0.02,
+                 on_death: Callable[[str], None] | None = None):
+        self.executor = executor
+        self._tokenizer = tokenizer
+        self._poll_timeout = poll_timeout
+        self._on_death = on_death
+        self._channel: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight: dict[int, RequestState] = {}  # executor id -> state (looper thread only)
+        self._outbox: dict[RequestStream, list] = {}  # stream -> [events, done, error] (looper thread only)
+        self._streams: dict[str, RequestStream] = {}  # request id -> open stream (event loop only)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.alive = False
+        self.death_reason = ""
+
+    # -- event-loop side -------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the looper thread; events are delivered on `loop` (default: the running loop)."""
+        self._loop = loop or asyncio.get_running_loop()
+        self.alive = True
+        self._thread = threading.Thread(target=self._run, name="tokenloop-looper", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: ValidRequest, arrival: float | None = None) -> RequestStream:
+        """Queue a validated request; returns its stream (already failed if the looper is dead)."""
+        stream = RequestStream(request, self._request_cancel)
+        if not self.alive:
+            stream.push([], True, self._dead_error())
+            return stream
+        self._streams[request.request_id] = stream
+        self._channel.put((_SUBMIT, stream, arrival if arrival is not None else time.monotonic()))
+        return stream
+
+    def find(self, request_id: str) -> RequestStream | None:
+        """The open stream of a request id, if any."""
+        return self._streams.get(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request by id; False when no open request has that id."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished or stream.cancelled:
+            return False
+        stream.cancel()
+        return True
+
+    @property
+    def num_open(self) -> int:
+        """Requests submitted and not yet delivered to the end."""
+        return len(self._streams)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests the executor still holds (a racy read of the looper's map, fine for reporting)."""
+        return len(self._in_flight)
+
+    def fail_all(self, kind: ErrorKind, message: str) -> None:
+        """End every request (queued or running) with an error, cancelling it in the executor."""
+        self._channel.put((_FAIL_ALL, kind, message))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread (after failing what is left) and wait for it."""
+        if self._thread is None:
+            return
+        self.fail_all(ErrorKind.UNAVAILABLE, "the server is shutting down")
+        self._channel.put((_STOP,))
+        self._thread.join(timeout)
+        self.alive = False
+
+    def _request_cancel(self, stream: RequestStream) -> None:
+        self._channel.put((_CANCEL, stream))
+
+    def _deliver(self, items: list[tuple[RequestStream, list]]) -> None:
+        """One hand-off per poll: push every stream's events, forget finished streams."""
+        for stream, (events, done, error) in items:
+            stream.push(events, done, error)
+            if (done or error is not None) and self._streams.get(stream.request.request_id) is stream:
+                del self._streams[stream.request.request_id]
+
+    def _dead_error(self) -> RequestFailed:
+        return RequestFailed(ErrorKind.UNAVAILABLE, f"the executor is not available: {self.death_reason}")
+
+    # -- looper thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        """while running: drain the channel, pull steps, fan out."""
+        try:
+            while self._drain_channel():  # 1) new requests, cancels
+                if self._in_flight:
+                    self._pull_steps()  # 2+3) executor steps -> events
+                    self._expire_deadlines()
+                self._fan_out()  # 4) one hand-off to the event loop
+        except EngineDeadError as exc:
+            self._die(str(exc) or "the executor died")
+        except Exception as exc:  # a bug here must not leave streams hanging
+            log.exception("looper failed")
+            self._die(f"looper failed ({type(exc).__name__})")
+
+    def _drain_channel(self) -> bool:
+        """Block for a command when idle, else take what is there. False on stop."""
+        idle = not self._in_flight and not self._outbox
+        while True:
+            try:
+                cmd = self._channel.get() if idle else self._channel.get_nowait()
+            except queue.Empty:
+                return True
+            idle = False
+            if cmd[0] == _SUBMIT:
+                self._submit(cmd[1], cmd[2])
+            elif cmd[0] == _CANCEL:
+                self._cancel(cmd[1])
+            elif cmd[0] == _FAIL_ALL:
+                self._fail_all(RequestFailed(cmd[1], cmd[2]))
+            else:
+                return False
+
+    def _submit(self, stream: RequestStream, arrival: float) -> None:
+        state = RequestState(stream, self._tokenizer, arrival)
+        if stream.cancelled:  # cancelled while still in the channel: never reaches the executor
+            self._send(state, state.cancel_all(time.monotonic()))
+            return
+        try:
+            state.executor_id = self.executor.enqueue(stream.request)
+        except ValueError as exc:
+            self._send(state, [], RequestFailed(ErrorKind.INVALID_ARGUMENT, str(exc)))
+            return
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            log.exception("enqueue failed for %s", stream.request.request_id)
+            self._send(state, [], RequestFailed(ErrorKind.INTERNAL, f"the executor refused the request ({type(exc).__name__})"))
+            return
+        state.t_enqueued = time.monotonic()
+        stream.executor_id = state.executor_id
+        self._in_flight[state.executor_id] = state
+
+    def _cancel(self, stream: RequestStream) -> None:
+        state = self._in_flight.get(stream.executor_id) if stream.executor_id is not None else None
+        if state is not None and state.stream is stream:
+            self.executor.cancel(state.executor_id)
+
+    def _pull_steps(self) -> None:
+        steps = self.executor.await_responses(self._poll_timeout)
+        now = time.monotonic()
+        for step in steps:
+            state = self._in_flight.get(step.request_id)
+            if state is not None:
+                self._apply(state, step, now)
+
+    def _apply(self, state: RequestState, step: Step, now: float) -> None:
+        if step.error is not None:  # the executor failed this request (and only it)
+            del self._in_flight[state.executor_id]
+            self.executor.cancel(state.executor_id)
+            if not state.closed:
+                self._send(state, [], RequestFailed(ErrorKind.INTERNAL, f"generation failed: {step.error}"))
+            return
+        if not state.closed:
+            events = state.apply(step, now)
+            if events:
+                self._send(state, events)
+            if state.num_open == 0 and not step.is_final:
+                self.executor.cancel(state.executor_id)  # stop string matched: free the executor's work
+        if step.is_final:
+            state.num_exec_open -= 1
+            if state.num_exec_open == 0:  # the executor is done with it: leave the map
+                del self._in_flight[state.executor_id]
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for state in self._in_flight.values():
+            deadline = state.request.deadline
+            if deadline is not None and now > deadline and not state.closed:
+                self.executor.cancel(state.executor_id)
+                self._send(state, [], RequestFailed(ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed"))
+
+    def _send(self, state: RequestState, events: list[Event], error: RequestFailed | None = None) -> None:
+        """Queue events for the next hand-off; marks the request closed when it ends for the client."""
+        entry = self._outbox.get(state.stream)
+        if entry is None:
+            entry = self._outbox[state.stream] = [[], False, None]
+        entry[0] += events
+        if error is not None:
+            entry[2] = error
+        if error is not None or state.num_open == 0:
+            entry[1] = True
+            state.closed = True
+
+    def _fan_out(self) -> None:
+        if not self._outbox:
+            return
+        items, self._outbox = list(self._outbox.items()), {}
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, items)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _fail_all(self, error: RequestFailed) -> None:
+        for state in list(self._in_flight.values()):
+            if not state.closed:
+                self._send(state, [], error)
+            self.executor.cancel(state.executor_id)
+
+    def _die(self, reason: str) -> None:
+        """The executor is gone: fail every open stream, tell health, keep refusing new work."""
+        self.alive = False
+        self.death_reason = reason
+        log.error("executor died: %s", reason)
+        error = self._dead_error()
+        for state in self._in_flight.values():
+            if not state.closed:
+                self._send(state, [], error)
+        self._in_flight.clear()
+        self._fan_out()
+        if self._on_death is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._on_death, reason)
+            except RuntimeError:
+                pass
+        self._refuse_until_stop(error)
+
+    def _refuse_until_stop(self, error: RequestFailed) -> None:
+        """After death: fail whatever still arrives in the channel until stop()."""
+        while True:
+            cmd = self._channel.get()
+            if cmd[0] == _STOP:
+                return
+            if cmd[0] == _SUBMIT:
+                state = RequestState(cmd[1], self._tokenizer, cmd[2])
+                self._send(state, [], error)
+                self._fan_out()

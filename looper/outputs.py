@@ -1,0 +1,131 @@
+"""Turning executor steps into client events: one `RequestState` per in-flight request.
+
+Runs on the looper thread. Each sequence keeps its detokenizer, stop matcher and the
+output so far; `apply(step)` returns the events the step produced (a `Chunk` when
+streaming, a `Complete` when the sequence ends).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
+from .executor import Step
+from .request import FinishReason, ValidRequest
+from .stream import Chunk, Complete, Event, RequestStream, Timing, TokenLogprob
+
+
+class SequenceState:
+    """Output of one of the `n` sequences of a request."""
+
+    __slots__ = ("index", "detok", "stops", "token_ids", "text_parts", "logprobs", "finished", "per_token")
+
+    def __init__(self, index: int, request: ValidRequest, tokenizer: Decoder):
+        self.index = index
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.output.skip_special_tokens)
+        self.stops = StopMatcher(request.stopping.stop, request.stopping.include_stop_str_in_output)
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.logprobs: list[TokenLogprob] | None = [] if request.output.logprobs else None
+        self.finished = False
+        # with stop strings, feed tokens one at a time so the match ends at the right token
+        self.per_token = bool(request.stopping.stop)
+
+    def feed(self, token_ids: list[int]) -> tuple[str, int, str | None]:
+        """Detokenize and stop-check new ids; returns (text, ids consumed, matched stop)."""
+        if not self.per_token:
+            text, matched = self.stops.push(self.detok.push(token_ids))
+            return text, len(token_ids), matched
+        parts = []
+        for i, tid in enumerate(token_ids):
+            text, matched = self.stops.push(self.detok.push((tid,)))
+            parts.append(text)
+            if matched is not None:
+                return "".join(parts), i + 1, matched
+        return "".join(parts), len(token_ids), None
+
+    def flush(self) -> str:
+        return self.stops.push(self.detok.flush())[0] + self.stops.flush()
+
+
+class RequestState:
+    """Everything the looper tracks for one submitted request."""
+
+    __slots__ = ("stream", "request", "executor_id", "seqs", "arrival", "t_enqueued", "t_first",
+                 "num_open", "num_exec_open", "closed")
+
+    def __init__(self, stream: RequestStream, tokenizer: Decoder, arrival: float):
+        self.stream = stream
+        self.request = stream.request
+        self.executor_id: int | None = None
+        self.seqs = [SequenceState(i, self.request, tokenizer) for i in range(self.request.n)]
+        self.arrival = arrival
+        self.t_enqueued = 0.0
+        self.t_first = 0.0
+        self.num_open = self.request.n  # sequences not yet completed for the client
+        self.num_exec_open = self.request.n  # sequences the executor has not yet ended
+        self.closed = False  # every Complete (or an error) was sent; waiting only for the executor
+
+    def timing(self, now: float) -> Timing:
+        first = self.t_first or now
+        return Timing(queue_s=max(0.0, self.t_enqueued - self.arrival), ttft_s=first - self.arrival,
+                      total_s=now - self.arrival)
+
+    def apply(self, step: Step, now: float) -> list[Event]:
+        """Process one step of one sequence; returns the events for the client."""
+        seq = self.seqs[step.seq_index]
+        if seq.finished:
+            return []  # e.g. tokens after a stop string, or the executor's CANCELLED echo
+        if step.token_ids and not self.t_first:
+            self.t_first = now
+        text, used, matched = seq.feed(step.token_ids) if step.token_ids else ("", 0, None)
+        new_ids = step.token_ids[:used]
+        new_lps = self._logprobs(step, used)
+        finish, stop_token = step.finish_reason, step.matched_stop_token
+        if matched is not None:
+            finish, stop_token = FinishReason.STOP_SEQUENCE, None
+        elif step.is_final:
+            text += seq.flush()
+        return self._emit(seq, text, new_ids, new_lps, finish if (matched or step.is_final) else None,
+                          matched, stop_token, now)
+
+    def cancel_all(self, now: float) -> list[Event]:
+        """End every open sequence as CANCELLED (a request dropped before or after submission)."""
+        events: list[Event] = []
+        for seq in self.seqs:
+            if not seq.finished:
+                events += self._emit(seq, seq.flush(), [], None, FinishReason.CANCELLED, None, None, now)
+        return events
+
+    @staticmethod
+    def _logprobs(step: Step, used: int) -> list[TokenLogprob] | None:
+        if step.logprobs is None:
+            return None
+        tops = step.top_logprobs or [[] for _ in step.logprobs]
+        return [TokenLogprob(t, lp, list(top)) for t, lp, top in
+                zip(step.token_ids[:used], step.logprobs[:used], tops[:used])]
+
+    def _emit(self, seq: SequenceState, text: str, ids: list[int], lps, finish, matched_str,
+              stop_token, now: float) -> list[Event]:
+        events: list[Event] = []
+        seq.token_ids += ids
+        if text:
+            seq.text_parts.append(text)
+        if seq.logprobs is not None and lps:
+            seq.logprobs += lps
+        if self.request.stream and (ids or text):
+            events.append(Chunk(seq.index, text, ids, lps if seq.logprobs is not None else None))
+        if finish is not None:
+            seq.finished = True
+            self.num_open -= 1
+            events.append(Complete(
+                index=seq.index, text="".join(seq.text_parts), token_ids=seq.token_ids,
+                finish_reason=finish, prompt_tokens=len(self.request.prompt_token_ids),
+                seed=self.request.sampling.seed, timing=self.timing(now), matched_stop_str=matched_str,
+                matched_stop_token=stop_token,
+                logprobs=seq.logprobs if not self.request.stream else None))
+        return events
+
+
+def monotonic() -> float:
+    return time.monotonic()

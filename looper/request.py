@@ -1,0 +1,71 @@
+"""Validated requests: what `service/validation.py` produces and everything below it consumes."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence ended; values match `tokenloop.v1.FinishReason`."""
+
+    LENGTH = 1
+    EOS = 2
+    STOP_SEQUENCE = 3
+    STOP_TOKEN = 4
+    CANCELLED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is chosen. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: disabled
+    top_p: float = 1.0  # 1.0: disabled
+    min_p: float = 0.0  # 0.0: disabled
+    repetition_penalty: float = 1.0  # 1.0: disabled
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0  # always set: the service picks one when the client did not
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingParams:
+    """When a sequence ends. Stop strings are the looper's job; token rules are the executor's."""
+
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class OutputParams:
+    """What responses carry besides text."""
+
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20; > 0 implies logprobs
+    skip_special_tokens: bool = True
+    echo: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    """A request that passed validation: defaults filled, limits checked, prompt tokenized."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingParams = field(default_factory=StoppingParams)
+    output: OutputParams = field(default_factory=OutputParams)
+    n: int = 1
+    stream: bool = False
+    prompt_text: str = ""  # for echo; empty when the prompt came as token ids
+    deadline: float | None = None  # time.monotonic() after which the request is cancelled

@@ -1,0 +1,154 @@
+"""Per-request output streams: what the looper hands to the event loop, and how it is read.
+
+The looper thread never touches asyncio objects directly: it batches the events of one
+poll for every request and makes one `loop.call_soon_threadsafe` hand-off per poll
+(`Looper._fan_out`). On the event loop, `RequestStream.batches()` yields every event that
+arrived since the last read, so a slow reader naturally gets coalesced batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from .request import FinishReason, ValidRequest
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log probability of one generated token and its best alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """New text and tokens of one sequence."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class Timing:
+    """Seconds from arrival: to executor acceptance, to first token, to the end."""
+
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Complete:
+    """The end of one sequence: the whole output and why it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    seed: int
+    timing: Timing
+    matched_stop_str: str | None = None
+    matched_stop_token: int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+Event = Chunk | Complete
+
+
+class ErrorKind(enum.Enum):
+    """How a request failed; the service maps each to one gRPC status code."""
+
+    UNAVAILABLE = "unavailable"  # executor dead, server shutting down
+    INTERNAL = "internal"  # the executor failed this request
+    INVALID_ARGUMENT = "invalid_argument"  # the executor refused this request at enqueue
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+
+
+class RequestFailed(Exception):
+    """Raised from `RequestStream.batches()` when a request ends in an error."""
+
+    def __init__(self, kind: ErrorKind, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class RequestStream:
+    """The event-loop side of one request: events pushed by the looper, read by a servicer."""
+
+    __slots__ = ("request", "_events", "_waiter", "_done", "_error", "_on_cancel", "cancelled", "executor_id")
+
+    def __init__(self, request: ValidRequest, on_cancel: Callable[[RequestStream], None]):
+        self.request = request
+        self._events: deque[Event] = deque()
+        self._waiter: asyncio.Future | None = None
+        self._done = False
+        self._error: RequestFailed | None = None
+        self._on_cancel = on_cancel
+        self.cancelled = False
+        self.executor_id: int | None = None  # written by the looper thread only
+
+    # -- event-loop side, called by the looper's batched hand-off --------------------------
+    def push(self, events: list[Event], done: bool, error: RequestFailed | None) -> None:
+        """Append events (and possibly the end) and wake the reader."""
+        self._events.extend(events)
+        if error is not None and self._error is None:
+            self._error = error
+        self._done = self._done or done or error is not None
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- reader side -----------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self._done and not self._events
+
+    def pending(self) -> int:
+        """Events waiting to be read."""
+        return len(self._events)
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """Yield every event that arrived since the last read; raise RequestFailed on error."""
+        while True:
+            if self._events:
+                batch = list(self._events)
+                self._events.clear()
+                yield batch
+                continue
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Yield events one at a time."""
+        async for batch in self.batches():
+            for event in batch:
+                yield event
+
+    def cancel(self) -> None:
+        """Ask the looper to cancel this request (idempotent; no-op once finished)."""
+        if self.cancelled or self._done:
+            return
+        self.cancelled = True
+        self._on_cancel(self)

@@ -1,0 +1,145 @@
+"""The model's tokenizer and card: `tokenizer.json`, chat template, special and EOS ids, limits.
+
+Read from a Hugging Face checkpoint directory with the `tokenizers` library and jinja2
+only (no transformers). Shared by the service (validation, Tokenize), the looper
+(detokenization) and the executors (EOS ids, context length).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or as {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """What config.json and generation_config.json say about a checkpoint."""
+
+    model_id: str
+    architecture: str
+    max_context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str
+    default_temperature: float | None
+    default_top_p: float | None
+    default_top_k: int | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelCard:
+        model_dir = Path(model_dir)
+        config = _read_json(model_dir / "config.json")
+        gen = _read_json(model_dir / "generation_config.json")
+        archs = config.get("architectures") or ["unknown"]
+        eos = _as_list(gen.get("eos_token_id", config.get("eos_token_id")))
+        bos = gen.get("bos_token_id", config.get("bos_token_id"))
+        sampling = gen.get("do_sample", False)
+        return cls(
+            model_id=model_dir.resolve().name,
+            architecture=archs[0],
+            max_context_length=int(config.get("max_position_embeddings", 2048)),
+            vocab_size=int(config.get("vocab_size", 0)),
+            eos_token_ids=tuple(eos),
+            bos_token_id=int(bos) if bos is not None else None,
+            torch_dtype=str(config.get("torch_dtype", config.get("dtype", "float32"))),
+            default_temperature=gen.get("temperature") if sampling else None,
+            default_top_p=gen.get("top_p") if sampling else None,
+            default_top_k=gen.get("top_k") if sampling else None,
+        )
+
+
+class ChatTemplateError(ValueError):
+    """The chat template could not render the conversation."""
+
+
+class Tokenizer:
+    """tokenizer.json plus the chat template and special tokens of tokenizer_config.json."""
+
+    def __init__(self, tokenizer: HFTokenizer, config: dict, chat_template: str | None):
+        self._tok = tokenizer
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template = chat_template
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self.special_ids = frozenset(
+            tid for tok, tid in tokenizer.get_vocab(with_added_tokens=True).items()
+            if tok in {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+        )
+        self._template = None
+        if chat_template:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = self._raise
+            self._template = env.from_string(chat_template)
+
+    @staticmethod
+    def _raise(message: str):
+        raise ChatTemplateError(message)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = model_dir / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        return cls(tok, config, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render a conversation to prompt text; raises ChatTemplateError."""
+        if self._template is None:
+            raise ChatTemplateError("the model has no chat template")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from None

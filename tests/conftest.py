@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny tokenizer directories, a scripted executor, an in-process server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.tiny_tokenizer import write_tokenizer_dir  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A checkpoint-shaped directory with a byte-level BPE tokenizer and a ChatML template."""
+    return write_tokenizer_dir(tmp_path_factory.mktemp("tok-bytelevel"), "byte_level")
+
+
+@pytest.fixture(scope="session")
+def metaspace_dir(tmp_path_factory) -> Path:
+    """The same with a SentencePiece-style (Metaspace) tokenizer."""
+    return write_tokenizer_dir(tmp_path_factory.mktemp("tok-metaspace"), "metaspace")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from tokenloop.looper.tokenizer import Tokenizer
+    return Tokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real default model made by `make model`; tests that need it skip when it is absent."""
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        pytest.skip("the default model is not prepared: run `make model`")
+    return DEFAULT_MODEL
+
+
+def run(coro):
+    """Run a coroutine on a fresh event loop (tests stay plain functions; no plugin needed)."""
+    return asyncio.run(coro)

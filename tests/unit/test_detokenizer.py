@@ -1,0 +1,113 @@
+"""Incremental detokenization and stop strings: emoji, CJK, leading spaces, matches across tokens."""
+
+import pytest
+
+from tokenloop.looper.detokenizer import IncrementalDetokenizer, StopMatcher
+from tokenloop.looper.tokenizer import Tokenizer
+
+TEXTS = [
+    "Emoji time: 😀 🚀 👩‍💻 🎉 and more 😀😀.",
+    "東京は日本の首都です。我喜欢机器学习。",
+    " The quick brown fox jumps over the lazy dog.",
+    "  two leading spaces, then\nnew lines\n\n and tabs\t.",
+    "mixed: Paris 🇫🇷 東京 hello 😀!",
+]
+
+
+@pytest.fixture(params=["tokenizer_dir", "metaspace_dir"])
+def tok(request):
+    return Tokenizer.from_dir(request.getfixturevalue(request.param))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_deltas_rebuild_the_text(tok, text):
+    prompt = tok.encode("Hello world")
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.push([t]) for t in ids]
+    out = "".join(deltas) + detok.flush()
+    # the reference: what the whole sequence decodes to, past the prompt's text
+    assert out == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    assert all("\ufffd" not in d for d in deltas), "an incomplete UTF-8 sequence leaked"
+
+
+def test_emoji_split_across_tokens_is_held_until_complete(tokenizer):
+    ids = tokenizer.encode("🦀")
+    assert len(ids) > 1, "the tiny tokenizer should split this emoji into byte tokens"
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"))
+    assert [detok.push([t]) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.push([ids[-1]]) == "🦀"
+
+
+def test_leading_space_of_first_generated_token_survives(metaspace_dir):
+    tok = Tokenizer.from_dir(metaspace_dir)
+    prompt = tok.encode("The capital of France is")
+    ids = tok.encode(" Paris")  # metaspace: '▁Paris' decodes to 'Paris' alone
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert "".join(detok.push([t]) for t in ids) == " Paris"
+
+
+def test_multi_token_push_equals_single_pushes(tokenizer):
+    ids = tokenizer.encode(TEXTS[0] + TEXTS[1])
+    a = IncrementalDetokenizer(tokenizer, [1])
+    b = IncrementalDetokenizer(tokenizer, [1])
+    one = "".join(a.push([t]) for t in ids) + a.flush()
+    many = "".join(b.push(ids[i:i + 3]) for i in range(0, len(ids), 3)) + b.flush()
+    assert one == many == tokenizer.decode(ids)
+
+
+def test_special_tokens_skipped_or_kept(tokenizer):
+    end = tokenizer.token_to_id("<|im_end|>")
+    ids = tokenizer.encode("Hello") + [end]
+    skip = IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=True)
+    keep = IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=False)
+    assert "".join(skip.push([t]) for t in ids) == "Hello"
+    assert "".join(keep.push([t]) for t in ids) == "Hello<|im_end|>"
+
+
+def feed(matcher: StopMatcher, pieces):
+    out, matched = [], None
+    for p in pieces:
+        text, matched = matcher.push(p)
+        out.append(text)
+        if matched:
+            break
+    return out, matched
+
+
+def test_stop_string_across_deltas_never_leaks_partial_match():
+    m = StopMatcher(("STOP",))
+    out, matched = feed(m, ["Hello S", "T", "O", "P and more"])
+    assert matched == "STOP"
+    assert "".join(out) == "Hello "
+    assert out[0] == "Hello " and out[1] == "" and out[2] == ""
+
+
+def test_partial_match_that_fails_is_released():
+    m = StopMatcher(("STOP",))
+    out, matched = feed(m, ["ST", "ar", "t"])
+    assert matched is None
+    assert out == ["", "STar", "t"]
+    assert m.flush() == ""
+
+
+def test_held_text_is_flushed_at_end():
+    m = StopMatcher(("</s>",))
+    text, matched = m.push("end </")
+    assert (text, matched) == ("end ", None)
+    assert m.flush() == "</"
+
+
+def test_include_stop_string_and_earliest_match():
+    m = StopMatcher(("world", "lo w"), include_stop=True)
+    text, matched = m.push("Hello world")
+    assert (text, matched) == ("Hello w", "lo w")
+
+
+def test_stop_in_one_delta_cuts_the_rest():
+    m = StopMatcher(("\n\n",))
+    assert m.push("line one\n\nline two") == ("line one", "\n\n")
+
+
+def test_no_stops_passes_through():
+    assert StopMatcher(()).push("abc") == ("abc", None)

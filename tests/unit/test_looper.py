@@ -1,0 +1,224 @@
+"""The looper against a scripted executor: ordering, fan-out, cancellation, per-request errors, death."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from tests.conftest import run
+from tests.scripted_executor import ScriptedExecutor
+from tokenloop.looper.looper import Looper
+from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
+from tokenloop.looper.stream import Chunk, Complete, ErrorKind, RequestFailed
+
+
+def make_request(tok, rid="r", text="Hello world", max_new=8, n=1, stream=True, **stopping):
+    return ValidRequest(request_id=rid, prompt_token_ids=tuple(tok.encode(text)), n=n, stream=stream,
+                        stopping=StoppingParams(max_new_tokens=max_new, **stopping))
+
+
+async def collect(stream):
+    return [e async for e in stream.events()]
+
+
+async def with_looper(tok, body, executor=None, **kw):
+    executor = executor or ScriptedExecutor()
+    deaths = []
+    looper = Looper(executor, tok, on_death=deaths.append, **kw)
+    looper.start()
+    try:
+        return await body(looper, executor, deaths)
+    finally:
+        looper.stop()
+        executor.shutdown()
+
+
+def test_stream_events_in_order_and_text_matches_tokens(tokenizer):
+    async def body(looper, ex, _):
+        events = await collect(looper.submit(make_request(tokenizer, max_new=12)))
+        chunks = [e for e in events if isinstance(e, Chunk)]
+        (done,) = [e for e in events if isinstance(e, Complete)]
+        assert events[-1] is done
+        assert "".join(c.text for c in chunks) == done.text
+        assert sum((c.token_ids for c in chunks), []) == done.token_ids
+        assert len(done.token_ids) == 12 and done.finish_reason == FinishReason.LENGTH
+        assert done.text == tokenizer.decode(done.token_ids)
+        assert 0 <= done.timing.queue_s <= done.timing.ttft_s <= done.timing.total_s
+        assert ex.await_threads == {"tokenloop-looper"}
+        assert looper.num_in_flight == 0
+    run(with_looper(tokenizer, body))
+
+
+def test_non_streaming_gets_only_complete(tokenizer):
+    async def body(looper, ex, _):
+        events = await collect(looper.submit(make_request(tokenizer, stream=False)))
+        assert [type(e) for e in events] == [Complete]
+    run(with_looper(tokenizer, body))
+
+
+def test_fan_out_to_200_concurrent_requests(tokenizer):
+    async def body(looper, ex, _):
+        prompts = [f"Hello world {i}" for i in range(200)]
+        streams = [looper.submit(make_request(tokenizer, rid=f"r{i}", text=p, max_new=6)) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        for prompt, events in zip(prompts, results):
+            done = events[-1]
+            assert isinstance(done, Complete) and done.finish_reason == FinishReason.LENGTH
+            # each request got its own tokens: the scripted executor echoes that request's prompt
+            assert done.token_ids == tokenizer.encode(prompt)[:6] or len(tokenizer.encode(prompt)) < 6
+        assert looper.num_in_flight == 0 and looper.num_open == 0
+    run(with_looper(tokenizer, body))
+
+
+def test_n_sequences_each_complete_once(tokenizer):
+    async def body(looper, ex, _):
+        events = await collect(looper.submit(make_request(tokenizer, n=3, max_new=5)))
+        completes = [e for e in events if isinstance(e, Complete)]
+        assert sorted(c.index for c in completes) == [0, 1, 2]
+        assert len({tuple(c.token_ids) for c in completes}) == 3  # the script rotates per sequence
+    run(with_looper(tokenizer, body))
+
+
+def test_stop_string_ends_sequence_and_cancels_executor(tokenizer):
+    async def body(looper, ex, _):
+        req = make_request(tokenizer, text="The quick brown fox jumps", max_new=50, stop=("brown",))
+        events = await collect(looper.submit(req))
+        done = events[-1]
+        assert done.finish_reason == FinishReason.STOP_SEQUENCE and done.matched_stop_str == "brown"
+        assert done.text == "The quick "
+        assert "".join(e.text for e in events if isinstance(e, Chunk)) == "The quick "
+        await asyncio.sleep(0.05)
+        assert ex.cancels, "the executor should be told to stop generating"
+        assert looper.num_in_flight == 0
+    run(with_looper(tokenizer, body))
+
+
+def test_stop_token_and_eos_finish_reasons(tokenizer):
+    ids = tokenizer.encode("Hello world")
+    async def body(looper, ex, _):
+        done = (await collect(looper.submit(make_request(tokenizer, stop_token_ids=(ids[1],)))))[-1]
+        assert done.finish_reason == FinishReason.STOP_TOKEN and done.matched_stop_token == ids[1]
+        ex.eos_token_id = ids[2]
+        done = (await collect(looper.submit(make_request(tokenizer, rid="e"))))[-1]
+        assert done.finish_reason == FinishReason.EOS and done.token_ids[-1] == ids[2]
+    run(with_looper(tokenizer, body))
+
+
+def test_cancel_before_submission_never_reaches_executor(tokenizer):
+    async def body():
+        ex = ScriptedExecutor()
+        looper = Looper(ex, tokenizer)
+        # submit and cancel before the thread runs, so the request is still in the channel
+        looper._loop, looper.alive = asyncio.get_running_loop(), True
+        stream = looper.submit(make_request(tokenizer, rid="early"))
+        stream.cancel()
+        looper.start()
+        try:
+            events = await collect(stream)
+            assert [e.finish_reason for e in events if isinstance(e, Complete)] == [FinishReason.CANCELLED]
+            assert ex.enqueued == [] and ex.cancels == []
+        finally:
+            looper.stop()
+            ex.shutdown()
+    run(body())
+
+
+def test_cancel_after_submission_frees_within_one_step(tokenizer):
+    async def body(looper, ex, _):
+        stream = looper.submit(make_request(tokenizer, max_new=10_000))
+        first = None
+        async for ev in stream.events():
+            first = ev
+            break
+        assert isinstance(first, Chunk)
+        stream.cancel()
+        for _ in range(100):
+            if looper.num_in_flight == 0 and ex.num_active == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert looper.num_in_flight == 0 and ex.num_active == 0
+        assert ex.cancels == [1]
+        rest = await collect(stream)
+        assert isinstance(rest[-1], Complete) and rest[-1].finish_reason == FinishReason.CANCELLED
+    run(with_looper(tokenizer, body, executor=ScriptedExecutor(tick=0.01)))
+
+
+def test_executor_error_on_one_request_leaves_others(tokenizer):
+    async def body(looper, ex, _):
+        good = looper.submit(make_request(tokenizer, rid="good", max_new=40))
+        bad = looper.submit(make_request(tokenizer, rid="bad", max_new=40))
+        await asyncio.sleep(0.05)
+        ex.fail_request(bad.executor_id, "device error")
+        with pytest.raises(RequestFailed) as err:
+            await collect(bad)
+        assert err.value.kind == ErrorKind.INTERNAL and "device error" in err.value.message
+        events = await collect(good)
+        assert events[-1].finish_reason == FinishReason.LENGTH and len(events[-1].token_ids) == 40
+        assert looper.alive
+    run(with_looper(tokenizer, body, executor=ScriptedExecutor(tick=0.005)))
+
+
+def test_enqueue_refusal_fails_only_that_request(tokenizer):
+    async def body(looper, ex, _):
+        refused = ValidRequest(request_id="x", prompt_token_ids=(0, 1), stopping=StoppingParams(max_new_tokens=13))
+        with pytest.raises(RequestFailed) as err:
+            await collect(looper.submit(refused))
+        assert err.value.kind == ErrorKind.INVALID_ARGUMENT
+        assert (await collect(looper.submit(make_request(tokenizer))))[-1].finish_reason == FinishReason.LENGTH
+    run(with_looper(tokenizer, body))
+
+
+def test_executor_death_fails_all_open_streams_and_reports(tokenizer):
+    async def body(looper, ex, deaths):
+        streams = [looper.submit(make_request(tokenizer, rid=f"d{i}", max_new=10_000)) for i in range(5)]
+        await asyncio.sleep(0.05)
+        ex.die("GPU fell off the bus")
+        for s in streams:
+            with pytest.raises(RequestFailed) as err:
+                await collect(s)
+            assert err.value.kind == ErrorKind.UNAVAILABLE and "GPU fell off the bus" in err.value.message
+        await asyncio.sleep(0.01)
+        assert deaths == ["GPU fell off the bus"] and not looper.alive
+        with pytest.raises(RequestFailed):
+            await collect(looper.submit(make_request(tokenizer, rid="late")))
+    run(with_looper(tokenizer, body))
+
+
+def test_deadline_expiry_cancels_in_executor(tokenizer):
+    async def body(looper, ex, _):
+        req = ValidRequest(request_id="dl", prompt_token_ids=(5, 6), stopping=StoppingParams(max_new_tokens=100_000),
+                           deadline=time.monotonic() + 0.05, stream=True)
+        with pytest.raises(RequestFailed) as err:
+            await collect(looper.submit(req))
+        assert err.value.kind == ErrorKind.DEADLINE_EXCEEDED
+        for _ in range(100):
+            if ex.num_active == 0 and looper.num_in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert ex.num_active == 0 and looper.num_in_flight == 0
+    run(with_looper(tokenizer, body))
+
+
+def test_logprobs_flow_through(tokenizer):
+    async def body(looper, ex, _):
+        req = ValidRequest(request_id="lp", prompt_token_ids=tuple(tokenizer.encode("Hello")), stream=False,
+                           stopping=StoppingParams(max_new_tokens=3), output=OutputParams(logprobs=True, top_logprobs=2))
+        done = (await collect(looper.submit(req)))[-1]
+        assert [lp.token_id for lp in done.logprobs] == done.token_ids
+        assert all(len(lp.top) == 2 for lp in done.logprobs)
+    run(with_looper(tokenizer, body))
+
+
+def test_idle_looper_blocks_instead_of_spinning(tokenizer):
+    async def body(looper, ex, _):
+        await collect(looper.submit(make_request(tokenizer)))
+        polls_before = ex.num_steps
+        cpu0 = time.thread_time()
+        await asyncio.sleep(0.3)
+        # the executor is idle and the looper blocks on the channel: no steps, no polling
+        assert ex.num_steps == polls_before
+        assert looper.num_in_flight == 0
+    run(with_looper(tokenizer, body))
