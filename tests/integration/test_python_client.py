@@ -76,6 +76,34 @@ def slow_address(tokenizer_dir):
     srv.close()
 
 
+# -- request building (no server) -----------------------------------------------------------------
+
+def test_every_option_lands_in_its_proto_field():
+    from tokenloop_client._request import PARAM_NAMES, build_generate
+
+    params = {"temperature": 0.5, "top_k": 4, "top_p": 0.9, "min_p": 0.1, "repetition_penalty": 1.1,
+              "presence_penalty": 0.2, "frequency_penalty": 0.3, "seed": 7, "max_new_tokens": 12,
+              "min_new_tokens": 2, "stop": "\n", "stop_token_ids": [5, 6], "ignore_eos": True,
+              "include_stop_str_in_output": True, "logprobs": True, "top_logprobs": 3,
+              "skip_special_tokens": False, "echo": True, "n": 2}
+    assert set(params) == PARAM_NAMES
+    req = build_generate(None, messages=[("user", "hi")], stream=True, request_id="r1", params=params)
+    assert req.request_id == "r1" and req.stream and req.n == 2
+    assert req.chat.messages[0].role == "user" and req.WhichOneof("input") == "chat"
+    assert req.sampling.top_k == 4 and req.sampling.seed == 7 and req.sampling.HasField("temperature")
+    assert list(req.stopping.stop) == ["\n"] and list(req.stopping.stop_token_ids) == [5, 6]
+    assert req.stopping.max_new_tokens == 12 and req.stopping.include_stop_str_in_output
+    assert req.output.HasField("skip_special_tokens") and not req.output.skip_special_tokens
+    assert req.output.top_logprobs == 3 and req.output.echo
+    unset = build_generate("x", stream=False, params={})
+    assert not unset.sampling.HasField("temperature") and not unset.stopping.HasField("max_new_tokens")
+    assert unset.request_id  # the client picks an id so abort() works before the first response
+    with pytest.raises(TypeError):
+        build_generate("x", stream=False, params={"max_tokens": 5})
+    with pytest.raises(ValueError):
+        build_generate("x", token_ids=[1], stream=False, params={})
+
+
 # -- real server: sync -----------------------------------------------------------------------------
 
 def test_sync_generate_returns_typed_result(address):

@@ -14,6 +14,7 @@ _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "pr
 _STOPPING = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos",
              "include_stop_str_in_output")
 _OUTPUT = ("logprobs", "top_logprobs", "skip_special_tokens", "echo")
+_REPEATED = ("stop", "stop_token_ids")
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class GenerationParams:
                 value = getattr(self, name)
                 if value is None:
                     continue
-                if isinstance(value, (list, tuple)):
-                    getattr(target, name).extend(value)
+                if name in _REPEATED:
+                    getattr(target, name).extend([value] if isinstance(value, (str, int)) else value)
                 else:
                     setattr(target, name, value)
         if self.n is not None:
