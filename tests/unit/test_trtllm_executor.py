@@ -278,3 +278,16 @@ def test_importing_tokenloop_never_imports_tensorrt_llm():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAKES, str(ROOT)]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_serve_without_tensorrt_llm_exits_with_the_sentence(tmp_path, tokenizer_dir):
+    """`tokenloop serve --backend trtllm` as a process: start-up stops with the one sentence."""
+    missing = tmp_path / "no_trtllm" / "tensorrt_llm"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text("raise ImportError('simulated: TensorRT-LLM is not installed')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(missing.parent), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-m", "tokenloop.service.cli", "serve", "--backend", "trtllm",
+                          "--model", str(tokenizer_dir), "--port", "0"],
+                         env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode != 0
+    assert MISSING_TRTLLM in out.stderr + out.stdout
