@@ -194,7 +194,7 @@ class TrtllmExecutor:
         if self._config.beam_width > 1:
             seqs = [(beam, beam) for beam in range(min(len(result.output_token_ids), tracked.request.n))]
         else:
-            seqs = [(result.sequence_index, 0)]
+            seqs = [(getattr(result, "sequence_index", 0), 0)]  # 0.1x results have no sequence index
         steps = [self._step(request_id, tracked, result, seq, beam) for seq, beam in seqs]
         if result.is_final:
             del self._tracked[request_id]
@@ -214,7 +214,7 @@ class TrtllmExecutor:
         step = Step(request_id, seq, tokens, logprobs=self._logprobs(tracked, result, beam, len(tokens)))
         if tokens:
             tracked.last_token[seq] = tokens[-1]
-        if not (result.is_sequence_final or result.is_final) or seq not in tracked.open_seqs:
+        if not (getattr(result, "is_sequence_final", False) or result.is_final) or seq not in tracked.open_seqs:
             return step
         tracked.open_seqs.discard(seq)
         step.is_final = True
