@@ -10,6 +10,7 @@ Hugging Face checkpoints). See docs/trtllm.md.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -92,10 +93,13 @@ def create_trtllm_executor(model_path: str, config: TrtllmConfig | None = None, 
         if "trtllm_api" in options:
             options["api"] = options.pop("trtllm_api")
         config = TrtllmConfig(**options)
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        raise RuntimeError(MISSING_TRTLLM)
     try:
         importlib.import_module("tensorrt_llm")
-    except ImportError:
-        raise RuntimeError(MISSING_TRTLLM) from None
+    except ImportError as exc:  # installed, but e.g. no CUDA driver on this machine
+        raise RuntimeError(f"TensorRT-LLM is installed but does not import ({exc}): check the GPU driver "
+                           "and CUDA libraries (see docs/trtllm.md)") from None
     card = ModelCard.from_dir(config.tokenizer_dir or model_path)
     api = config.api
     if api == "auto":

@@ -280,14 +280,22 @@ def test_importing_tokenloop_never_imports_tensorrt_llm():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_serve_without_tensorrt_llm_exits_with_the_sentence(tmp_path, tokenizer_dir):
+def test_serve_without_tensorrt_llm_exits_with_the_sentence(tokenizer_dir):
     """`tokenloop serve --backend trtllm` as a process: start-up stops with the one sentence."""
-    missing = tmp_path / "no_trtllm" / "tensorrt_llm"
-    missing.mkdir(parents=True)
-    (missing / "__init__.py").write_text("raise ImportError('simulated: TensorRT-LLM is not installed')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(missing.parent), str(ROOT)]))
-    out = subprocess.run([sys.executable, "-m", "tokenloop.service.cli", "serve", "--backend", "trtllm",
-                          "--model", str(tokenizer_dir), "--port", "0"],
-                         env=env, capture_output=True, text=True, timeout=120, check=False)
+    code = ("import sys; sys.modules['tensorrt_llm'] = None  # not installed, even where it is\n"
+            "from tokenloop.service.cli import main\n"
+            f"sys.exit(main(['serve', '--backend', 'trtllm', '--model', {str(tokenizer_dir)!r}, '--port', '0']))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         check=False)
     assert out.returncode != 0
     assert MISSING_TRTLLM in out.stderr + out.stdout
+
+
+def test_a_broken_install_is_told_apart_from_a_missing_one(tmp_path, monkeypatch, engine_dir):
+    package = tmp_path / "broken" / "tensorrt_llm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(package.parent))
+    monkeypatch.delitem(sys.modules, "tensorrt_llm", raising=False)
+    with pytest.raises(RuntimeError, match=r"TensorRT-LLM is installed but does not import \(libcuda\.so\.1"):
+        create_trtllm_executor(str(engine_dir))
