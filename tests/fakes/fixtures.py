@@ -18,15 +18,13 @@ def _forget_trtllm() -> None:
 
 @contextlib.contextmanager
 def fake_trtllm():
-    """Make `import tensorrt_llm` find the fake for the duration; yields the fake module."""
+    """Make `import tensorrt_llm` find the fake for the duration; yields the fake module.
+    Each use imports it afresh, so knobs a test turns (e.g. `_fake.LEGACY_NAMES`) do not leak."""
     _forget_trtllm()
     sys.path.insert(0, FAKES)
     try:
         import tensorrt_llm
-        from tensorrt_llm import _fake
-        saved = _fake.LEGACY_NAMES
         yield tensorrt_llm
-        _fake.LEGACY_NAMES = saved
     finally:
         sys.path.remove(FAKES)
         _forget_trtllm()
