@@ -119,6 +119,7 @@ class Looper:
                     self._pull_steps()  # 2+3) executor steps -> events
                     self._expire_deadlines()
                 self._fan_out()  # 4) one hand-off to the event loop
+            self._fan_out()  # stopping: deliver what _fail_all queued
         except EngineDeadError as exc:
             self._die(str(exc) or "the executor died")
         except Exception as exc:  # a bug here must not leave streams hanging

@@ -20,7 +20,7 @@ DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """A checkpoint-shaped directory with a byte-level BPE tokenizer and a ChatML template."""
-    return write_tokenizer_dir(tmp_path_factory.mktemp("tok-bytelevel"), "byte_level")
+    return write_tokenizer_dir(tmp_path_factory.mktemp("tok-bytelevel"), "byte_level", max_context=8192)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,149 @@
+"""The server's state: model metadata, validator, looper, admission, health, and the numbers it reports."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from tokenloop.looper.executor import Executor
+from tokenloop.looper.looper import Looper
+from tokenloop.looper.request import ValidRequest
+from tokenloop.looper.stream import Complete
+from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+from tokenloop.v1 import tokenloop_pb2 as pb
+
+from .admission import Admission
+from .config import ServerConfig
+from .errors import Unavailable
+from .validation import Limits, Validator
+
+log = logging.getLogger("tokenloop.service")
+
+SERVICE_NAMES = ("tokenloop.v1.TextGeneration", "trtllm.TrtllmService")
+
+
+class App:
+    """Shared by every servicer: readiness, the looper, and what GetLoad / GetModelInfo report."""
+
+    def __init__(self, config: ServerConfig, executor_factory: Callable[[ServerConfig], Executor]):
+        self.config = config
+        self._executor_factory = executor_factory
+        self.health = health.aio.HealthServicer()
+        self.admission = Admission(config.max_concurrent_requests, config.max_queue)
+        self.tokenizer: Tokenizer | None = None
+        self.card: ModelCard | None = None
+        self.validator: Validator | None = None
+        self.executor: Executor | None = None
+        self.looper: Looper | None = None
+        self.not_ready_reason = "the model is loading"
+        self.dead = asyncio.Event()
+        self.observers: list = []  # objects with on_request_end(valid, completes, code) / on_error(code)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("",) + SERVICE_NAMES:
+            await self.health.set(name, status)
+
+    def load_model(self) -> None:
+        """Blocking: tokenizer, model card, executor (run it in a thread)."""
+        cfg = self.config
+        self.tokenizer = Tokenizer.from_dir(cfg.model)
+        self.card = ModelCard.from_dir(cfg.model)
+        if cfg.model_id:
+            self.card = dataclasses.replace(self.card, model_id=cfg.model_id)
+        self.validator = Validator(self.tokenizer, self.card, Limits(
+            max_context_length=self.card.max_context_length, max_prompt_tokens=cfg.max_prompt_tokens,
+            max_new_tokens=cfg.max_new_tokens, default_max_new_tokens=min(cfg.default_max_new_tokens,
+                                                                          cfg.max_new_tokens),
+            max_n=cfg.max_n, max_stop_strings=cfg.max_stop_strings,
+            max_stop_string_length=cfg.max_stop_string_length))
+        self.executor = self._executor_factory(cfg)
+
+    async def start(self) -> None:
+        """Load the model (health NOT_SERVING meanwhile), start the looper, then serve."""
+        await self.set_serving(False)
+        await asyncio.to_thread(self.load_model)
+        loop = asyncio.get_running_loop()
+        self.looper = Looper(self.executor, self.tokenizer, poll_timeout=self.config.poll_timeout,
+                             on_death=self._on_death)
+        self.looper.start(loop)
+        self.not_ready_reason = ""
+        await self.set_serving(True)
+
+    def _on_death(self, reason: str) -> None:
+        self.not_ready_reason = f"the executor died: {reason}"
+        self.admission.close(self.not_ready_reason)
+        asyncio.ensure_future(self.set_serving(False))
+        self.dead.set()
+
+    async def drain(self, grace: float) -> None:
+        """Stop admitting, let in-flight requests finish within `grace`, then fail the rest."""
+        self.admission.close("the server is shutting down")
+        self.not_ready_reason = "the server is shutting down"
+        await self.set_serving(False)
+        if self.looper is None:
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        while self.looper.num_open and loop.time() < end:
+            await asyncio.sleep(0.05)
+        self.looper.stop()  # fails what is left with UNAVAILABLE
+        await asyncio.sleep(0.05)  # let the final hand-off reach the streams
+
+    def close(self) -> None:
+        if self.looper is not None:
+            self.looper.stop()
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def require_ready(self) -> None:
+        if self.not_ready_reason:
+            raise Unavailable(self.not_ready_reason)
+
+    # -- reporting -------------------------------------------------------------------------
+    def observe_end(self, valid: ValidRequest, completes: list[Complete], code: grpc.StatusCode) -> None:
+        for obs in self.observers:
+            obs.on_request_end(valid, completes, code)
+
+    def observe_error(self, code: grpc.StatusCode) -> None:
+        for obs in self.observers:
+            obs.on_error(code)
+
+    def model_info(self) -> pb.ModelInfo:
+        card, lim = self.card, self.validator.limits
+        info = pb.ModelInfo(
+            model_id=card.model_id, architecture=card.architecture, backend=self.config.backend,
+            max_context_length=card.max_context_length, vocab_size=self.validator.vocab_size,
+            eos_token_ids=card.eos_token_ids, has_chat_template=self.tokenizer.chat_template is not None,
+            max_new_tokens_limit=lim.max_new_tokens, max_n=lim.max_n, dtype=self.dtype)
+        if card.bos_token_id is not None:
+            info.bos_token_id = card.bos_token_id
+        return info
+
+    @property
+    def dtype(self) -> str:
+        return str(getattr(self.executor, "dtype", self.card.torch_dtype)).removeprefix("torch.")
+
+    def load(self) -> pb.Load:
+        adm = self.admission
+        load = pb.Load(max_concurrent_requests=adm.max_concurrent, max_queue=adm.max_queue,
+                       num_waiting=adm.num_waiting)
+        if self.executor is None or self.looper is None:
+            return load
+        s = self.executor.stats()
+        load.num_running = s.num_running
+        load.num_waiting = adm.num_waiting + s.num_waiting
+        load.kv_blocks_used = s.kv_blocks_used
+        load.kv_blocks_total = s.kv_blocks_total
+        load.kv_block_size = s.tokens_per_block
+        load.kv_cache_utilization = s.kv_cache_utilization
+        load.num_in_flight = max(self.looper.num_open, self.looper.num_in_flight)
+        load.step_latency_s = s.step_latency_s
+        load.num_preemptions = s.num_preemptions
+        return load

@@ -1,0 +1,103 @@
+"""`tokenloop serve ...`: the server's command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from .config import DEFAULT_MODEL_DIR, ServerConfig
+
+# flags handed to the executor factory as keyword arguments when given
+ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens", "max_batch_size", "dtype",
+                "num_threads", "block_size", "enable_prefix_caching")
+TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
+                "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
+                "max_batch_size", "max_num_tokens")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloop", description="gRPC text-generation worker")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over gRPC",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = ServerConfig()
+    s.add_argument("--model", default=None, help=f"checkpoint directory (default: {DEFAULT_MODEL_DIR}, made by `make model`)")
+    s.add_argument("--backend", choices=("engine", "trtllm"), default=d.backend)
+    s.add_argument("--host", default=d.host)
+    s.add_argument("--port", type=int, default=d.port)
+    s.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0: off)")
+    s.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
+    s.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting for a slot before RESOURCE_EXHAUSTED")
+    s.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="largest max_new_tokens accepted")
+    s.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    s.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0: the model's context minus one")
+    s.add_argument("--max-n", type=int, default=d.max_n)
+    s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    s.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
+                   help="abort a stream whose reader stopped reading for this long (0: never)")
+    s.add_argument("--model-id", default="", help="name reported by GetModelInfo (default: the directory's name)")
+    s.add_argument("--log-level", default=d.log_level, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    e = s.add_argument_group("embedded engine (--backend engine)")
+    e.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens")
+    e.add_argument("--kv-cache-memory-fraction", type=float, default=None, help="KV-cache size as a fraction of free memory")
+    e.add_argument("--max-num-tokens", type=int, default=None, help="token budget of one engine step")
+    e.add_argument("--max-batch-size", type=int, default=None, help="sequences in one step")
+    e.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    e.add_argument("--num-threads", type=int, default=None, help="torch threads")
+    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    t = s.add_argument_group("TensorRT-LLM (--backend trtllm)")
+    t.add_argument("--trtllm-api", choices=("auto", "llm", "executor"), default=None)
+    t.add_argument("--kv-cache-free-gpu-memory-fraction", type=float, default=None)
+    t.add_argument("--enable-block-reuse", action=argparse.BooleanOptionalAction, default=None)
+    t.add_argument("--enable-chunked-context", action=argparse.BooleanOptionalAction, default=None)
+    t.add_argument("--scheduler-policy", choices=("max_utilization", "guaranteed_no_evict"), default=None)
+    t.add_argument("--tensor-parallel-size", type=int, default=None)
+    t.add_argument("--pipeline-parallel-size", type=int, default=None)
+    t.add_argument("--beam-width", type=int, default=None)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    names = TRTLLM_FLAGS if args.backend == "trtllm" else ENGINE_FLAGS
+    options = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    return ServerConfig(
+        model=args.model or str(DEFAULT_MODEL_DIR), backend=args.backend, host=args.host, port=args.port,
+        metrics_port=args.metrics_port, max_concurrent_requests=args.max_concurrent_requests,
+        max_queue=args.max_queue, shutdown_grace=args.shutdown_grace, max_new_tokens=args.max_new_tokens,
+        default_max_new_tokens=args.default_max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+        max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
+        model_id=args.model_id, log_level=args.log_level, executor_options=options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"tokenloop: {exc}", file=sys.stderr)
+        return 2
+    if args.backend == "engine" and not (Path(config.model) / "config.json").is_file():
+        hint = " (run `make model` to prepare the default model)" if args.model is None else ""
+        print(f"tokenloop: no checkpoint at {config.model}{hint}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    return runner(_serve(config))
+
+
+async def _serve(config: ServerConfig) -> int:
+    from .server import run
+    return await run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Server configuration: one dataclass filled from the command line, checked on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Everything `tokenloop serve` takes."""
+
+    model: str = str(DEFAULT_MODEL_DIR)
+    backend: str = "engine"  # engine | trtllm
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0  # 0: no metrics endpoint
+    max_concurrent_requests: int = 64
+    max_queue: int = 256
+    shutdown_grace: float = 30.0
+    max_new_tokens: int = 4096
+    default_max_new_tokens: int = 256
+    max_prompt_tokens: int = 0  # 0: the model's context minus one
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256
+    max_message_bytes: int = 16 * 1024 * 1024
+    poll_timeout: float = 0.02
+    stall_timeout: float = 60.0  # a stream whose reader stops reading this long is aborted (0: never)
+    exit_on_engine_death: bool = True
+    model_id: str = ""  # default: the model directory's name
+    log_level: str = "INFO"
+    executor_options: dict = field(default_factory=dict)  # passed to the backend's factory
+
+    def __post_init__(self):
+        if self.backend not in ("engine", "trtllm"):
+            raise ValueError(f"--backend must be 'engine' or 'trtllm'; got {self.backend!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("--port must be between 0 and 65535")
+        if self.max_concurrent_requests < 1:
+            raise ValueError("--max-concurrent-requests must be >= 1")
+        if self.max_queue < 0:
+            raise ValueError("--max-queue must be >= 0")
+        if self.shutdown_grace < 0:
+            raise ValueError("--shutdown-grace must be >= 0")

@@ -1,0 +1,72 @@
+"""One error family, mapped to gRPC status codes in one place."""
+
+from __future__ import annotations
+
+import grpc
+
+from tokenloop.looper.stream import ErrorKind, RequestFailed
+
+
+class ServiceError(Exception):
+    """An error the client gets as a gRPC status with this message (never a traceback)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, trailers: tuple[tuple[str, str], ...] = ()):
+        super().__init__(message)
+        self.message = message
+        self.trailers = trailers
+
+
+class ValidationError(ServiceError):
+    """Bad input: the message names the field and the rule. `rule` is a stable identifier."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, rule: str, message: str):
+        super().__init__(message)
+        self.rule = rule
+
+
+class Overloaded(ServiceError):
+    """Admission is full: the client should retry later (hint in `grpc-retry-pushback-ms`)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    """Loading, draining, or the executor died."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class AlreadyExists(ServiceError):
+    """A request with this id is already in flight."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+_KIND_TO_CODE = {
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
+    """The (code, message, trailing metadata) a client sees for an exception."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message, exc.trailers
+    if isinstance(exc, RequestFailed):
+        return _KIND_TO_CODE[exc.kind], exc.message, ()
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})", ()
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the RPC with the status for `exc`."""
+    code, message, trailers = status_of(exc)
+    if trailers:
+        context.set_trailing_metadata(trailers)
+    await context.abort(code, message)

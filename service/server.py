@@ -1,0 +1,121 @@
+"""The gRPC server: servicers, health, reflection, transport options, start-up and draining."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tokenloop.looper.executor import Executor
+from tokenloop.v1 import tokenloop_pb2, tokenloop_pb2_grpc
+
+from .app import App
+from .config import ServerConfig
+from .servicer import TextGenerationServicer
+
+log = logging.getLogger("tokenloop.service")
+
+
+def default_executor_factory(config: ServerConfig) -> Executor:
+    """The executor for `--backend`: the embedded engine or TensorRT-LLM (imported lazily)."""
+    if config.backend == "trtllm":
+        from tokenloop.looper.trtllm import create_trtllm_executor
+        return create_trtllm_executor(config.model, **config.executor_options)
+    from tokenloop.engine.config import EngineConfig
+    from tokenloop.engine.engine import Engine
+    return Engine.from_dir(config.model, EngineConfig(**config.executor_options))
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Transport settings that tolerate routers' keepalive pings from idle connections."""
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class Server:
+    """One tokenloop server: `await start()`, then `await wait()` or `await stop()`."""
+
+    def __init__(self, config: ServerConfig,
+                 executor_factory: Callable[[ServerConfig], Executor] = default_executor_factory):
+        self.config = config
+        self.app = App(config, executor_factory)
+        self.grpc = grpc.aio.server(options=grpc_options(config))
+        self.port = 0
+        self.extra_services: list[str] = []
+        self._stop = asyncio.Event()
+
+    def _add_services(self) -> None:
+        tokenloop_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.app), self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.app.health, self.grpc)
+        names = [tokenloop_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        try:
+            from .trtllm_service import add_trtllm_service  # router API (SMG)
+            names.append(add_trtllm_service(self.app, self.grpc))
+        except ImportError:
+            pass
+        reflection.enable_server_reflection(names + [reflection.SERVICE_NAME], self.grpc)
+
+    async def start(self) -> int:
+        """Listen (health NOT_SERVING), load the model, start the looper, serve. Returns the port."""
+        self._add_services()
+        self.port = self.grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await self.grpc.start()
+        await self.app.start()
+        log.info("tokenloop ready: serving %s (backend %s) on %s:%d", self.app.card.model_id,
+                 self.config.backend, self.config.host, self.port)
+        return self.port
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait(self) -> int:
+        """Serve until a stop is requested (SIGTERM/SIGINT) or the executor dies; returns an exit code."""
+        stop = asyncio.ensure_future(self._stop.wait())
+        dead = asyncio.ensure_future(self.app.dead.wait())
+        await asyncio.wait([stop, dead], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        dead.cancel()
+        died = self.app.dead.is_set()
+        await self.stop(grace=1.0 if died else self.config.shutdown_grace)
+        return 1 if died and self.config.exit_on_engine_death else 0
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain in-flight requests within `grace` seconds, fail the rest, close everything."""
+        grace = self.config.shutdown_grace if grace is None else grace
+        log.info("draining (grace %.1fs)", grace)
+        await self.app.drain(grace)
+        await self.grpc.stop(1.0)
+        await asyncio.to_thread(self.app.close)
+        log.info("stopped")
+
+
+async def run(config: ServerConfig) -> int:
+    """Run a server until SIGTERM/SIGINT; exit code 0 after a clean drain."""
+    server = Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_stop)
+    try:
+        await server.start()
+    except Exception as exc:
+        log.error("start-up failed: %s", exc)
+        await server.grpc.stop(0)
+        return 2
+    return await server.wait()

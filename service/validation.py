@@ -1,0 +1,176 @@
+"""Validate once, at the door: protobuf request -> frozen `ValidRequest`, one named error per rule.
+
+Nothing below this module sees a raw protobuf message. Each rule raises `ValidationError`
+with a stable `rule` id and a message naming the field and the rule (tested exactly).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
+from tokenloop.looper.tokenizer import ChatTemplateError, ModelCard, Tokenizer
+
+from .errors import ValidationError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may ask for."""
+
+    max_context_length: int
+    max_prompt_tokens: int = 0  # 0: the model's context minus one
+    max_new_tokens: int = 4096
+    default_max_new_tokens: int = 256
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256
+    max_request_id_length: int = 256
+
+    def __post_init__(self):
+        if self.max_context_length < 2:
+            raise ValueError("max_context_length must be >= 2")
+        if self.max_prompt_tokens <= 0 or self.max_prompt_tokens >= self.max_context_length:
+            object.__setattr__(self, "max_prompt_tokens", self.max_context_length - 1)
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
+            raise ValueError("default_max_new_tokens must be between 1 and max_new_tokens")
+        if self.max_n < 1:
+            raise ValueError("max_n must be >= 1")
+
+
+def _check(ok: bool, rule: str, message: str) -> None:
+    if not ok:
+        raise ValidationError(rule, message)
+
+
+def _finite(value: float, name: str) -> float:
+    _check(math.isfinite(value), f"{name}_not_finite", f"`{name}` must be a finite number")
+    return value
+
+
+class Validator:
+    """Turns protobuf requests into validated dataclasses for one model."""
+
+    def __init__(self, tokenizer: Tokenizer, card: ModelCard, limits: Limits):
+        self.tokenizer = tokenizer
+        self.card = card
+        self.limits = limits
+        self.vocab_size = max(card.vocab_size, tokenizer.vocab_size)
+
+    # -- inputs ----------------------------------------------------------------------------
+    def chat_messages(self, chat) -> list[dict[str, str]]:
+        _check(len(chat.messages) > 0, "empty_chat", "`chat.messages` must not be empty")
+        messages = []
+        for i, m in enumerate(chat.messages):
+            _check(m.role in CHAT_ROLES, "unknown_chat_role",
+                   f"`chat.messages[{i}].role` must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}")
+            messages.append({"role": m.role, "content": m.content})
+        return messages
+
+    def render_chat(self, chat) -> str:
+        messages = self.chat_messages(chat)
+        _check(self.tokenizer.chat_template is not None, "no_chat_template",
+               "`chat` input needs a model with a chat template; this model has none (send `text`)")
+        try:
+            return self.tokenizer.apply_chat_template(messages)
+        except ChatTemplateError as exc:
+            raise ValidationError("chat_template_failed", f"`chat` could not be rendered: {exc}") from None
+
+    def prompt(self, request) -> tuple[tuple[int, ...], str]:
+        """(prompt token ids, prompt text) of a request with a `text` / `token_ids` / `chat` input."""
+        which = request.WhichOneof("input")
+        _check(which is not None, "empty_input", "`input` must be set: one of `text`, `token_ids`, `chat`")
+        if which == "text":
+            _check(len(request.text) > 0, "empty_text", "`text` must not be empty")
+            text = request.text
+        elif which == "chat":
+            text = self.render_chat(request.chat)
+        else:
+            ids = tuple(request.token_ids.ids)
+            _check(len(ids) > 0, "empty_token_ids", "`token_ids.ids` must not be empty")
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            _check(bad is None, "token_id_out_of_range",
+                   f"`token_ids.ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
+            return ids, ""
+        ids = tuple(self.tokenizer.encode(text, add_special_tokens=self.tokenizer.add_bos))
+        _check(len(ids) > 0, "empty_prompt", "the prompt encodes to no tokens")
+        return ids, text
+
+    # -- parameters ------------------------------------------------------------------------
+    def sampling(self, request) -> SamplingParams:
+        s = request.sampling
+        card = self.card
+        temperature = _finite(s.temperature, "sampling.temperature") if s.HasField("temperature") else (
+            card.default_temperature if card.default_temperature is not None else 1.0)
+        _check(temperature >= 0, "temperature", "`sampling.temperature` must be >= 0")
+        top_p = _finite(s.top_p, "sampling.top_p") if s.HasField("top_p") else (card.default_top_p or 1.0)
+        _check(0 < top_p <= 1, "top_p", "`sampling.top_p` must be > 0 and <= 1")
+        _check(s.top_k >= 0, "top_k", "`sampling.top_k` must be >= 0 (0 disables it)")
+        _check(0 <= _finite(s.min_p, "sampling.min_p") <= 1, "min_p", "`sampling.min_p` must be between 0 and 1")
+        rep = _finite(s.repetition_penalty, "sampling.repetition_penalty") if s.HasField("repetition_penalty") else 1.0
+        _check(rep > 0, "repetition_penalty", "`sampling.repetition_penalty` must be > 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check(-2 <= _finite(getattr(s, name), f"sampling.{name}") <= 2, name,
+                   f"`sampling.{name}` must be between -2 and 2")
+        seed = s.seed if s.HasField("seed") else random.getrandbits(63)
+        return SamplingParams(temperature=temperature, top_k=s.top_k, top_p=top_p, min_p=s.min_p,
+                              repetition_penalty=rep, presence_penalty=s.presence_penalty,
+                              frequency_penalty=s.frequency_penalty, seed=seed)
+
+    def stopping(self, request, num_prompt: int) -> StoppingParams:
+        st, lim = request.stopping, self.limits
+        room = lim.max_context_length - num_prompt
+        if st.HasField("max_new_tokens"):
+            max_new = st.max_new_tokens
+            _check(1 <= max_new <= lim.max_new_tokens, "max_new_tokens",
+                   f"`stopping.max_new_tokens` must be between 1 and {lim.max_new_tokens}; got {max_new}")
+            _check(max_new <= room, "context_exceeded",
+                   f"the prompt ({num_prompt} tokens) plus `stopping.max_new_tokens` ({max_new}) exceeds the "
+                   f"model's context of {lim.max_context_length} tokens")
+        else:
+            max_new = min(lim.default_max_new_tokens, room)
+        _check(st.min_new_tokens <= max_new, "min_new_tokens",
+               f"`stopping.min_new_tokens` ({st.min_new_tokens}) must be <= max_new_tokens ({max_new})")
+        _check(len(st.stop) <= lim.max_stop_strings, "too_many_stop_strings",
+               f"`stopping.stop` may hold at most {lim.max_stop_strings} strings; got {len(st.stop)}")
+        for i, stop in enumerate(st.stop):
+            _check(0 < len(stop) <= lim.max_stop_string_length, "stop_string_length",
+                   f"`stopping.stop[{i}]` must be 1 to {lim.max_stop_string_length} characters long")
+        bad = next((t for t in st.stop_token_ids if t >= self.vocab_size), None)
+        _check(bad is None, "stop_token_id_out_of_range",
+               f"`stopping.stop_token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
+        return StoppingParams(max_new_tokens=max_new, min_new_tokens=st.min_new_tokens, stop=tuple(st.stop),
+                              stop_token_ids=tuple(st.stop_token_ids), ignore_eos=st.ignore_eos,
+                              include_stop_str_in_output=st.include_stop_str_in_output)
+
+    def output(self, request) -> OutputParams:
+        o = request.output
+        _check(o.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+               f"`output.top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {o.top_logprobs}")
+        skip = o.skip_special_tokens if o.HasField("skip_special_tokens") else True
+        return OutputParams(logprobs=o.logprobs or o.top_logprobs > 0, top_logprobs=o.top_logprobs,
+                            skip_special_tokens=skip, echo=o.echo)
+
+    def request_id(self, request_id: str) -> str:
+        _check(len(request_id) <= self.limits.max_request_id_length and request_id.isprintable(),
+               "request_id", f"`request_id` must be printable and at most {self.limits.max_request_id_length} "
+               "characters")
+        return request_id
+
+    # -- the whole request -----------------------------------------------------------------
+    def generate(self, request, request_id: str, deadline: float | None = None) -> ValidRequest:
+        """Validate a `GenerateRequest`; raises ValidationError naming the first broken rule."""
+        n = request.n or 1
+        _check(1 <= n <= self.limits.max_n, "n", f"`n` must be between 1 and {self.limits.max_n}; got {n}")
+        ids, text = self.prompt(request)
+        _check(len(ids) <= self.limits.max_prompt_tokens, "prompt_too_long",
+               f"the prompt has {len(ids)} tokens; the limit is {self.limits.max_prompt_tokens}")
+        return ValidRequest(
+            request_id=self.request_id(request_id), prompt_token_ids=ids, sampling=self.sampling(request),
+            stopping=self.stopping(request, len(ids)), output=self.output(request), n=n,
+            stream=request.stream, prompt_text=text, deadline=deadline)

@@ -1,0 +1,234 @@
+"""tokenloop.v1 through a real grpc.aio server on loopback (scripted executor, real tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tests.conftest import run
+from tests.integration.service_harness import serving
+from tests.scripted_executor import ScriptedExecutor
+from tokenloop.v1 import tokenloop_pb2 as pb
+
+HELLO = "Hello world, hello gRPC streams."
+
+
+def gen(text=HELLO, max_new=8, stream=True, **kw):
+    return pb.GenerateRequest(text=text, stream=stream, stopping=pb.StoppingCriteria(max_new_tokens=max_new), **kw)
+
+
+async def wait_for(predicate, timeout=3.0):
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+def test_streaming_generate_chunks_then_complete(tokenizer_dir, tokenizer):
+    async def body():
+        async with serving(tokenizer_dir) as (server, stub, ex):
+            msgs = [m async for m in stub.Generate(gen(request_id="abc", max_new=10))]
+            assert {m.request_id for m in msgs} == {"abc"}
+            chunks = [m.chunk for m in msgs if m.HasField("chunk")]
+            done = msgs[-1].complete
+            assert msgs[-1].HasField("complete") and len(chunks) >= 2
+            assert "".join(c.text for c in chunks) == done.text == tokenizer.decode(done.token_ids)
+            assert done.finish_reason == pb.LENGTH and done.usage.completion_tokens == 10
+            assert done.usage.prompt_tokens == len(tokenizer.encode(HELLO))
+            assert done.timing.total_s >= done.timing.ttft_s > 0
+    run(body())
+
+
+def test_unary_style_generate_and_inputs(tokenizer_dir, tokenizer):
+    async def body():
+        async with serving(tokenizer_dir) as (server, stub, ex):
+            (msg,) = [m async for m in stub.Generate(gen(stream=False, max_new=4, n=1,
+                                                          output=pb.OutputOptions(echo=True, logprobs=True)))]
+            assert msg.complete.prompt_text == HELLO and len(msg.complete.logprobs) == 4
+            ids = tokenizer.encode("Hello")
+            (msg,) = [m async for m in stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids)))]
+            assert msg.complete.usage.prompt_tokens == len(ids)
+            chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="Hi")])
+            (msg,) = [m async for m in stub.Generate(pb.GenerateRequest(chat=chat, output=pb.OutputOptions(echo=True)))]
+            assert msg.complete.prompt_text.endswith("<|im_start|>assistant\n")
+            n3 = [m async for m in stub.Generate(gen(stream=False, n=3, max_new=3))]
+            assert sorted(m.complete.index for m in n3) == [0, 1, 2]
+    run(body())
+
+
+def test_invalid_argument_names_field_and_server_keeps_serving(tokenizer_dir):
+    async def body():
+        async with serving(tokenizer_dir) as (server, stub, ex):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(gen(sampling=pb.SamplingParams(top_p=2.0)))]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == "`sampling.top_p` must be > 0 and <= 1"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(pb.GenerateRequest())]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            msgs = [m async for m in stub.Generate(gen())]
+            assert msgs[-1].complete.finish_reason == pb.LENGTH
+    run(body())
+
+
+def test_tokenize_detokenize_model_info(tokenizer_dir, tokenizer):
+    async def body():
+        async with serving(tokenizer_dir) as (server, stub, ex):
+            tok = await stub.Tokenize(pb.TokenizeRequest(text="Hello 😀"))
+            assert list(tok.token_ids) == tokenizer.encode("Hello 😀") and len(tok.tokens) == len(tok.token_ids)
+            text = await stub.Detokenize(pb.DetokenizeRequest(token_ids=tok.token_ids))
+            assert text.text == "Hello 😀"
+            chat = await stub.Tokenize(pb.TokenizeRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="Hi")])))
+            assert chat.text.startswith("<|im_start|>user")
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+            assert info.architecture == "LlamaForCausalLM" and info.max_context_length == 8192 and info.has_chat_template
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Detokenize(pb.DetokenizeRequest(token_ids=[10**6]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    run(body())
+
+
+def test_client_disconnect_frees_request_within_one_step(tokenizer_dir):
+    async def body():
+        ex = ScriptedExecutor(tick=0.02)
+        async with serving(tokenizer_dir, executor=ex) as (server, stub, _):
+            call = stub.Generate(gen(max_new=4000))
+            async for _ in call:
+                break  # one chunk arrived: the request is running
+            load = await stub.GetLoad(pb.GetLoadRequest())
+            assert load.num_in_flight == 1 and load.num_running == 1
+            call.cancel()  # the client hangs up
+            assert await wait_for(lambda: ex.num_active == 0)
+            assert ex.cancels == [1]
+            load = await stub.GetLoad(pb.GetLoadRequest())
+            assert load.num_in_flight == 0 and load.num_running == 0
+    run(body())
+
+
+def test_abort_rpc_is_idempotent_and_ends_with_cancelled(tokenizer_dir):
+    async def body():
+        async with serving(tokenizer_dir, executor=ScriptedExecutor(tick=0.02)) as (server, stub, ex):
+            call = stub.Generate(gen(request_id="job-1", max_new=4000))
+            async for _ in call:
+                break
+            assert (await stub.Abort(pb.AbortRequest(request_id="job-1"))).found
+            assert not (await stub.Abort(pb.AbortRequest(request_id="job-1"))).found
+            assert not (await stub.Abort(pb.AbortRequest(request_id="never-existed"))).found
+            rest = [m async for m in call]
+            assert rest[-1].complete.finish_reason == pb.CANCELLED
+    run(body())
+
+
+def test_duplicate_request_id_is_refused(tokenizer_dir):
+    async def body():
+        async with serving(tokenizer_dir, executor=ScriptedExecutor(tick=0.02)) as (server, stub, ex):
+            call = stub.Generate(gen(request_id="dup", max_new=4000))
+            async for _ in call:
+                break
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(gen(request_id="dup"))]
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            call.cancel()
+    run(body())
+
+
+def test_admission_limits_answer_resource_exhausted(tokenizer_dir):
+    async def body():
+        ex = ScriptedExecutor(tick=0.02)
+        async with serving(tokenizer_dir, executor=ex, max_concurrent_requests=2, max_queue=1) as (server, stub, _):
+            calls = [stub.Generate(gen(request_id=f"c{i}", max_new=4000)) for i in range(3)]
+            for c in calls[:2]:
+                async for _ in c:
+                    break
+            await asyncio.sleep(0.1)  # the third waits for a slot
+            load = await stub.GetLoad(pb.GetLoadRequest())
+            assert load.num_waiting >= 1 and load.max_concurrent_requests == 2
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(gen())]
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert ("grpc-retry-pushback-ms", "500") in tuple(err.value.trailing_metadata())
+            calls[0].cancel()  # frees a slot: the waiting one gets it
+            async for m in calls[2]:
+                assert m.HasField("chunk")
+                break
+            for c in calls:
+                c.cancel()
+    run(body())
+
+
+def test_deadline_exceeded(tokenizer_dir):
+    async def body():
+        ex = ScriptedExecutor(tick=0.02)
+        async with serving(tokenizer_dir, executor=ex) as (server, stub, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(gen(max_new=4000), timeout=0.3)]
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert await wait_for(lambda: ex.num_active == 0)
+    run(body())
+
+
+def test_health_and_reflection(tokenizer_dir):
+    async def body():
+        ex = ScriptedExecutor(tick=0.02)
+        async with serving(tokenizer_dir, executor=ex) as (server, stub, _):
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", "tokenloop.v1.TextGeneration"):
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=name))
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+            responses = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            names = {s.name async for r in responses for s in r.list_services_response.service}
+            assert {"tokenloop.v1.TextGeneration", "grpc.health.v1.Health"} <= names
+            # the executor dies: open streams get UNAVAILABLE, health turns NOT_SERVING
+            call = stub.Generate(gen(max_new=4000))
+            async for _ in call:
+                break
+            ex.die("injected fault")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in call]
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "injected fault" in err.value.details()
+            await asyncio.sleep(0.1)
+            resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(gen())]
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            await channel.close()
+    run(body())
+
+
+def test_drain_finishes_in_flight_then_refuses(tokenizer_dir):
+    async def body():
+        ex = ScriptedExecutor(tick=0.01)
+        async with serving(tokenizer_dir, executor=ex) as (server, stub, _):
+            call = stub.Generate(gen(max_new=30))
+            async for _ in call:
+                break
+            drain = asyncio.ensure_future(server.app.drain(grace=5.0))
+            await asyncio.sleep(0.05)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(gen())]
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest = [m async for m in call]
+            assert rest[-1].complete.finish_reason == pb.LENGTH  # finished within the grace period
+            await drain
+    run(body())
+
+
+def test_drain_grace_expiry_fails_the_rest_with_unavailable(tokenizer_dir):
+    async def body():
+        async with serving(tokenizer_dir, executor=ScriptedExecutor(tick=0.05)) as (server, stub, ex):
+            call = stub.Generate(gen(max_new=4000))
+            async for _ in call:
+                break
+            await server.app.drain(grace=0.2)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in call]
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    run(body())
