@@ -34,7 +34,7 @@ def node() -> str:
 def test_node_example_streams_a_completion(node):
     address = live_address()
     run = subprocess.run([node, "stream.js", "--chat", "What is the capital of France?", "--address", address,
-                          "--max-new-tokens", "16"], cwd=NODE_DIR, check=False,
+                          "--max-new-tokens", "16", "--temperature=0"], cwd=NODE_DIR, check=False,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "Paris" in run.stdout

@@ -241,9 +241,11 @@ class FlakyServicer(pb_grpc.TextGenerationServicer):
         self.num_calls = 0
         self.num_load_calls = 0
         self.metadata: list[dict] = []
+        self.requests: list[pb.GenerateRequest] = []
 
     def Generate(self, request, context):
         self.num_calls += 1
+        self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
         if self.num_calls <= self.num_failures:
             if self.after_first_chunk:
@@ -414,6 +416,21 @@ def test_cli_chat_keeps_the_conversation(fake, monkeypatch, capsys):
         [system, ("user", "banana")],  # /reset dropped the first exchange, kept the system prompt
         [system, ("user", "banana"), ("assistant", "ok"), ("user", "cherry")],
     ]
+
+
+def test_cli_generate_sends_zero_values_and_leaves_the_rest_unset(fake, capsys):
+    from tokenloop_client import cli
+
+    servicer = FlakyServicer(num_failures=0)
+    args = ["--address", fake(servicer), "generate", "x", "--temperature", "0", "--seed", "0", "--stream"]
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out == "Hello\n"
+    [req] = servicer.requests
+    assert req.stream and req.text == "x"
+    assert req.sampling.HasField("temperature") and req.sampling.temperature == 0.0  # 0 = greedy, not unset
+    assert req.sampling.HasField("seed") and req.sampling.seed == 0
+    assert not req.sampling.HasField("top_p") and not req.stopping.HasField("max_new_tokens")
+    assert not req.stopping.ignore_eos and list(req.stopping.stop) == []
 
 
 def test_cli_bench_json_and_plot(address, capsys, tmp_path):

@@ -24,7 +24,9 @@ def _client_kwargs(args: argparse.Namespace) -> dict:
 
 def _params(args: argparse.Namespace) -> dict:
     names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos")
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) not in (None, False, [])}
+    values = {name: getattr(args, name, None) for name in names}
+    # unset options stay unset (server defaults); 0 and 0.0 are real values (temperature 0 = greedy)
+    return {name: v for name, v in values.items() if v is not None and v is not False and v != []}
 
 
 def _summary(result: GenerateResult) -> str:
@@ -256,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stderr.close()
+        return 0
     return 0
 
 
