@@ -90,23 +90,25 @@ def test_describe_generate_request_through_reflection(buf, url, tmp_path):
 
 
 def test_unary_generate(buf, url, tmp_path):
-    run = curl(buf, tmp_path, "-d", '{"text":"The capital of France is","stopping":{"maxNewTokens":8}}',
-               f"{url}/tokenloop.v1.TextGeneration/Generate")
+    body = '{"text":"The capital of France is","sampling":{"temperature":0},"stopping":{"maxNewTokens":16}}'
+    run = curl(buf, tmp_path, "-d", body, f"{url}/tokenloop.v1.TextGeneration/Generate")
     assert run.returncode == 0, run.stderr
-    [only] = messages(run.stdout)
+    [only] = messages(run.stdout)  # stream false: a single `complete`
     assert only["complete"]["finishReason"] in ("LENGTH", "EOS")
-    assert 0 < only["complete"]["usage"]["completionTokens"] <= 8
-    assert only["complete"]["text"]
+    assert 0 < only["complete"]["usage"]["completionTokens"] <= 16
+    assert "Paris" in only["complete"]["text"]
 
 
 def test_streaming_generate(buf, url, tmp_path):
-    body = '{"text":"The capital of France is","stream":true,"stopping":{"maxNewTokens":8,"ignoreEos":true}}'
+    body = ('{"chat":{"messages":[{"role":"user","content":"What is the capital of France?"}]},'
+            '"stream":true,"sampling":{"temperature":0}}')
     run = curl(buf, tmp_path, "-d", body, f"{url}/tokenloop.v1.TextGeneration/Generate")
     assert run.returncode == 0, run.stderr
     got = messages(run.stdout)
     chunks, last = got[:-1], got[-1]
-    assert chunks and all("chunk" in m for m in chunks)
-    assert last["complete"]["finishReason"] == "LENGTH"
+    assert len(chunks) >= 2 and all("chunk" in m for m in chunks)
+    assert last["complete"]["finishReason"] == "EOS"
+    assert "Paris" in last["complete"]["text"]
     assert "".join(m["chunk"].get("text", "") for m in chunks) == last["complete"]["text"]
 
 
