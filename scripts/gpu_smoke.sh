@@ -15,7 +15,7 @@
 #   E2E=1                                 0 skips the end-to-end suite
 set -uo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 MODEL="${MODEL:-models/SmolLM2-135M-Instruct}"
 PORT="${PORT:-50151}"
 PYTHON="${PYTHON:-python3}"
