@@ -40,7 +40,7 @@ class Engine:
         self.config = config or EngineConfig()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-            set_blas_threads(self.config.num_threads)
+        set_blas_threads(1)  # see matmul.py: spinning OpenBLAS workers starve torch's threads
         self.card = ModelCard.from_dir(model_dir)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.max_context_length = min(self.model_config.max_context_length,

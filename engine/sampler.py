@@ -108,12 +108,14 @@ def _process(row: torch.Tensor, seq: Sequence, eos_token_ids: tuple[int, ...]) -
 
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> list[Sample]:
     """Choose the next token of each sequence. logits [S, V] float32, row i belongs to seqs[i]."""
-    rows = [_process(logits[i], seq, eos_token_ids) for i, seq in enumerate(seqs)]
+    greedy_ids = logits.argmax(-1).tolist()  # one batched argmax serves every unmodified greedy row
     samples = []
-    for row, seq in zip(rows, seqs):
+    for i, seq in enumerate(seqs):
+        raw = logits[i]
+        row = _process(raw, seq, eos_token_ids)  # the same tensor when nothing applies
         sampling, output = seq.request.sampling, seq.request.output
         if sampling.greedy:
-            token = int(row.argmax())
+            token = greedy_ids[i] if row is raw else int(row.argmax())
         else:
             scaled = apply_temperature(row, sampling.temperature)
             scaled = apply_min_p(apply_top_p(apply_top_k(scaled, sampling.top_k), sampling.top_p), sampling.min_p)

@@ -1,0 +1,72 @@
+"""EngineConfig and ModelConfig check their input and say what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloop.engine.config import DEFAULT_KV_CACHE_TOKENS, EngineConfig
+from tokenloop.engine.loader import ModelConfig, rope_inv_freq
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
+    ({"max_batch_size": 64, "max_num_tokens": 32}, "max_num_tokens (32) must be >= max_batch_size (64)"),
+    ({"block_size": 0}, "block_size must be in 1..1024"),
+    ({"kv_cache_tokens": 1024, "kv_cache_memory_fraction": 0.5}, "not both"),
+    ({"kv_cache_tokens": 8}, "kv_cache_tokens must be >= block_size"),
+    ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction must be in (0, 1]"),
+    ({"dtype": "float16"}, "dtype must be one of float32, bfloat16, float64"),
+    ({"num_threads": 0}, "num_threads must be >= 1"),
+    ({"matmul_backend": "cuda"}, "matmul_backend must be one of auto, torch, numpy"),
+])
+def test_engine_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        EngineConfig(**kwargs)
+    assert message in str(err.value)
+
+
+def test_kv_blocks_from_tokens_fraction_or_default():
+    assert EngineConfig(kv_cache_tokens=1000, block_size=16).num_kv_blocks(100) == 62
+    assert EngineConfig(block_size=16).num_kv_blocks(100) == DEFAULT_KV_CACHE_TOKENS // 16
+    assert EngineConfig(kv_cache_memory_fraction=0.01).num_kv_blocks(1 << 20) >= 1
+    assert EngineConfig(dtype="bfloat16").torch_dtype is torch.bfloat16
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        ModelConfig.from_dict({**LLAMA, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_unsupported_rope_scaling_is_named():
+    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
+        ModelConfig.from_dict({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_reads_both_rope_spellings_and_defaults():
+    old = ModelConfig.from_dict({**LLAMA, "rope_theta": 5e5})
+    new = ModelConfig.from_dict({**LLAMA, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
+    assert old.rope_theta == new.rope_theta == 5e5 and new.rope_scaling is None
+    assert old.head_dim == 16 and not old.qkv_bias and not old.tie_word_embeddings
+    qwen = ModelConfig.from_dict({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32,
+                                  "use_sliding_window": False})
+    assert qwen.qkv_bias and qwen.max_context_length == 256
+    mistral = ModelConfig.from_dict({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 128})
+    assert mistral.max_context_length == 128
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    ours = rope_inv_freq(ModelConfig.from_dict({**LLAMA, "rope_scaling": scaling, "rope_theta": 5e5}))
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "architectures"},
+                                         rope_scaling=scaling, rope_theta=5e5)
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, rope_inv_freq(ModelConfig.from_dict({**LLAMA, "rope_theta": 5e5})))
