@@ -36,18 +36,16 @@ FAST_RETRY = RetryPolicy(max_retries=3, initial_backoff_s=0.01, max_backoff_s=0.
 
 
 class _ServerThread:
-    """Runs a tokenloop Server (scripted executor) on its own event loop thread."""
+    """Runs the shared in-process server (tests/integration/service_harness.py) on its own loop thread."""
 
     def __init__(self, model_dir: Path, tick: float) -> None:
-        from tokenloop.service.config import ServerConfig
-        from tokenloop.service.server import Server
-
+        from tests.integration.service_harness import serving
         from tests.scripted_executor import ScriptedExecutor
 
         async def start() -> int:
-            self.server = Server(ServerConfig(model=str(model_dir), port=0),
-                                 executor_factory=lambda cfg: ScriptedExecutor(tick=tick))
-            return await self.server.start()
+            self.serving = serving(model_dir, ScriptedExecutor(tick=tick))
+            server, _stub, _executor = await self.serving.__aenter__()
+            return server.port
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -55,7 +53,7 @@ class _ServerThread:
         self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(60)
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(1.0), self.loop).result(60)
+        asyncio.run_coroutine_threadsafe(self.serving.__aexit__(None, None, None), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
