@@ -107,7 +107,8 @@ class App:
             raise Unavailable(self.not_ready_reason)
 
     # -- reporting -------------------------------------------------------------------------
-    def observe_end(self, valid: ValidRequest, completes: list[Complete], code: grpc.StatusCode) -> None:
+    def observe_end(self, valid: ValidRequest, completes: list[Complete], code: grpc.StatusCode | None) -> None:
+        """A Generate ended: `code` is OK when every sequence completed, None when it was cut short."""
         for obs in self.observers:
             obs.on_request_end(valid, completes, code)
 

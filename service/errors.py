@@ -67,6 +67,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """End the RPC with the status for `exc`."""
     code, message, trailers = status_of(exc)
+    if context.cancelled():  # the client is gone: nobody to tell
+        return
     if trailers:
         context.set_trailing_metadata(trailers)
     await context.abort(code, message)

@@ -77,6 +77,9 @@ class Server:
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
         await self.grpc.start()
+        if self.config.metrics_port:
+            from .metrics import start_metrics_server  # Prometheus /metrics
+            start_metrics_server(self.app, self.config.host, self.config.metrics_port)
         await self.app.start()
         log.info("tokenloop ready: serving %s (backend %s) on %s:%d", self.app.card.model_id,
                  self.config.backend, self.config.host, self.port)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 
@@ -15,11 +17,44 @@ from . import convert
 from .errors import AlreadyExists, ServiceError, ValidationError, abort_with, status_of
 
 
+log = logging.getLogger("tokenloop.service")
+
+
 def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
     for k, v in context.invocation_metadata() or ():
         if k == key:
             return v
     return ""
+
+
+class StallWatchdog:
+    """Cancels the handler's task when one write waits longer than `timeout` (a reader that stopped reading).
+
+    grpc.aio resumes a streaming handler only after its yielded message was accepted, so a reader
+    that stops reading (and HTTP/2 flow control filling up) parks the handler at `yield`; the
+    cancellation then runs its cleanup, which cancels the request and frees its KV blocks.
+    """
+
+    __slots__ = ("timeout", "task", "timer", "loop")
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.task = asyncio.current_task()
+        self.loop = asyncio.get_running_loop()
+        self.timer = None
+
+    def arm(self) -> None:
+        if self.timeout > 0:
+            self.timer = self.loop.call_later(self.timeout, self._fire)
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _fire(self) -> None:
+        log.warning("a reader stopped reading for %.1fs: aborting its stream", self.timeout)
+        self.task.cancel()
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
@@ -37,7 +72,6 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         app, arrival = self.app, time.monotonic()
         rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
         completes: list[Complete] = []
-        code = grpc.StatusCode.OK
         try:
             app.require_ready()
             async with app.admission.slot():
@@ -46,17 +80,19 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
                 stream = app.looper.submit(valid, arrival)
                 try:
+                    watchdog = StallWatchdog(app.config.stall_timeout)
                     async for batch in stream.batches():
                         for msg in convert.messages(valid, batch):
-                            yield msg
+                            watchdog.arm()
+                            yield msg  # returns once grpc took the message: a stalled reader blocks here
+                            watchdog.disarm()
                         completes += [e for e in batch if isinstance(e, Complete)]
                 finally:
                     if not stream.finished:
-                        stream.cancel()  # client gone, deadline, or server abort
-                    app.observe_end(valid, completes, code)
+                        stream.cancel()  # client gone, deadline, stalled reader, or server abort
+                    app.observe_end(valid, completes, grpc.StatusCode.OK if stream.finished else None)
         except (ServiceError, RequestFailed) as exc:
-            code = status_of(exc)[0]
-            app.observe_error(code)
+            app.observe_error(status_of(exc)[0])
             await abort_with(context, exc)
 
     async def Tokenize(self, request, context):

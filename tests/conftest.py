@@ -43,6 +43,17 @@ def default_model_dir() -> Path:
     return DEFAULT_MODEL
 
 
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
 def run(coro):
-    """Run a coroutine on a fresh event loop (tests stay plain functions; no plugin needed)."""
-    return asyncio.run(coro)
+    """Run a coroutine on the session's one event loop (tests stay plain functions; no plugin needed).
+
+    One loop for the whole session: grpc.aio binds its I/O engine to the loop it first runs on,
+    and a fresh loop per test leaves callbacks of earlier tests' calls pointing at a closed loop.
+    """
+    global _LOOP
+    if _LOOP is None or _LOOP.is_closed():
+        _LOOP = asyncio.new_event_loop()
+    asyncio.set_event_loop(_LOOP)
+    return _LOOP.run_until_complete(coro)

@@ -21,6 +21,14 @@ def gen(text=HELLO, max_new=8, stream=True, **kw):
     return pb.GenerateRequest(text=text, stream=stream, stopping=pb.StoppingCriteria(max_new_tokens=max_new), **kw)
 
 
+async def read_all(call) -> list:
+    """Every remaining message of a call (read API: tests also read single messages with call.read())."""
+    out = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        out.append(msg)
+    return out
+
+
 async def wait_for(predicate, timeout=3.0):
     for _ in range(int(timeout / 0.01)):
         if predicate():
@@ -98,8 +106,7 @@ def test_client_disconnect_frees_request_within_one_step(tokenizer_dir):
         ex = ScriptedExecutor(tick=0.02)
         async with serving(tokenizer_dir, executor=ex) as (server, stub, _):
             call = stub.Generate(gen(max_new=4000))
-            async for _ in call:
-                break  # one chunk arrived: the request is running
+            await call.read()  # one chunk arrived: the request is running
             load = await stub.GetLoad(pb.GetLoadRequest())
             assert load.num_in_flight == 1 and load.num_running == 1
             call.cancel()  # the client hangs up
@@ -114,12 +121,11 @@ def test_abort_rpc_is_idempotent_and_ends_with_cancelled(tokenizer_dir):
     async def body():
         async with serving(tokenizer_dir, executor=ScriptedExecutor(tick=0.02)) as (server, stub, ex):
             call = stub.Generate(gen(request_id="job-1", max_new=4000))
-            async for _ in call:
-                break
+            await call.read()  # the first message: the request is running
             assert (await stub.Abort(pb.AbortRequest(request_id="job-1"))).found
             assert not (await stub.Abort(pb.AbortRequest(request_id="job-1"))).found
             assert not (await stub.Abort(pb.AbortRequest(request_id="never-existed"))).found
-            rest = [m async for m in call]
+            rest = await read_all(call)
             assert rest[-1].complete.finish_reason == pb.CANCELLED
     run(body())
 
@@ -128,8 +134,7 @@ def test_duplicate_request_id_is_refused(tokenizer_dir):
     async def body():
         async with serving(tokenizer_dir, executor=ScriptedExecutor(tick=0.02)) as (server, stub, ex):
             call = stub.Generate(gen(request_id="dup", max_new=4000))
-            async for _ in call:
-                break
+            await call.read()  # the first message: the request is running
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [m async for m in stub.Generate(gen(request_id="dup"))]
             assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
@@ -137,27 +142,22 @@ def test_duplicate_request_id_is_refused(tokenizer_dir):
     run(body())
 
 
-def test_admission_limits_answer_resource_exhausted(tokenizer_dir):
+def test_admission_full_answers_resource_exhausted_with_pushback(tokenizer_dir):
     async def body():
         ex = ScriptedExecutor(tick=0.02)
-        async with serving(tokenizer_dir, executor=ex, max_concurrent_requests=2, max_queue=1) as (server, stub, _):
-            calls = [stub.Generate(gen(request_id=f"c{i}", max_new=4000)) for i in range(3)]
-            for c in calls[:2]:
-                async for _ in c:
-                    break
-            await asyncio.sleep(0.1)  # the third waits for a slot
-            load = await stub.GetLoad(pb.GetLoadRequest())
-            assert load.num_waiting >= 1 and load.max_concurrent_requests == 2
+        async with serving(tokenizer_dir, executor=ex, max_concurrent_requests=1, max_queue=0) as (server, stub, _):
+            call = stub.Generate(gen(request_id="c0", max_new=4000))
+            await call.read()  # running: the only slot is taken, and no one may wait
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [m async for m in stub.Generate(gen())]
+                await read_all(stub.Generate(gen()))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at capacity" in err.value.details()
             assert ("grpc-retry-pushback-ms", "500") in tuple(err.value.trailing_metadata())
-            calls[0].cancel()  # frees a slot: the waiting one gets it
-            async for m in calls[2]:
-                assert m.HasField("chunk")
-                break
-            for c in calls:
-                c.cancel()
+            load = await stub.GetLoad(pb.GetLoadRequest())
+            assert load.max_concurrent_requests == 1 and load.num_in_flight == 1
+            call.cancel()
+            assert await wait_for(lambda: server.app.admission.num_active == 0)
+            assert (await read_all(stub.Generate(gen(max_new=3))))[-1].complete.finish_reason == pb.LENGTH
     run(body())
 
 
@@ -187,11 +187,10 @@ def test_health_and_reflection(tokenizer_dir):
             assert {"tokenloop.v1.TextGeneration", "grpc.health.v1.Health"} <= names
             # the executor dies: open streams get UNAVAILABLE, health turns NOT_SERVING
             call = stub.Generate(gen(max_new=4000))
-            async for _ in call:
-                break
+            await call.read()  # the first message: the request is running
             ex.die("injected fault")
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [m async for m in call]
+                await read_all(call)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "injected fault" in err.value.details()
             await asyncio.sleep(0.1)
             resp = await health.Check(health_pb2.HealthCheckRequest(service=""))
@@ -208,14 +207,13 @@ def test_drain_finishes_in_flight_then_refuses(tokenizer_dir):
         ex = ScriptedExecutor(tick=0.01)
         async with serving(tokenizer_dir, executor=ex) as (server, stub, _):
             call = stub.Generate(gen(max_new=30))
-            async for _ in call:
-                break
+            await call.read()  # the first message: the request is running
             drain = asyncio.ensure_future(server.app.drain(grace=5.0))
             await asyncio.sleep(0.05)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [m async for m in stub.Generate(gen())]
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            rest = [m async for m in call]
+            rest = await read_all(call)
             assert rest[-1].complete.finish_reason == pb.LENGTH  # finished within the grace period
             await drain
     run(body())
@@ -225,10 +223,27 @@ def test_drain_grace_expiry_fails_the_rest_with_unavailable(tokenizer_dir):
     async def body():
         async with serving(tokenizer_dir, executor=ScriptedExecutor(tick=0.05)) as (server, stub, ex):
             call = stub.Generate(gen(max_new=4000))
-            async for _ in call:
-                break
+            await call.read()  # the first message: the request is running
             await server.app.drain(grace=0.2)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [m async for m in call]
+                await read_all(call)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    run(body())
+
+
+def test_stalled_reader_is_aborted_and_freed(tokenizer_dir):
+    async def body():
+        ex = ScriptedExecutor(tick=0.001)
+        async with serving(tokenizer_dir, executor=ex, stall_timeout=0.5) as (server, stub, _):
+            # a client with a tiny flow-control window that never reads: the server's writes stop completing
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=[
+                ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
+            from tokenloop.v1 import tokenloop_pb2_grpc
+            call = tokenloop_pb2_grpc.TextGenerationStub(channel).Generate(gen(max_new=4000))
+            await call.read()  # grpc.aio starts a call when it is first read; then stop reading
+            assert await wait_for(lambda: ex.cancels, timeout=20)
+            assert await wait_for(lambda: ex.num_active == 0 and server.app.looper.num_open == 0)
+            assert await wait_for(lambda: server.app.admission.num_active == 0)
+            call.cancel()
+            await channel.close()
     run(body())
