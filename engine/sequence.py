@@ -44,7 +44,7 @@ class Sequence:
         seq = cls(request_id, seq_index, prompt, len(prompt), request)
         if not request.sampling.greedy:
             # each sequence of a request draws from its own stream: seed, seq_index -> generator
-            seq.generator = torch.Generator().manual_seed(request.sampling.seed * 1_000_003 + seq_index)
+            seq.generator = torch.Generator().manual_seed((request.sampling.seed * 1_000_003 + seq_index) % (1 << 63))
         return seq
 
     def __len__(self) -> int:
