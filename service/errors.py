@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import grpc
-
 from tokenloop.looper.stream import ErrorKind, RequestFailed
 
 

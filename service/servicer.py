@@ -8,14 +8,12 @@ import time
 import uuid
 
 import grpc
-
 from tokenloop.looper.stream import Complete, RequestFailed
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 from . import convert
 from .errors import AlreadyExists, ServiceError, ValidationError, abort_with, status_of
-
 
 log = logging.getLogger("tokenloop.service")
 

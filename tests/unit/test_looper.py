@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
-
-from tests.conftest import run
-from tests.scripted_executor import ScriptedExecutor
 from tokenloop.looper.looper import Looper
 from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, ErrorKind, RequestFailed
+
+from tests.conftest import run
+from tests.scripted_executor import ScriptedExecutor
 
 
 def make_request(tok, rid="r", text="Hello world", max_new=8, n=1, stream=True, **stopping):
@@ -216,7 +215,6 @@ def test_idle_looper_blocks_instead_of_spinning(tokenizer):
     async def body(looper, ex, _):
         await collect(looper.submit(make_request(tokenizer)))
         polls_before = ex.num_steps
-        cpu0 = time.thread_time()
         await asyncio.sleep(0.3)
         # the executor is idle and the looper blocks on the channel: no steps, no polling
         assert ex.num_steps == polls_before
