@@ -1,0 +1,162 @@
+"""A model-free `Executor` for measuring the looper and the gRPC front.
+
+Every running sequence emits tokens either as fast as the looper asks (`rate=None`: each
+`await_responses` call returns `tokens_per_step` new tokens per sequence, without waiting) or
+at `rate` tokens/s per sequence, each sequence on its own clock from the moment it was enqueued
+(token k is due at enqueue + (k + 1) / rate). Token ids cycle through `token_ids`, by default
+the ids of a paragraph of real text, so the detokenizer does real work.
+
+With `record=True` the executor keeps, per request id, the CLOCK_MONOTONIC time at which each
+token was emitted (its due time, or the time of the call that returned it when unlimited).
+`time.monotonic()` is shared by every process on one machine, so a client in another process
+can subtract these stamps from its own receipt times.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tokenloop.looper.executor import ExecutorStats, Step
+from tokenloop.looper.request import FinishReason, ValidRequest
+
+SAMPLE_TEXT = (
+    "The looper turns executor steps into text: it keeps a few tokens of context, decodes only "
+    "what is new, and hands every request's events to the event loop once per poll. Café, naïve, "
+    "日本語のテキスト, and emoji 🚀✨ survive incremental decoding because incomplete UTF-8 is held back. "
+)
+
+
+def sample_token_ids(tokenizer) -> list[int]:
+    """Ids of SAMPLE_TEXT in `tokenizer` (anything with `encode(text)`)."""
+    return list(tokenizer.encode(SAMPLE_TEXT))
+
+
+class _Seq:
+    __slots__ = ("request_id", "index", "max_tokens", "pos", "start", "final_sent")
+
+    def __init__(self, request_id: int, index: int, max_tokens: int, start: float):
+        self.request_id = request_id
+        self.index = index
+        self.max_tokens = max_tokens
+        self.pos = 0
+        self.start = start
+        self.final_sent = False
+
+
+class NullExecutor:
+    """Emits tokens with no model, at `rate` tokens/s per sequence or unlimited (`rate=None`)."""
+
+    def __init__(self, token_ids: list[int], rate: float | None = None, tokens_per_step: int = 1,
+                 record: bool = False):
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        if rate is not None and rate <= 0:
+            raise ValueError("rate must be > 0 tokens/s (or None for unlimited)")
+        if tokens_per_step < 1:
+            raise ValueError("tokens_per_step must be >= 1")
+        self.token_ids = list(token_ids)
+        self.rate = rate
+        self.tokens_per_step = tokens_per_step
+        self.record = record
+        self.emitted: dict[str, list[float]] = {}  # request id -> emission time of each token
+        self._seqs: dict[int, list[_Seq]] = {}  # executor id -> sequences
+        self._names: dict[int, str] = {}  # executor id -> request id
+        self._cancelled: set[int] = set()
+        self._next_id = 1
+        self._lock = threading.Lock()  # only stats() runs on another thread
+        self._wake = threading.Event()
+        self.num_steps = 0
+        self.num_tokens = 0
+
+    # -- Executor protocol -----------------------------------------------------------------
+    def enqueue(self, request: ValidRequest) -> int:
+        """Start every sequence of `request` now."""
+        now = time.monotonic()
+        with self._lock:
+            rid, self._next_id = self._next_id, self._next_id + 1
+            self._seqs[rid] = [_Seq(rid, i, request.stopping.max_new_tokens, now) for i in range(request.n)]
+            self._names[rid] = request.request_id
+        if self.record:
+            self.emitted.setdefault(request.request_id, [])
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """The request's open sequences end as CANCELLED on the next call."""
+        if request_id in self._seqs:
+            self._cancelled.add(request_id)
+
+    def await_responses(self, timeout: float) -> list[Step]:
+        """Every token due now; waits (GIL released) until the next one is due, at most `timeout`."""
+        if not self._seqs:
+            self._wake.wait(timeout)
+            return []
+        if self.rate is not None:
+            now = time.monotonic()
+            wait = min(timeout, self._next_due() - now)
+            if wait > 0:
+                time.sleep(wait)
+        return self._emit(time.monotonic())
+
+    def stats(self) -> ExecutorStats:
+        """Running sequences; no KV cache."""
+        with self._lock:
+            num = sum(len(s) for s in self._seqs.values())
+        return ExecutorStats(num_running=num, num_steps=self.num_steps)
+
+    def shutdown(self) -> None:
+        """Forget every request."""
+        with self._lock:
+            self._seqs.clear()
+
+    # -- emission --------------------------------------------------------------------------
+    def _next_due(self) -> float:
+        step = 1.0 / self.rate
+        return min(seq.start + (seq.pos + 1) * step for seqs in self._seqs.values() for seq in seqs
+                   if not seq.final_sent)
+
+    def _due(self, seq: _Seq, now: float) -> int:
+        if self.rate is None:
+            return self.tokens_per_step
+        return int((now - seq.start) * self.rate + 1e-9) - seq.pos
+
+    def _emit(self, now: float) -> list[Step]:
+        self.num_steps += 1
+        steps: list[Step] = []
+        done: list[int] = []
+        for rid, seqs in self._seqs.items():
+            cancelled = rid in self._cancelled
+            for seq in seqs:
+                if seq.final_sent:
+                    continue
+                if cancelled:
+                    seq.final_sent = True
+                    steps.append(Step(rid, seq.index, [], is_final=True, finish_reason=FinishReason.CANCELLED))
+                    continue
+                num = min(self._due(seq, now), seq.max_tokens - seq.pos)
+                if num > 0:
+                    steps.append(self._advance(seq, num, now))
+            if all(seq.final_sent for seq in seqs):
+                done.append(rid)
+        with self._lock:
+            for rid in done:
+                del self._seqs[rid]
+                self._cancelled.discard(rid)
+                self._names.pop(rid, None)
+        return steps
+
+    def _advance(self, seq: _Seq, num: int, now: float) -> Step:
+        ids, n = self.token_ids, len(self.token_ids)
+        new = [ids[(seq.pos + k) % n] for k in range(num)]
+        if self.record and seq.index == 0:
+            stamps = self.emitted[self._names[seq.request_id]]
+            if self.rate is None:
+                stamps += [now] * num
+            else:
+                stamps += [seq.start + (seq.pos + k + 1) / self.rate for k in range(num)]
+        seq.pos += num
+        self.num_tokens += num
+        final = seq.pos >= seq.max_tokens
+        seq.final_sent = final
+        return Step(seq.request_id, seq.index, new, is_final=final,
+                    finish_reason=FinishReason.LENGTH if final else None)
