@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from pathlib import Path
 
 from .config import DEFAULT_MODEL_DIR, ServerConfig
+from .logs import setup_logging
 
 # flags handed to the executor factory as keyword arguments when given
 ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens", "max_batch_size", "dtype",
@@ -41,6 +41,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="abort a stream whose reader stopped reading for this long (0: never)")
     s.add_argument("--model-id", default="", help="name reported by GetModelInfo (default: the directory's name)")
     s.add_argument("--log-level", default=d.log_level, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    s.add_argument("--log-format", default=d.log_format, choices=("text", "json"),
+                   help="json: one JSON object per line, including one line per finished request")
+    s.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
+    s.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length)
+    sec = s.add_argument_group("security and tracing (docs/operations.md)")
+    sec.add_argument("--tls-cert", default="", help="PEM certificate chain (reloaded on SIGHUP or when the file changes)")
+    sec.add_argument("--tls-key", default="", help="PEM private key")
+    sec.add_argument("--tls-client-ca", default="", help="PEM CA bundle: require client certificates (mutual TLS)")
+    sec.add_argument("--api-key-file", default="",
+                     help="API keys, one per line (# comments); also $TOKENLOOP_API_KEYS, comma-separated")
+    sec.add_argument("--otel-endpoint", default="",
+                     help="OTLP gRPC endpoint for traces (default $OTEL_EXPORTER_OTLP_ENDPOINT; pip install tokenloop[otel])")
     e = s.add_argument_group("embedded engine (--backend engine)")
     e.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens")
     e.add_argument("--kv-cache-memory-fraction", type=float, default=None, help="KV-cache size as a fraction of free memory")
@@ -71,12 +83,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queue=args.max_queue, shutdown_grace=args.shutdown_grace, max_new_tokens=args.max_new_tokens,
         default_max_new_tokens=args.default_max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
-        model_id=args.model_id, log_level=args.log_level, executor_options=options)
+        model_id=args.model_id, log_level=args.log_level, executor_options=options,
+        log_format=args.log_format, max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file, otel_endpoint=args.otel_endpoint)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -32,6 +32,12 @@ class ServerConfig:
     exit_on_engine_death: bool = True
     model_id: str = ""  # default: the model directory's name
     log_level: str = "INFO"
+    log_format: str = "text"  # text | json
+    tls_cert: str = ""  # PEM certificate chain; with tls_key: serve TLS (reloaded on SIGHUP or file change)
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mutual TLS)
+    api_key_file: str = ""  # one key per line, `#` comments; also $TOKENLOOP_API_KEYS (comma-separated)
+    otel_endpoint: str = ""  # OTLP endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; needs the otel extra)
     executor_options: dict = field(default_factory=dict)  # passed to the backend's factory
 
     def __post_init__(self):
@@ -45,3 +51,9 @@ class ServerConfig:
             raise ValueError("--max-queue must be >= 0")
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be >= 0")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"--log-format must be 'text' or 'json'; got {self.log_format!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable
 
@@ -15,19 +16,39 @@ from tokenloop.v1 import tokenloop_pb2, tokenloop_pb2_grpc
 
 from .app import App
 from .config import ServerConfig
+from .logs import RequestLogInterceptor, RequestLogObserver
+from .security import ApiKeyInterceptor, load_api_keys, server_credentials
 from .servicer import TextGenerationServicer
+from .tracing import tracing_interceptor
 
 log = logging.getLogger("tokenloop.service")
 
 
 def default_executor_factory(config: ServerConfig) -> Executor:
-    """The executor for `--backend`: the embedded engine or TensorRT-LLM (imported lazily)."""
+    """The executor for `--backend` (imported lazily), wrapped by $TOKENLOOP_DEBUG_FAULT when set."""
     if config.backend == "trtllm":
         from tokenloop.looper.trtllm import create_trtllm_executor
-        return create_trtllm_executor(config.model, **config.executor_options)
-    from tokenloop.engine.config import EngineConfig
-    from tokenloop.engine.engine import Engine
-    return Engine.from_dir(config.model, EngineConfig(**config.executor_options))
+        executor = create_trtllm_executor(config.model, **config.executor_options)
+    else:
+        from tokenloop.engine.config import EngineConfig
+        from tokenloop.engine.engine import Engine
+        executor = Engine.from_dir(config.model, EngineConfig(**config.executor_options))
+    spec = os.environ.get("TOKENLOOP_DEBUG_FAULT", "")
+    if spec:
+        from tokenloop.looper.faults import with_faults
+        executor = with_faults(executor, spec)
+    return executor
+
+
+def interceptors(config: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
+    """Outermost first: tracing (optional), the per-request log line, then API keys (when configured)."""
+    out = [i for i in (tracing_interceptor(config.otel_endpoint),) if i is not None]
+    out.append(RequestLogInterceptor())
+    keys = load_api_keys(config.api_key_file)
+    if keys:
+        out.append(ApiKeyInterceptor(keys))
+        log.info("API keys required (%d configured)", len(keys))
+    return out
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -52,7 +73,9 @@ class Server:
                  executor_factory: Callable[[ServerConfig], Executor] = default_executor_factory):
         self.config = config
         self.app = App(config, executor_factory)
-        self.grpc = grpc.aio.server(options=grpc_options(config))
+        self.app.observers.append(RequestLogObserver())
+        self.grpc = grpc.aio.server(options=grpc_options(config), interceptors=interceptors(config))
+        self.certificates = None  # security.CertificateReloader when serving TLS
         self.port = 0
         self.extra_services: list[str] = []
         self._stop = asyncio.Event()
@@ -72,7 +95,13 @@ class Server:
     async def start(self) -> int:
         """Listen (health NOT_SERVING), load the model, start the looper, serve. Returns the port."""
         self._add_services()
-        self.port = self.grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert:
+            creds, self.certificates = server_credentials(self.config.tls_cert, self.config.tls_key,
+                                                          self.config.tls_client_ca)
+            self.port = self.grpc.add_secure_port(address, creds)
+        else:
+            self.port = self.grpc.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
         await self.grpc.start()
@@ -86,6 +115,11 @@ class Server:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def reload_certificates(self) -> None:
+        """SIGHUP: read the TLS files again at the next handshake."""
+        if self.certificates is not None:
+            self.certificates.request_reload()
 
     async def wait(self) -> int:
         """Serve until a stop is requested (SIGTERM/SIGINT) or the executor dies; returns an exit code."""
@@ -114,6 +148,7 @@ async def run(config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_certificates)
     try:
         await server.start()
     except Exception as exc:

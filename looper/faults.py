@@ -1,0 +1,85 @@
+"""Fault injection for tests and the soak suite: an executor proxy that fails on purpose.
+
+Enabled by the debug environment variable `TOKENLOOP_DEBUG_FAULT` (never set it in production),
+a comma-separated list of:
+
+- `step:N` — after N polls with requests in flight, `await_responses` raises EngineDeadError
+  (the executor "dies": every open stream gets UNAVAILABLE and `tokenloop serve` exits 1).
+- `request:MARKER` — a request whose prompt text contains MARKER fails alone with
+  "generation failed: injected fault" (INTERNAL), as if the engine step failed only that request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from .executor import EngineDeadError, Executor, ExecutorStats, Step
+from .request import ValidRequest
+
+log = logging.getLogger("tokenloop.faults")
+
+FAULT_ENV = "TOKENLOOP_DEBUG_FAULT"
+
+
+def parse_fault_spec(spec: str) -> dict[str, object]:
+    """`"step:40,request:BOOM"` -> {"step": 40, "request": "BOOM"}; ValueError on anything else."""
+    out: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        kind, _, value = part.partition(":")
+        if kind == "step" and value.isdigit():
+            out["step"] = int(value)
+        elif kind == "request" and value:
+            out["request"] = value
+        else:
+            raise ValueError(f"{FAULT_ENV}: expected step:N or request:MARKER, got {part!r}")
+    return out
+
+
+class FaultyExecutor:
+    """Delegates to `inner`, injecting the faults of a parsed spec."""
+
+    def __init__(self, inner: Executor, die_after_polls: int | None = None, request_marker: str = ""):
+        self.inner = inner
+        self.die_after_polls = die_after_polls
+        self.request_marker = request_marker
+        self.num_polls = 0
+        self._doomed: list[int] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):  # dtype, config, ... of the real executor
+        return getattr(self.inner, name)
+
+    def enqueue(self, request: ValidRequest) -> int:
+        rid = self.inner.enqueue(request)
+        if self.request_marker and self.request_marker in request.prompt_text:
+            with self._lock:
+                self._doomed.append(rid)
+        return rid
+
+    def await_responses(self, timeout: float) -> list[Step]:
+        self.num_polls += 1
+        if self.die_after_polls is not None and self.num_polls > self.die_after_polls:
+            raise EngineDeadError(f"injected fault after {self.die_after_polls} polls ({FAULT_ENV})")
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+        steps = [s for s in self.inner.await_responses(timeout) if s.request_id not in doomed]
+        return steps + [Step(rid, 0, [], is_final=True, error="injected fault") for rid in doomed]
+
+    def cancel(self, request_id: int) -> None:
+        self.inner.cancel(request_id)
+
+    def stats(self) -> ExecutorStats:
+        return self.inner.stats()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def with_faults(executor: Executor, spec: str) -> Executor:
+    """Wrap `executor` when `spec` (the value of TOKENLOOP_DEBUG_FAULT) asks for faults."""
+    faults = parse_fault_spec(spec)
+    if not faults:
+        return executor
+    log.warning("%s=%s: injecting faults (debug only)", FAULT_ENV, spec)
+    return FaultyExecutor(executor, faults.get("step"), faults.get("request", ""))

@@ -1,0 +1,155 @@
+"""Structured logs: `--log-format json|text`, and one line per finished RPC (id, peer, tokens, timings, status).
+
+`RequestLogInterceptor` wraps every handler: it keeps the RPC's record in a context variable,
+echoes `x-request-id` in the initial metadata, and logs the record when the handler ends.
+`RequestLogObserver` (one of `app.observers`) fills in what the looper measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import time
+
+import grpc
+
+from .errors import status_of
+
+log = logging.getLogger("tokenloop.requests")
+_record: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tokenloop_rpc", default=None)
+_STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and any `extra=` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+               + f".{int(record.msecs):03d}Z", "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        out.update({k: v for k, v in vars(record).items() if k not in _STD_ATTRS})
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """`time LEVEL logger: message key=value ...` (the `extra=` fields appended)."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        extras = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STD_ATTRS)
+        return super().format(record) + (" " + extras if extras else "")
+
+
+def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Configure the root logger once for the process."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def current_record() -> dict | None:
+    """The record of the RPC this task is serving, if any."""
+    return _record.get()
+
+
+class RequestLogObserver:
+    """An `app.observers` entry: copies tokens, finish reasons and timings into the RPC's record."""
+
+    def on_request_end(self, valid, completes, code) -> None:
+        rec = _record.get()
+        if rec is None:
+            return
+        rec["request_id"] = valid.request_id
+        rec["prompt_tokens"] = len(valid.prompt_token_ids)
+        rec["output_tokens"] = sum(len(c.token_ids) for c in completes)
+        rec["finish_reason"] = ",".join(c.finish_reason.name.lower() for c in completes) or None
+        if completes:
+            rec["queue_s"] = round(max(c.timing.queue_s for c in completes), 6)
+            rec["ttft_s"] = round(min(c.timing.ttft_s for c in completes), 6)
+
+    def on_error(self, code) -> None:
+        pass
+
+
+def _metadata(details) -> dict[str, str]:
+    return {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+
+
+def _outcome(exc: BaseException | None, context) -> str:
+    if exc is None:
+        return "OK"
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    code = context.code() if hasattr(context, "code") else None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return status_of(exc)[0].name
+
+
+class RequestLogInterceptor(grpc.aio.ServerInterceptor):
+    """Logs one line per finished RPC (INFO for Generate, DEBUG for the rest); echoes x-request-id."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(("/grpc.health", "/grpc.reflection")):
+            return handler
+        meta = _metadata(details)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, details.method, meta),
+                handler.request_deserializer, handler.response_serializer)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, details.method, meta),
+                handler.request_deserializer, handler.response_serializer)
+        return handler
+
+    @staticmethod
+    def _start(method: str, meta: dict, request, context) -> dict:
+        rid = getattr(request, "request_id", "") or meta.get("x-request-id", "")
+        rec = {"rpc": method, "request_id": rid, "peer": context.peer(), "start": time.monotonic()}
+        _record.set(rec)
+        return rec
+
+    @staticmethod
+    def _end(rec: dict, exc: BaseException | None, context) -> None:
+        rec["status"] = _outcome(exc, context)
+        rec["total_s"] = round(time.monotonic() - rec.pop("start"), 6)
+        level = logging.INFO if rec["rpc"].endswith("/Generate") else logging.DEBUG
+        if log.isEnabledFor(level):
+            log.log(level, "request end", extra=rec)
+
+    def _wrap_stream(self, fn, method: str, meta: dict):
+        async def handler(request, context):
+            rec, exc = self._start(method, meta, request, context), None
+            if "x-request-id" in meta:
+                await context.send_initial_metadata((("x-request-id", meta["x-request-id"]),))
+            try:
+                async for msg in fn(request, context):
+                    yield msg
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                self._end(rec, exc, context)
+        return handler
+
+    def _wrap_unary(self, fn, method: str, meta: dict):
+        async def handler(request, context):
+            rec, exc = self._start(method, meta, request, context), None
+            try:
+                return await fn(request, context)
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                self._end(rec, exc, context)
+        return handler

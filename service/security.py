@@ -1,0 +1,141 @@
+"""Who may talk to the server: TLS / mutual TLS with certificate reload, and API keys.
+
+API keys travel as `authorization: Bearer KEY` metadata and are checked on every RPC except
+health and reflection, in constant time against every configured key. Certificates are read
+again on SIGHUP or when a file's modification time changes (checked at each new handshake).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger("tokenloop.security")
+
+API_KEYS_ENV = "TOKENLOOP_API_KEYS"
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+UNAUTHENTICATED_MESSAGE = "missing or invalid API key"
+
+
+def load_api_keys(path: str = "", env: str | None = None) -> list[bytes]:
+    """Keys from a file (one per line, `#` comments, blank lines ignored) and $TOKENLOOP_API_KEYS."""
+    keys: list[str] = []
+    if path:
+        for line in Path(path).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                keys.append(line)
+    env = os.environ.get(API_KEYS_ENV, "") if env is None else env
+    keys += [k.strip() for k in env.split(",") if k.strip()]
+    return [k.encode() for k in keys]
+
+
+def _bearer(metadata) -> bytes:
+    for key, value in metadata or ():
+        if key == "authorization":
+            value = value.decode(errors="replace") if isinstance(value, bytes) else value
+            scheme, _, token = value.strip().partition(" ")
+            return token.strip().encode() if scheme.lower() == "bearer" else b""
+    return b""
+
+
+def key_matches(token: bytes, keys: list[bytes]) -> bool:
+    """Constant-time comparison against every key (no early exit)."""
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(token, key)
+    return ok and bool(token)
+
+
+def _refusal(handler):
+    async def refuse(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+    async def refuse_stream(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        yield  # pragma: no cover (an async generator, like the handler it replaces)
+
+    ser, de = handler.response_serializer, handler.request_deserializer
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, de, ser)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, de, ser)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, de, ser)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, de, ser)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses RPCs without a valid `authorization: Bearer KEY` (health and reflection exempt)."""
+
+    def __init__(self, keys: list[bytes]):
+        if not keys:
+            raise ValueError("ApiKeyInterceptor needs at least one key")
+        self.keys = keys
+        self.num_refused = 0
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(EXEMPT_PREFIXES):
+            return handler
+        if key_matches(_bearer(details.invocation_metadata), self.keys):
+            return handler
+        self.num_refused += 1
+        log.warning("refused an RPC to %s: %s", details.method, UNAUTHENTICATED_MESSAGE)
+        return _refusal(handler)
+
+
+class CertificateReloader:
+    """A certificate configuration fetcher for `grpc.dynamic_ssl_server_credentials`."""
+
+    def __init__(self, cert: str, key: str, client_ca: str = ""):
+        self.paths = [p for p in (cert, key, client_ca) if p]
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self._lock = threading.Lock()
+        self._force = False
+        self._stamp = self._mtimes()
+        self.num_reloads = 0
+
+    def _mtimes(self) -> tuple:
+        return tuple(os.stat(p).st_mtime_ns for p in self.paths)
+
+    def configuration(self):
+        """The current files as a grpc certificate configuration (raises OSError if unreadable)."""
+        ca = Path(self.client_ca).read_bytes() if self.client_ca else None
+        pair = (Path(self.key).read_bytes(), Path(self.cert).read_bytes())
+        return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
+
+    def request_reload(self) -> None:
+        """Read the files again at the next handshake (the SIGHUP handler)."""
+        with self._lock:
+            self._force = True
+
+    def __call__(self):
+        """Called by grpc at each handshake: a new configuration when the files changed, else None."""
+        with self._lock:
+            try:
+                stamp = self._mtimes()
+                if not self._force and stamp == self._stamp:
+                    return None
+                config = self.configuration()
+            except OSError as exc:  # keep serving with the certificates already loaded
+                log.error("certificate reload failed, keeping the current ones: %s", exc)
+                self._force = False
+                return None
+            self._force, self._stamp = False, stamp
+            self.num_reloads += 1
+            log.info("reloaded TLS certificates from %s", ", ".join(self.paths))
+            return config
+
+
+def server_credentials(cert: str, key: str, client_ca: str = "") -> tuple[grpc.ServerCredentials, CertificateReloader]:
+    """TLS credentials (mutual TLS when `client_ca` is set) that reload, and their reloader."""
+    reloader = CertificateReloader(cert, key, client_ca)
+    creds = grpc.dynamic_ssl_server_credentials(reloader.configuration(), reloader,
+                                                require_client_authentication=bool(client_ca))
+    return creds, reloader
