@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-MATMUL_BACKENDS = ("auto", "torch", "numpy")
+MATMUL_BACKENDS = ("auto", "torch", "numpy", "numpy2")
 DEFAULT_KV_CACHE_TOKENS = 32768
 
 
@@ -22,7 +22,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = None  # --kv-cache-memory-fraction: of available RAM
     block_size: int = 16  # --block-size: tokens per KV block
     dtype: str = "float32"  # --dtype: float32 | bfloat16 (float64 for tests)
-    num_threads: int | None = None  # --num-threads: torch and BLAS threads (None: library default)
+    num_threads: int | None = None  # --num-threads: torch threads (None: all cores but one)
     max_model_len: int | None = None  # cap on prompt + output tokens (None: the model's limit)
     enable_prefix_caching: bool = True
     matmul_backend: str = "auto"  # auto: time torch and numpy at start-up and pick per batch size

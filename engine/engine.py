@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from . import runner
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .loader import ModelConfig, load_weights
-from .matmul import MatmulPolicy, set_blas_threads
+from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
 from .postprocess import cancelled_steps, error_steps, merge_steps, steps_for_samples
 from .sampler import sample_batch
@@ -33,13 +34,19 @@ log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
+def default_num_threads() -> int:
+    """All cores but one: the gRPC front and the looper need one, and an OpenMP barrier that waits
+    for a descheduled worker costs a whole scheduler time slice."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
 class Engine:
     """Serves one Llama-family checkpoint; implements tokenloop.looper.executor.Executor."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, start: bool = True):
         self.config = config or EngineConfig()
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        self.num_threads = self.config.num_threads or default_num_threads()
+        torch.set_num_threads(self.num_threads)
         set_blas_threads(1)  # see matmul.py: spinning OpenBLAS workers starve torch's threads
         self.card = ModelCard.from_dir(model_dir)
         self.model_config = ModelConfig.from_dir(model_dir)
@@ -48,7 +55,7 @@ class Engine:
         dtype = self.config.torch_dtype
         weights = load_weights(model_dir, self.model_config, dtype)
         num_blocks = self.config.num_kv_blocks(Model.kv_bytes_per_token(self.model_config, dtype))
-        self.model = Model(self.model_config, weights, dtype, num_blocks * self.config.block_size,
+        self.model = Model(self.model_config, weights, dtype, num_blocks, self.config.block_size,
                            self._matmul_policy(weights["layers.0.gate_up"]))
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_tokens, self.config.max_batch_size)
@@ -81,7 +88,8 @@ class Engine:
         if self.config.matmul_backend == "auto":
             return MatmulPolicy.calibrate(sample_weight)
         usable = sample_weight.dtype in (torch.float32, torch.float64)
-        return MatmulPolicy.fixed(self.config.matmul_backend == "numpy" and usable)
+        wanted = Backend(self.config.matmul_backend)
+        return MatmulPolicy.fixed(wanted if usable else Backend.TORCH)
 
     # --- the Executor protocol (looper thread) ---
 
@@ -147,8 +155,7 @@ class Engine:
     # --- the engine thread ---
 
     def _loop(self) -> None:
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        torch.set_num_threads(self.num_threads)
         try:
             while True:
                 with self._lock:

@@ -1,14 +1,21 @@
-"""Which library multiplies the weights: torch (MKL / oneDNN) or numpy (OpenBLAS), chosen per step.
+"""Which library multiplies the weights, chosen per step: torch, numpy, or numpy on two threads.
 
-On some CPUs torch's float32 matrix-vector product is slower than OpenBLAS's by 2x (see
-bench/RESULTS-engine.md). Both read the same memory (`Tensor.numpy()` shares it), so picking the
-faster one per batch size costs no weight copy. `auto` times both once at start-up.
-numpy's OpenBLAS is kept to one thread (`set_blas_threads(1)`): its worker threads spin between
-calls, and next to torch's own OpenMP pool on a small machine that turns a 20 ms step into 700 ms.
+On some CPUs torch's float32 matrix-vector product (MKL) is 2x slower than numpy's OpenBLAS on the
+same memory (`Tensor.numpy()` shares it, so no weight is copied). `auto` times the choices once at
+start-up for 1..1024 tokens per step and uses the fastest per step.
+
+Threads: OpenBLAS worker threads spin between calls, and OpenMP barriers wait for descheduled
+workers; on a small shared machine either turns a 20 ms step into 700 ms. So OpenBLAS stays
+single-threaded, and `numpy2` splits a large product over two plain Python threads (numpy releases
+the GIL) that block, rather than spin, while they wait.
 """
 
 from __future__ import annotations
 
+import enum
+import os
+import queue
+import threading
 import time
 
 import numpy as np
@@ -16,6 +23,15 @@ import torch
 import torch.nn.functional as F
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # tokens per step at which the backends are compared
+MIN_SPLIT_TOKENS = 4  # below this, handing half a product to another thread costs more than it saves
+
+
+class Backend(enum.Enum):
+    """How one step's matrix products run."""
+
+    TORCH = "torch"
+    NUMPY = "numpy"
+    NUMPY2 = "numpy2"  # numpy, rows of the batch split over two threads
 
 
 def _time(fn, repeats: int = 5) -> float:
@@ -29,47 +45,80 @@ def _time(fn, repeats: int = 5) -> float:
     return best
 
 
-class MatmulPolicy:
-    """`linear(x, w, use_numpy)` = x @ w.T; `use_numpy(num_tokens)` says which backend a step uses."""
+class _Helper:
+    """A second thread that multiplies the lower rows of a batch while the caller does the upper ones."""
 
-    def __init__(self, numpy_buckets: dict[int, bool]):
-        self.numpy_buckets = numpy_buckets  # bucket -> True when numpy is faster there
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="tokenloop-matmul", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            x, w, out = self._jobs.get()
+            try:
+                np.matmul(x, w.T, out=out)
+                self._done.put(None)
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+                self._done.put(exc)
+
+    def matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], w.shape[0]), dtype=np.result_type(x, w))
+        half = x.shape[0] // 2
+        self._jobs.put((x[half:], w, out[half:]))
+        np.matmul(x[:half], w.T, out=out[:half])
+        error = self._done.get()
+        if error is not None:
+            raise error
+        return out
+
+
+class MatmulPolicy:
+    """`linear(x, w, backend)` = x @ w.T; `backend(num_tokens)` says how a step multiplies."""
+
+    def __init__(self, buckets: dict[int, Backend], helper: _Helper | None = None):
+        self.buckets = buckets
+        self._helper = helper or (_Helper() if Backend.NUMPY2 in buckets.values() else None)
 
     @classmethod
-    def fixed(cls, use_numpy: bool) -> MatmulPolicy:
-        return cls({b: use_numpy for b in BUCKETS})
+    def fixed(cls, backend: Backend) -> MatmulPolicy:
+        return cls({b: backend for b in BUCKETS})
 
     @classmethod
     def calibrate(cls, weight: torch.Tensor) -> MatmulPolicy:
-        """Time both backends on `weight` [N, D] for every bucket; numpy only for float32/float64."""
+        """Time each backend on `weight` [N, D] for every bucket (numpy only for float32/float64)."""
         if weight.dtype not in (torch.float32, torch.float64):
-            return cls.fixed(False)
+            return cls.fixed(Backend.TORCH)
+        split = (os.cpu_count() or 1) >= 2
+        probe = cls({b: Backend.NUMPY2 for b in BUCKETS}) if split else None
         buckets = {}
-        w_np = weight.numpy()
         with torch.inference_mode():
             for b in BUCKETS:
                 x = torch.randn(b, weight.shape[1], dtype=weight.dtype)
-                x_np = x.numpy()
-                t_torch = _time(lambda: F.linear(x, weight))
-                t_numpy = _time(lambda: np.matmul(x_np, w_np.T))
-                buckets[b] = t_numpy < t_torch
-        return cls(buckets)
+                times = {Backend.TORCH: _time(lambda: F.linear(x, weight)),
+                         Backend.NUMPY: _time(lambda: np.matmul(x.numpy(), weight.numpy().T))}
+                if probe is not None and b >= MIN_SPLIT_TOKENS:
+                    times[Backend.NUMPY2] = _time(lambda: probe.linear(x, weight, Backend.NUMPY2))
+                buckets[b] = min(times, key=times.get)
+        return cls(buckets, probe._helper if probe is not None else None)
 
-    def use_numpy(self, num_tokens: int) -> bool:
+    def backend(self, num_tokens: int) -> Backend:
         for b in BUCKETS:
             if num_tokens <= b:
-                return self.numpy_buckets[b]
-        return self.numpy_buckets[BUCKETS[-1]]
+                return self.buckets[b]
+        return self.buckets[BUCKETS[-1]]
 
-    @staticmethod
-    def linear(x: torch.Tensor, w: torch.Tensor, use_numpy: bool) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:
         """x: [T, D_in], w: [D_out, D_in] -> [T, D_out]."""
-        if use_numpy:
-            return torch.from_numpy(np.matmul(x.contiguous().numpy(), w.numpy().T))
-        return F.linear(x, w)
+        if backend is Backend.TORCH:
+            return F.linear(x, w)
+        x_np = x.contiguous().numpy()
+        if backend is Backend.NUMPY2 and x.shape[0] >= MIN_SPLIT_TOKENS and self._helper is not None:
+            return torch.from_numpy(self._helper.matmul(x_np, w.numpy()))
+        return torch.from_numpy(np.matmul(x_np, w.numpy().T))
 
     def describe(self) -> str:
-        return ", ".join(f"<={b}: {'numpy' if n else 'torch'}" for b, n in self.numpy_buckets.items())
+        return ", ".join(f"<={b}: {backend.value}" for b, backend in self.buckets.items())
 
 
 def set_blas_threads(num_threads: int) -> bool:

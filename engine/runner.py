@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import AttentionGroup, ForwardBatch, Model
+from .model import AttentionGroup, ForwardBatch, Model, fresh_group
 from .sequence import Sequence
 
 
@@ -12,12 +12,10 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
     """Pad the queries of `seqs` (their new tokens start at flat row `row_start`) to one length."""
     max_q = max(num_new)
     contexts = [s.num_computed_tokens + n for s, n in zip(seqs, num_new)]
-    max_c = max(contexts)
-    max_blocks = (max_c + block_size - 1) // block_size
+    max_blocks = (max(contexts) + block_size - 1) // block_size
     tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                           for s in seqs], dtype=torch.long)  # [B, max_blocks]
-    pos = torch.arange(max_c)
-    kv_slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, C]
+                           for s in seqs], dtype=torch.long)  # [B, NB]
+    pos = torch.arange(max_blocks * block_size)  # [C]
     starts, rows, valid = [], [], []
     row = row_start
     for n in num_new:
@@ -29,12 +27,12 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
     computed = torch.tensor([s.num_computed_tokens for s in seqs])
     q_pos = computed[:, None] + torch.arange(max_q)[None, :]  # [B, Q] absolute position of each query
     mask = None
-    if max_q > 1 or min(contexts) != max_c:
+    if max_q > 1 or min(contexts) != max_blocks * block_size:
         mask = (pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [B, 1, Q, C] causal + padding
     return AttentionGroup(
         query_rows=torch.tensor(rows, dtype=torch.long),
         valid=None if all(valid) else torch.tensor(valid),
-        kv_slots=kv_slots, mask=mask, out_start=row_start, num_seqs=len(seqs), max_q=max_q)
+        kv_blocks=tables, mask=mask, out_start=row_start, num_seqs=len(seqs), max_q=max_q)
 
 
 def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[ForwardBatch, list[Sequence]]:
@@ -57,8 +55,10 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
     groups = []
     if decodes:
         groups.append(_group([s for s, _ in decodes], [1] * len(decodes), 0, block_size))
-    if prefills:
-        groups.append(_group([s for s, _ in prefills], [n for _, n in prefills], len(decodes), block_size))
+    row = len(decodes)
+    for seq, n in prefills:  # one group each: padding chunks of different lengths to one would waste work
+        groups.append(fresh_group(row, n) if seq.num_computed_tokens == 0 else _group([seq], [n], row, block_size))
+        row += n
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long), groups=groups,

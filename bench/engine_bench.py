@@ -1,0 +1,239 @@
+"""Engine (through the real gRPC server) against transformers' generate() with static batches.
+
+    .venv/bin/python bench/engine_bench.py --model models/SmolLM2-135M-Instruct
+
+Scenarios (greedy, EOS ignored, token-id prompts cut from one text at different offsets):
+  uniform: 32 concurrent requests, 64-token prompts, 128 new tokens;
+  mixed:   64 requests submitted at once, at most 32 in flight, prompts 16-512 tokens and outputs
+           16-256 tokens (seed 0); the reference runs static batches of 32 in arrival order, each to
+           its longest output, and counts only each request's own tokens;
+  single:  1 request, 128 new tokens.
+Prints a Markdown table and writes the figures as JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = (ROOT / "README.md").read_text() if (ROOT / "README.md").is_file() else ""
+TEXT += " ".join([
+    "The history of computing is a story of ideas that became machines and machines that changed ideas.",
+    "Rivers carve valleys over millions of years, and the shapes they leave tell geologists about climate.",
+    "A good recipe lists its ingredients in the order they are used and says what the dough should feel like.",
+    "In distributed systems every timeout is a guess about the future, and every retry is a bet on it.",
+]) * 60
+
+
+@dataclass
+class Scenario:
+    """Requests (prompt ids, new tokens) and how many may be in flight at once."""
+
+    name: str
+    prompts: list[list[int]]
+    num_new: list[int]
+    concurrency: int
+
+
+@dataclass
+class Result:
+    """What one system did on one scenario."""
+
+    system: str
+    scenario: str
+    num_tokens: int
+    wall_s: float
+    ttft_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.wall_s
+
+    @property
+    def ttft_p50_s(self) -> float:
+        return statistics.median(self.ttft_s) if self.ttft_s else float("nan")
+
+
+def make_scenarios(corpus: list[int], seed: int = 0) -> dict[str, Scenario]:
+    def window(i: int, n: int) -> list[int]:
+        start = (i * 97) % (len(corpus) - n)
+        return corpus[start:start + n]
+
+    rng = random.Random(seed)
+    mixed_lens = [(rng.randint(16, 512), rng.randint(16, 256)) for _ in range(64)]
+    return {
+        "uniform": Scenario("uniform", [window(i, 64) for i in range(32)], [128] * 32, 32),
+        "mixed": Scenario("mixed", [window(i + 100, p) for i, (p, _) in enumerate(mixed_lens)],
+                          [o for _, o in mixed_lens], 32),
+        "single": Scenario("single", [window(7, 64)], [128], 1),
+    }
+
+
+# --- transformers, static batches ---
+
+def run_transformers(model_dir: str, scenario: Scenario, num_threads: int) -> Result:
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    torch.set_num_threads(num_threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    class FirstToken(LogitsProcessor):
+        def __init__(self):
+            self.at = None
+
+        def __call__(self, input_ids, scores):
+            self.at = self.at or time.perf_counter()
+            return scores
+
+    num_tokens, ttfts, size = 0, [], scenario.concurrency
+    start = time.perf_counter()
+    for b in range(0, len(scenario.prompts), size):
+        prompts, num_new = scenario.prompts[b:b + size], scenario.num_new[b:b + size]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        first = FirstToken()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(num_new), min_new_tokens=max(num_new),
+                           do_sample=False, eos_token_id=None, pad_token_id=0,
+                           logits_processor=LogitsProcessorList([first]))
+        ttfts.extend([first.at - start] * len(prompts))
+        num_tokens += sum(num_new)
+    return Result("transformers", scenario.name, num_tokens, time.perf_counter() - start, ttfts)
+
+
+# --- the engine through the gRPC server ---
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, port: int, engine_flags: list[str]) -> subprocess.Popen:
+    exe = Path(sys.executable).with_name("tokenloop")
+    cmd = [str(exe), "serve", "--model", model_dir, "--port", str(port), "--metrics-port", "0",
+           "--log-level", os.environ.get("BENCH_LOG_LEVEL", "WARNING"), *engine_flags]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=None)
+
+
+async def wait_ready(port: int, timeout: float = 300.0) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"the server on port {port} did not become ready in {timeout} s")
+
+
+async def run_grpc(port: int, scenario: Scenario) -> Result:
+    import grpc
+    from tokenloop.v1 import tokenloop_pb2 as pb
+    from tokenloop.v1 import tokenloop_pb2_grpc
+
+    gate = asyncio.Semaphore(scenario.concurrency)
+    ttfts, counts = [], []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = tokenloop_pb2_grpc.TextGenerationStub(channel)
+
+        async def one(prompt: list[int], num_new: int) -> None:
+            async with gate:
+                sent, first, count = time.perf_counter(), None, 0
+                request = pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=prompt), stream=True, sampling=pb.SamplingParams(temperature=0.0),
+                    stopping=pb.StoppingCriteria(max_new_tokens=num_new, ignore_eos=True))
+                async for response in stub.Generate(request):
+                    if response.HasField("chunk") and response.chunk.token_ids:
+                        first = first or time.perf_counter()
+                        count += len(response.chunk.token_ids)
+                ttfts.append(first - sent)
+                counts.append(count)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(p, n) for p, n in zip(scenario.prompts, scenario.num_new)))
+        wall = time.perf_counter() - start
+    if counts != [n for n in scenario.num_new] and sorted(counts) != sorted(scenario.num_new):
+        raise RuntimeError(f"{scenario.name}: the server returned {sum(counts)} tokens, expected {sum(scenario.num_new)}")
+    return Result("tokenloop", scenario.name, sum(counts), wall, ttfts)
+
+
+def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: list[str]) -> list[Result]:
+    port = free_port()
+    server = start_server(model_dir, port, engine_flags)
+    try:
+        asyncio.run(wait_ready(port))
+        warm = Scenario("warm-up", [scenarios[0].prompts[0][:16]], [4], 1)
+        asyncio.run(run_grpc(port, warm))
+        return [asyncio.run(run_grpc(port, s)) for s in scenarios]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+# --- report ---
+
+def table(results: list[Result]) -> str:
+    rows = ["| scenario | system | tokens | wall s | tokens/s | TTFT p50 s | speed-up |", "| --- " * 7 + "|"]
+    by = {(r.system, r.scenario): r for r in results}
+    for r in results:
+        ref = by.get(("transformers", r.scenario))
+        speedup = f"{r.tokens_per_s / ref.tokens_per_s:.2f}x" if ref and r.system != "transformers" else ""
+        rows.append(f"| {r.scenario} | {r.system} | {r.num_tokens} | {r.wall_s:.1f} | {r.tokens_per_s:.1f} | "
+                    f"{r.ttft_p50_s:.2f} | {speedup} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--scenarios", default="uniform,mixed,single")
+    parser.add_argument("--reference", choices=("transformers", "none"), default="transformers")
+    parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results-engine.json"))
+    args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
+    sys.path.insert(0, str(ROOT))
+    from tokenloop.looper.tokenizer import Tokenizer
+
+    corpus = Tokenizer.from_dir(args.model).encode(TEXT)
+    all_scenarios = make_scenarios(corpus)
+    scenarios = [all_scenarios[name] for name in args.scenarios.split(",")]
+    results = run_engine_grpc(args.model, scenarios, engine_flags)
+    print(table(results), flush=True)
+    if args.reference == "transformers":
+        results += [run_transformers(args.model, s, args.num_threads) for s in scenarios]
+        results.sort(key=lambda r: (args.scenarios.split(",").index(r.scenario), r.system != "transformers"))
+    report = table(results)
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, engine flags: {' '.join(engine_flags) or '(defaults)'}\n\n{report}")
+    Path(args.out).write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+        "machine": platform.platform(), "engine_flags": engine_flags,
+        "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "ttft_p50_s": r.ttft_p50_s} for r in results],
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
