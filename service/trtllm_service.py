@@ -1,0 +1,357 @@
+"""trtllm.TrtllmService: the worker API the Shepherd Model Gateway (SMG) routes to, on the shared looper.
+
+The protocol comes from the `smg-grpc-proto` package (TensorRT-LLM's `trtllm-serve --grpc` speaks the
+same): token ids in, delta token ids out in `chunk` messages, then one `complete` per sequence.
+Fields this executor cannot honour are refused with INVALID_ARGUMENT naming the field, never ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import time
+import uuid
+import zipfile
+from pathlib import Path
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
+from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
+from tokenloop.looper.request import FinishReason, OutputParams, SamplingParams, StoppingParams, ValidRequest
+from tokenloop.looper.stream import Chunk, Complete, RequestStream
+
+from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
+from .servicer import StallWatchdog, deadline_of, metadata_value
+from .validation import MAX_TOP_LOGPROBS, _check, _finite
+
+SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop",
+                  FinishReason.STOP_TOKEN: "stop", FinishReason.CANCELLED: "abort"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json", "config.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_CHUNK_BYTES = 1 << 20
+# Fields of GenerateRequest / SamplingConfig / OutputConfig this executor cannot honour, and why.
+UNSUPPORTED_REQUEST = {
+    "guided_decoding": "guided (constrained) decoding is not supported by this executor",
+    "lora_config": "LoRA adapters are not supported by this executor",
+    "prompt_tuning_config": "prompt tuning is not supported by this executor",
+    "multimodal_input": "multimodal inputs are not supported: this is a text-only model",
+    "disaggregated_params": "disaggregated (prefill/decode) serving is not supported by this executor",
+    "lookahead_config": "lookahead decoding is not supported by this executor",
+    "kv_cache_retention": "KV-cache retention policies are not supported by this executor",
+    "cache_salt_id": "cache salts are not supported by this executor",
+}
+UNSUPPORTED_SAMPLING = ("top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate",
+                        "prompt_ignore_length", "length_penalty", "early_stopping", "no_repeat_ngram_size")
+
+
+class Unimplemented(ServiceError):
+    """An RPC this server does not provide."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+def _refuse(field: str, why: str) -> None:
+    _check(False, "unsupported_field", f"`{field}` cannot be honoured: {why}")
+
+
+def _check_supported(request) -> None:
+    """Refuse every field the executor cannot honour (INVALID_ARGUMENT naming the field)."""
+    for name, why in UNSUPPORTED_REQUEST.items():
+        if request.HasField(name):
+            _refuse(name, why)
+    if request.embedding_bias:
+        _refuse("embedding_bias", "logit biases are not supported by this executor")
+    if request.bad or request.bad_token_ids:
+        _refuse("bad" if request.bad else "bad_token_ids", "the executor cannot ban words or tokens")
+    if request.tokenized.query_token_ids:
+        _refuse("tokenized.query_token_ids", "star attention is not supported by this executor")
+    s = request.sampling_config
+    if s.beam_width > 1 or s.beam_width_array:
+        _refuse("sampling_config.beam_width", "beam search is not supported by this executor")
+    for name in UNSUPPORTED_SAMPLING:
+        if s.HasField(name):
+            _refuse(f"sampling_config.{name}", "this executor does not implement it")
+    o = request.output_config
+    if o.HasField("prompt_logprobs"):
+        _refuse("output_config.prompt_logprobs", "prompt log probabilities are not computed by this executor")
+    for name in ("return_context_logits", "return_generation_logits", "return_encoder_output"):
+        if getattr(o, name):
+            _refuse(f"output_config.{name}", "this executor does not return raw logits or encoder outputs")
+
+
+def _sampling(validator, s) -> SamplingParams:
+    card = validator.card
+    temperature = _finite(s.temperature, "sampling_config.temperature") if s.HasField("temperature") else (
+        card.default_temperature if card.default_temperature is not None else 1.0)
+    _check(temperature >= 0, "temperature", "`sampling_config.temperature` must be >= 0")
+    top_p = _finite(s.top_p, "sampling_config.top_p") if s.HasField("top_p") else (card.default_top_p or 1.0)
+    _check(0 < top_p <= 1, "top_p", "`sampling_config.top_p` must be > 0 and <= 1")
+    top_k = s.top_k if s.HasField("top_k") else 0
+    _check(top_k >= 0, "top_k", "`sampling_config.top_k` must be >= 0 (0 disables it)")
+    min_p = _finite(s.min_p, "sampling_config.min_p") if s.HasField("min_p") else 0.0
+    _check(0 <= min_p <= 1, "min_p", "`sampling_config.min_p` must be between 0 and 1")
+    rep = _finite(s.repetition_penalty, "sampling_config.repetition_penalty") \
+        if s.HasField("repetition_penalty") else 1.0
+    _check(rep > 0, "repetition_penalty", "`sampling_config.repetition_penalty` must be > 0 (1 disables it)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _check(-2 <= _finite(getattr(s, name), f"sampling_config.{name}") <= 2, name,
+               f"`sampling_config.{name}` must be between -2 and 2")
+    seed = s.seed if s.HasField("seed") else int.from_bytes(uuid.uuid4().bytes[:8], "little") >> 1
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
+                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, seed=seed)
+
+
+def _stopping(validator, request, num_prompt: int) -> StoppingParams:
+    lim = validator.limits
+    room = lim.max_context_length - num_prompt
+    max_new = request.max_tokens
+    if max_new:
+        _check(max_new <= lim.max_new_tokens, "max_new_tokens",
+               f"`max_tokens` must be between 1 and {lim.max_new_tokens}; got {max_new}")
+        _check(max_new <= room, "context_exceeded",
+               f"the prompt ({num_prompt} tokens) plus `max_tokens` ({max_new}) exceeds the model's context "
+               f"of {lim.max_context_length} tokens")
+    else:
+        max_new = min(lim.default_max_new_tokens, room)
+    min_new = request.sampling_config.min_tokens
+    _check(min_new <= max_new, "min_new_tokens",
+           f"`sampling_config.min_tokens` ({min_new}) must be <= max_tokens ({max_new})")
+    _check(len(request.stop) <= lim.max_stop_strings, "too_many_stop_strings",
+           f"`stop` may hold at most {lim.max_stop_strings} strings; got {len(request.stop)}")
+    for i, stop in enumerate(request.stop):
+        _check(0 < len(stop) <= lim.max_stop_string_length, "stop_string_length",
+               f"`stop[{i}]` must be 1 to {lim.max_stop_string_length} characters long")
+    bad = next((t for t in request.stop_token_ids if t >= validator.vocab_size), None)
+    _check(bad is None, "stop_token_id_out_of_range",
+           f"`stop_token_ids` must be < the vocabulary size {validator.vocab_size}; got {bad}")
+    return StoppingParams(max_new_tokens=max_new, min_new_tokens=min_new, stop=tuple(request.stop),
+                          stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+
+
+def to_valid_request(validator, request, request_id: str, deadline: float | None) -> ValidRequest:
+    """Validate a trtllm `GenerateRequest` with the server's limits; errors name THEIR proto's fields."""
+    _check_supported(request)
+    lim = validator.limits
+    n = request.sampling_config.num_return_sequences or 1
+    _check(n <= lim.max_n, "n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")
+    ids = tuple(request.tokenized.input_token_ids)
+    _check(len(ids) > 0, "empty_token_ids", "`tokenized.input_token_ids` must not be empty")
+    bad = next((t for t in ids if t >= validator.vocab_size), None)
+    _check(bad is None, "token_id_out_of_range",
+           f"`tokenized.input_token_ids` must be < the vocabulary size {validator.vocab_size}; got {bad}")
+    _check(len(ids) <= lim.max_prompt_tokens, "prompt_too_long",
+           f"the prompt has {len(ids)} tokens; the limit is {lim.max_prompt_tokens}")
+    o = request.output_config
+    top = o.logprobs if o.HasField("logprobs") else 0
+    _check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",
+           f"`output_config.logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {top}")
+    return ValidRequest(
+        request_id=validator.request_id(request_id), prompt_token_ids=ids,
+        sampling=_sampling(validator, request.sampling_config), stopping=_stopping(validator, request, len(ids)),
+        output=OutputParams(logprobs=o.HasField("logprobs"), top_logprobs=top), n=n, stream=request.streaming,
+        deadline=deadline)
+
+
+def _logprobs(items) -> list[tpb.TokenLogprob]:
+    return [tpb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                             top_logprobs=[tpb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+            for lp in items or ()]
+
+
+class _Writer:
+    """Looper events of one request -> trtllm GenerateResponse messages."""
+
+    def __init__(self, valid: ValidRequest, keep_stop_token: bool, perf: bool, arrival_wall: float):
+        self.valid, self.keep_stop_token = valid, keep_stop_token
+        self.perf, self.arrival_wall = perf, arrival_wall
+        self.num_sent: dict[int, int] = {}
+
+    def _strip(self, done: Complete) -> int | None:
+        """The trailing stop / EOS token TensorRT-LLM leaves out of output ids, if any."""
+        if self.keep_stop_token or not done.token_ids:
+            return None
+        last = done.token_ids[-1]
+        if done.finish_reason == FinishReason.STOP_TOKEN and last == done.matched_stop_token:
+            return last
+        if done.finish_reason == FinishReason.EOS:  # the executor's own EOS rule ended it on this token
+            return last
+        return None
+
+    def messages(self, batch: list) -> list[tpb.GenerateResponse]:
+        stripped = {e.index for e in batch if isinstance(e, Complete) and self._strip(e) is not None}
+        last_chunk = {e.index: i for i, e in enumerate(batch) if isinstance(e, Chunk)}
+        out = []
+        for i, event in enumerate(batch):
+            if isinstance(event, Chunk):
+                ids = event.token_ids[:-1] if event.index in stripped and last_chunk[event.index] == i \
+                    else event.token_ids
+                if ids:
+                    out.append(self._chunk(event, ids))
+            else:
+                out.append(self._complete(event, event.index in stripped))
+        return out
+
+    def _chunk(self, chunk: Chunk, ids: list[int]) -> tpb.GenerateResponse:
+        sent = self.num_sent[chunk.index] = self.num_sent.get(chunk.index, 0) + len(ids)
+        return tpb.GenerateResponse(request_id=self.valid.request_id, chunk=tpb.GenerateStreamChunk(
+            token_ids=ids, sequence_index=chunk.index, prompt_tokens=len(self.valid.prompt_token_ids),
+            completion_tokens=sent, logprobs=_logprobs((chunk.logprobs or [])[:len(ids)])))
+
+    def _complete(self, done: Complete, strip: bool) -> tpb.GenerateResponse:
+        ids = done.token_ids[:-1] if strip else done.token_ids
+        msg = tpb.GenerateComplete(
+            output_token_ids=ids, sequence_index=done.index, finish_reason=FINISH_REASONS[done.finish_reason],
+            prompt_tokens=done.prompt_tokens, completion_tokens=len(ids),
+            logprobs=_logprobs((done.logprobs or [])[:len(ids)]))
+        if done.matched_stop_str is not None:
+            msg.matched_stop_str = done.matched_stop_str
+        elif done.matched_stop_token is not None:
+            msg.matched_token_id = done.matched_stop_token
+        if self.perf:
+            t = done.timing
+            msg.perf_metrics.CopyFrom(tpb.PerfMetrics(
+                arrival_time=self.arrival_wall, first_scheduled_time=self.arrival_wall + t.queue_s,
+                first_token_time=self.arrival_wall + t.ttft_s, last_token_time=self.arrival_wall + t.total_s))
+        return tpb.GenerateResponse(request_id=self.valid.request_id, complete=msg)
+
+
+def tokenizer_bundle(model_dir: str | Path) -> bytes:
+    """A zip of the model directory's tokenizer files (fixed timestamps, so the same files give the same bytes)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name in TOKENIZER_FILES:
+            path = Path(model_dir) / name
+            if path.is_file():
+                zf.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), path.read_bytes(),
+                            compress_type=zipfile.ZIP_DEFLATED)
+    return buf.getvalue()
+
+
+class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
+    """The trtllm.TrtllmService RPCs on the App shared with tokenloop.v1."""
+
+    def __init__(self, app):
+        self.app = app  # service.app.App
+        self._bundle: bytes | None = None
+
+    async def Generate(self, request, context):
+        app, arrival, arrival_wall = self.app, time.monotonic(), time.time()
+        rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
+        completes: list[Complete] = []
+        try:
+            app.require_ready()
+            async with app.admission.slot():
+                valid = to_valid_request(app.validator, request, rid, deadline_of(context))
+                if app.looper.find(rid) is not None:
+                    raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
+                writer = _Writer(valid, request.include_stop_token_in_output,
+                                 request.output_config.return_perf_metrics, arrival_wall)
+                stream = app.looper.submit(valid, arrival)
+                async for msg in self._relay(stream, writer, completes):
+                    yield msg
+        except Exception as exc:  # ServiceError, RequestFailed, anything unexpected: one status, no traceback
+            app.observe_error(status_of(exc)[0])
+            await abort_with(context, exc)
+
+    async def _relay(self, stream: RequestStream, writer: _Writer, completes: list[Complete]):
+        app = self.app
+        try:
+            watchdog = StallWatchdog(app.config.stall_timeout)
+            async for batch in stream.batches():
+                for msg in writer.messages(batch):
+                    watchdog.arm()
+                    yield msg  # a stalled reader blocks here; the watchdog cancels us
+                    watchdog.disarm()
+                completes += [e for e in batch if isinstance(e, Complete)]
+        finally:
+            if not stream.finished:
+                stream.cancel()  # client gone (SMG dropped the stream), deadline, stalled reader
+            app.observe_end(writer.valid, completes, grpc.StatusCode.OK if stream.finished else None)
+
+    async def Embed(self, request, context):
+        await abort_with(context, Unimplemented(
+            "Embed is not available: this server runs a generative model (use Generate)"))
+
+    async def HealthCheck(self, request, context):
+        if self.app.not_ready_reason:  # loading, draining, or the executor died
+            await abort_with(context, Unavailable(self.app.not_ready_reason))
+            return None
+        return tpb.HealthCheckResponse(status="OK")
+
+    async def Abort(self, request, context):
+        looper = self.app.looper
+        found = looper is not None and looper.abort(request.request_id)
+        return tpb.AbortResponse(success=found, message=f"request {request.request_id!r} "
+                                 + ("aborted" if found else "not in flight (already finished, aborted or unknown)"))
+
+    async def GetModelInfo(self, request, context):
+        try:
+            self.app.require_ready()
+            return self.model_info()
+        except ServiceError as exc:
+            await abort_with(context, exc)
+
+    def model_info(self) -> tpb.GetModelInfoResponse:
+        app = self.app
+        cfg = _read_config(app.config.model)
+        features = ["stop", "stop_token_ids", "ignore_eos", "logprobs", "num_return_sequences", "seed",
+                    "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+        return tpb.GetModelInfoResponse(
+            model_id=app.card.model_id, max_input_len=app.validator.limits.max_prompt_tokens,
+            max_seq_len=app.card.max_context_length, max_batch_size=app.config.max_concurrent_requests,
+            vocab_size=app.validator.vocab_size, hidden_size=int(cfg.get("hidden_size", 0)),
+            num_layers=int(cfg.get("num_hidden_layers", 0)), num_heads=int(cfg.get("num_attention_heads", 0)),
+            supported_features=features)
+
+    async def GetServerInfo(self, request, context):
+        opts = self.app.config.executor_options
+        tp, pp = int(opts.get("tensor_parallel_size") or 1), int(opts.get("pipeline_parallel_size") or 1)
+        return tpb.GetServerInfoResponse(
+            version=_version(), backend="tensorrt" if self.app.config.backend == "trtllm" else "pytorch",
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1, world_size=tp * pp)
+
+    async def GetTokenizer(self, request, context):
+        if self._bundle is None:
+            self._bundle = await asyncio.to_thread(tokenizer_bundle, self.app.config.model)
+        data = self._bundle
+        if not data or len(data) <= 22:  # an empty zip is 22 bytes
+            await abort_with(context, Unimplemented(f"no tokenizer files in {self.app.config.model}"))
+            return
+        step = max(1024, min(TOKENIZER_CHUNK_BYTES, self.app.config.max_message_bytes // 2))
+        digest = hashlib.sha256(data).hexdigest()
+        for start in range(0, len(data), step):
+            last = start + step >= len(data)
+            yield common_pb2.GetTokenizerChunk(data=data[start:start + step], sha256=digest if last else "")
+
+    async def SubscribeKvEvents(self, request, context):
+        await abort_with(context, Unimplemented(
+            "SubscribeKvEvents is not implemented: this worker publishes no KV-cache events "
+            "(routers fall back to load-based routing)"))
+        return
+        yield  # a server-streaming handler is an async generator
+
+
+def _read_config(model_dir: str) -> dict:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return f"tokenloop {version('tokenloop')}"
+    except PackageNotFoundError:
+        return "tokenloop"
+
+
+def add_trtllm_service(app, grpc_server) -> str:
+    """Register trtllm.TrtllmService on `grpc_server`; returns its full name (for reflection)."""
+    tpb_grpc.add_TrtllmServiceServicer_to_server(TrtllmServicer(app), grpc_server)
+    return SERVICE_NAME

@@ -1,0 +1,260 @@
+"""trtllm.TrtllmService (the API the Shepherd Model Gateway routes to) through a real in-process server."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import zipfile
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
+from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
+
+from tests.conftest import run
+from tests.integration.service_harness import serving
+from tests.scripted_executor import ScriptedExecutor
+
+HELLO = "Hello world, hello gRPC streams."
+
+
+@asynccontextmanager
+async def trtllm(model_dir, executor=None, **config):
+    """(server, TrtllmService stub, executor) on a running server."""
+    async with serving(model_dir, executor, **config) as (server, _stub, ex):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            yield server, tpb_grpc.TrtllmServiceStub(channel), ex
+
+
+def gen(ids, max_tokens=8, streaming=True, **kw) -> tpb.GenerateRequest:
+    return tpb.GenerateRequest(tokenized=tpb.TokenizedInput(input_token_ids=ids), max_tokens=max_tokens,
+                               streaming=streaming, **kw)
+
+
+async def read_all(call) -> list:
+    out = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        out.append(msg)
+    return out
+
+
+async def wait_for(predicate, timeout=5.0) -> bool:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+@pytest.fixture
+def ids(tokenizer):
+    return tokenizer.encode(HELLO)
+
+
+def test_streaming_generate_sends_delta_chunks_then_one_complete(tokenizer_dir, ids):
+    async def body():
+        async with trtllm(tokenizer_dir) as (server, stub, ex):
+            msgs = await read_all(stub.Generate(gen(ids, max_tokens=10, request_id="r1")))
+            assert {m.request_id for m in msgs} == {"r1"}
+            chunks = [m.chunk for m in msgs if m.HasField("chunk")]
+            assert len(chunks) >= 2 and msgs[-1].HasField("complete") and len(msgs) == len(chunks) + 1
+            done = msgs[-1].complete
+            streamed = [t for c in chunks for t in c.token_ids]
+            assert streamed == list(done.output_token_ids) == (ids * 2)[:10]  # the scripted echo
+            assert [c.completion_tokens for c in chunks] == sorted({c.completion_tokens for c in chunks})
+            assert chunks[-1].completion_tokens == done.completion_tokens == 10
+            assert done.prompt_tokens == chunks[0].prompt_tokens == len(ids)
+            assert done.finish_reason == "length" and done.WhichOneof("matched_stop") is None
+    run(body())
+
+
+def test_non_streaming_gives_only_the_complete_and_n_gives_one_per_sequence(tokenizer_dir, ids):
+    async def body():
+        async with trtllm(tokenizer_dir) as (server, stub, ex):
+            (msg,) = await read_all(stub.Generate(gen(ids, max_tokens=4, streaming=False)))
+            assert msg.HasField("complete") and len(msg.complete.output_token_ids) == 4
+            msgs = await read_all(stub.Generate(gen(ids, max_tokens=3, streaming=False, sampling_config=tpb.SamplingConfig(
+                num_return_sequences=2, temperature=0.0), output_config=tpb.OutputConfig(logprobs=2))))
+            assert sorted(m.complete.sequence_index for m in msgs) == [0, 1]
+            assert all(len(m.complete.logprobs) == 3 and len(m.complete.logprobs[0].top_logprobs) == 2 for m in msgs)
+            assert ex.enqueued[-1].n == 2 and ex.enqueued[-1].sampling.greedy
+            assert ex.enqueued[-1].output.top_logprobs == 2
+    run(body())
+
+
+def test_sampling_and_stopping_reach_the_executor(tokenizer_dir, ids):
+    async def body():
+        async with trtllm(tokenizer_dir) as (server, stub, ex):
+            await read_all(stub.Generate(gen(ids, max_tokens=5, ignore_eos=True, stop=["zzz"], stop_token_ids=[7],
+                                             sampling_config=tpb.SamplingConfig(
+                                                 temperature=0.5, top_k=4, top_p=0.9, min_p=0.1, seed=42,
+                                                 repetition_penalty=1.2, presence_penalty=0.5,
+                                                 frequency_penalty=0.25, min_tokens=2))))
+            v = ex.enqueued[-1]
+            assert (v.sampling.temperature, v.sampling.top_k, v.sampling.seed) == (0.5, 4, 42)
+            assert v.sampling.top_p == pytest.approx(0.9) and v.sampling.min_p == pytest.approx(0.1)
+            assert v.sampling.repetition_penalty == pytest.approx(1.2)
+            assert (v.sampling.presence_penalty, v.sampling.frequency_penalty) == (0.5, 0.25)
+            assert v.stopping.max_new_tokens == 5 and v.stopping.min_new_tokens == 2 and v.stopping.ignore_eos
+            assert v.stopping.stop == ("zzz",) and v.stopping.stop_token_ids == (7,)
+    run(body())
+
+
+def test_stop_string_reports_matched_stop_str(tokenizer_dir, tokenizer, ids):
+    async def body():
+        async with trtllm(tokenizer_dir) as (server, stub, ex):
+            msgs = await read_all(stub.Generate(gen(ids, max_tokens=40, stop=["gRPC"])))
+            done = msgs[-1].complete
+            assert done.finish_reason == "stop" and done.matched_stop_str == "gRPC"
+            assert len(done.output_token_ids) < 40 and "gRPC" in tokenizer.decode(list(done.output_token_ids))
+    run(body())
+
+
+def test_stop_token_and_eos_are_left_out_of_output_ids_unless_asked(tokenizer_dir, ids):
+    stop = ids[3]
+
+    async def body():
+        async with trtllm(tokenizer_dir, ScriptedExecutor(eos_token_id=ids[5])) as (server, stub, ex):
+            msgs = await read_all(stub.Generate(gen(ids, max_tokens=40, stop_token_ids=[stop])))
+            done = msgs[-1].complete
+            assert done.finish_reason == "stop" and done.matched_token_id == stop
+            assert list(done.output_token_ids) == ids[:3]
+            assert [t for m in msgs[:-1] for t in m.chunk.token_ids] == ids[:3]
+            (kept,) = await read_all(stub.Generate(gen(ids, max_tokens=40, stop_token_ids=[stop], streaming=False,
+                                                       include_stop_token_in_output=True)))
+            assert list(kept.complete.output_token_ids) == ids[:4]
+            (eos,) = await read_all(stub.Generate(gen(ids, max_tokens=40, streaming=False)))
+            assert eos.complete.finish_reason == "stop" and list(eos.complete.output_token_ids) == ids[:5]
+    run(body())
+
+
+@pytest.mark.parametrize("field, kwargs", [
+    ("bad", {"bad": ["world"]}),
+    ("bad_token_ids", {"bad_token_ids": [5]}),
+    ("guided_decoding", {"guided_decoding": tpb.GuidedDecodingParams(guide_type=1, guide="{}")}),
+    ("lora_config", {"lora_config": tpb.LoraConfig(task_id=1)}),
+    ("multimodal_input", {"multimodal_input": tpb.MultimodalInput(image_data=[b"x"])}),
+    ("disaggregated_params", {"disaggregated_params": tpb.DisaggregatedParams(request_type=1)}),
+    ("embedding_bias", {"embedding_bias": [0.5]}),
+    ("sampling_config.beam_width", {"sampling_config": tpb.SamplingConfig(beam_width=2)}),
+    ("sampling_config.no_repeat_ngram_size", {"sampling_config": tpb.SamplingConfig(no_repeat_ngram_size=3)}),
+    ("output_config.prompt_logprobs", {"output_config": tpb.OutputConfig(prompt_logprobs=1)}),
+    ("max_tokens", {"max_tokens": 5000}),
+    ("sampling_config.temperature", {"sampling_config": tpb.SamplingConfig(temperature=-1.0)}),
+    ("tokenized.input_token_ids", {"tokenized": tpb.TokenizedInput(input_token_ids=[10**6])}),
+])
+def test_fields_the_executor_cannot_honour_are_refused_by_name(tokenizer_dir, ids, field, kwargs):
+    async def body():
+        async with trtllm(tokenizer_dir) as (server, stub, ex):
+            request = gen(ids)
+            for name, value in kwargs.items():
+                if isinstance(value, list):
+                    getattr(request, name).extend(value)
+                elif hasattr(value, "DESCRIPTOR"):
+                    getattr(request, name).CopyFrom(value)
+                else:
+                    setattr(request, name, value)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_all(stub.Generate(request))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"`{field}`" in err.value.details()
+            assert ex.enqueued == []
+    run(body())
+
+
+def test_embed_and_kv_events_are_unimplemented_with_a_message(tokenizer_dir, ids):
+    async def body():
+        async with trtllm(tokenizer_dir) as (server, stub, ex):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Embed(tpb.EmbedRequest(tokenized=tpb.TokenizedInput(input_token_ids=ids)))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "generative" in err.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_all(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "KV-cache events" in err.value.details()
+    run(body())
+
+
+def test_abort_ends_the_stream_and_is_idempotent(tokenizer_dir, ids):
+    async def body():
+        async with trtllm(tokenizer_dir, ScriptedExecutor(tick=0.05)) as (server, stub, ex):
+            call = stub.Generate(gen(ids, max_tokens=200, request_id="slow"))
+            first = await call.read()
+            assert first.HasField("chunk")
+            assert (await stub.Abort(tpb.AbortRequest(request_id="slow"))).success
+            rest = await read_all(call)
+            assert rest[-1].complete.finish_reason == "abort" and len(rest[-1].complete.output_token_ids) < 200
+            again = await stub.Abort(tpb.AbortRequest(request_id="slow"))
+            assert not again.success and "not in flight" in again.message
+            assert not (await stub.Abort(tpb.AbortRequest(request_id="never-seen"))).success
+            assert await wait_for(lambda: server.app.load().num_running == 0)
+    run(body())
+
+
+def test_client_cancel_frees_the_request(tokenizer_dir, ids):
+    async def body():
+        async with trtllm(tokenizer_dir, ScriptedExecutor(tick=0.05)) as (server, stub, ex):
+            call = stub.Generate(gen(ids, max_tokens=200))
+            assert (await call.read()).HasField("chunk")
+            call.cancel()
+            assert await wait_for(lambda: ex.cancels and server.app.looper.num_open == 0)
+            assert await wait_for(lambda: server.app.load().num_running == 0)
+    run(body())
+
+
+def test_health_check_is_ok_only_while_serving(tokenizer_dir):
+    async def body():
+        async with trtllm(tokenizer_dir) as (server, stub, ex):
+            assert (await stub.HealthCheck(tpb.HealthCheckRequest())).status == "OK"
+            server.app.not_ready_reason = "the server is shutting down"
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.HealthCheck(tpb.HealthCheckRequest())
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+            finally:
+                server.app.not_ready_reason = ""
+    run(body())
+
+
+def test_model_and_server_info(tokenizer_dir):
+    async def body():
+        async with trtllm(tokenizer_dir, max_concurrent_requests=7) as (server, stub, ex):
+            info = await stub.GetModelInfo(tpb.GetModelInfoRequest())
+            assert info.model_id == tokenizer_dir.name == server.app.card.model_id
+            assert info.vocab_size == server.app.validator.vocab_size > 0
+            assert info.max_seq_len == server.app.card.max_context_length and info.max_batch_size == 7
+            assert 0 < info.max_input_len < info.max_seq_len and "stop" in info.supported_features
+            sinfo = await stub.GetServerInfo(tpb.GetServerInfoRequest())
+            assert sinfo.version.startswith("tokenloop") and sinfo.backend == "pytorch" and sinfo.world_size == 1
+    run(body())
+
+
+def test_get_tokenizer_streams_a_zip_with_a_final_sha256(tokenizer_dir):
+    async def body():
+        async with trtllm(tokenizer_dir, max_message_bytes=2048) as (server, stub, ex):
+            chunks = await read_all(stub.GetTokenizer(common_pb2.GetTokenizerRequest()))
+            assert len(chunks) > 1 and all(not c.sha256 for c in chunks[:-1])
+            data = b"".join(c.data for c in chunks)
+            assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+            with zipfile.ZipFile(io.BytesIO(data)) as zf:
+                assert "tokenizer.json" in zf.namelist()
+                assert zf.read("tokenizer.json") == (tokenizer_dir / "tokenizer.json").read_bytes()
+                assert all("/" not in name for name in zf.namelist())
+    run(body())
+
+
+def test_reflection_lists_the_trtllm_service(tokenizer_dir):
+    async def body():
+        async with trtllm(tokenizer_dir) as (server, stub, ex):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+                call = refl.ServerReflectionInfo()
+                await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                resp = await call.read()
+                await call.done_writing()
+                names = {s.name for s in resp.list_services_response.service}
+                assert "trtllm.TrtllmService" in names and "tokenloop.v1.TextGeneration" in names
+    run(body())
