@@ -12,6 +12,7 @@ import logging
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
+
 from tokenloop.looper.request import FinishReason, ValidRequest
 from tokenloop.looper.stream import Complete
 

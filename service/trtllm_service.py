@@ -20,6 +20,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
+
 from tokenloop.looper.request import FinishReason, OutputParams, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestStream
 
