@@ -42,6 +42,11 @@ class LoadCollector:
             ("max_concurrent_requests", "Admission limit on requests in flight.", load.max_concurrent_requests),
         ):
             yield GaugeMetricFamily(f"tokenloop:{name}", doc, value=value)
+        info = GaugeMetricFamily("tokenloop:cache_config_info", "KV-cache layout in labels (vLLM's cache_config_info "
+                                 "format, for endpoint pickers' prefix-cache scorers).",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(load.kv_block_size), str(load.kv_blocks_total)], 1)
+        yield info
 
 
 class RequestMetrics:

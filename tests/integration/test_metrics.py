@@ -60,6 +60,7 @@ def test_metrics_follow_load_and_count_requests(tokenizer_dir):
                 idle = await asyncio.to_thread(scrape, port)
                 assert idle["tokenloop:num_requests_running"] == 0 and idle["tokenloop:num_requests_waiting"] == 0
                 assert idle["tokenloop:kv_blocks_total"] == 64 and idle["tokenloop:kv_block_size"] == 16
+                assert idle["tokenloop:cache_config_info{block_size=16,num_gpu_blocks=64}"] == 1
                 tasks = [asyncio.ensure_future(one(stub)) for _ in range(num)]
                 busy = await poll(port, lambda s: s["tokenloop:num_requests_running"] >= 1
                                   and s["tokenloop:num_requests_waiting"] >= 1)
