@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
     s.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
                    help="abort a stream whose reader stopped reading for this long (0: never)")
+    s.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="send a sequence's tokens at most every N tokens while the reader keeps up "
+                        "(a reader that fell behind gets all ready tokens in one message)")
     s.add_argument("--model-id", default="", help="name reported by GetModelInfo (default: the directory's name)")
     s.add_argument("--log-level", default=d.log_level, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     s.add_argument("--log-format", default=d.log_format, choices=("text", "json"),
@@ -83,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queue=args.max_queue, shutdown_grace=args.shutdown_grace, max_new_tokens=args.max_new_tokens,
         default_max_new_tokens=args.default_max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
+        stream_interval=args.stream_interval,
         model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,
         max_stop_string_length=args.max_stop_string_length, tls_cert=args.tls_cert, tls_key=args.tls_key,
