@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import io
 import json
+import logging
 import time
 import uuid
 import zipfile
@@ -22,12 +23,14 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tokenloop.looper.request import FinishReason, OutputParams, SamplingParams, StoppingParams, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, RequestStream
+from tokenloop.looper.stream import Chunk, Complete, RequestFailed, RequestStream
 
+from .convert import coalesce
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
 from .servicer import StallWatchdog, deadline_of, metadata_value
 from .validation import MAX_TOP_LOGPROBS, _check, _finite
 
+log = logging.getLogger("tokenloop.service")
 SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop",
                   FinishReason.STOP_TOKEN: "stop", FinishReason.CANCELLED: "abort"}
@@ -184,6 +187,7 @@ class _Writer:
         return None
 
     def messages(self, batch: list) -> list[tpb.GenerateResponse]:
+        batch = coalesce(batch)  # a reader that fell behind gets one chunk per sequence
         stripped = {e.index for e in batch if isinstance(e, Complete) and self._strip(e) is not None}
         last_chunk = {e.index: i for i, e in enumerate(batch) if isinstance(e, Chunk)}
         out = []
@@ -256,6 +260,8 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                 async for msg in self._relay(stream, writer, completes):
                     yield msg
         except Exception as exc:  # ServiceError, RequestFailed, anything unexpected: one status, no traceback
+            if not isinstance(exc, (ServiceError, RequestFailed)):
+                log.exception("trtllm Generate %s failed", rid)
             app.observe_error(status_of(exc)[0])
             await abort_with(context, exc)
 

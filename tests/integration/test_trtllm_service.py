@@ -258,3 +258,19 @@ def test_reflection_lists_the_trtllm_service(tokenizer_dir):
                 names = {s.name for s in resp.list_services_response.service}
                 assert "trtllm.TrtllmService" in names and "tokenloop.v1.TextGeneration" in names
     run(body())
+
+
+def test_writer_coalesces_a_backlog_and_strips_the_eos_token_once():
+    from tokenloop.looper.request import FinishReason, ValidRequest
+    from tokenloop.looper.stream import Chunk, Complete, Timing
+    from tokenloop.service.trtllm_service import _Writer
+
+    valid = ValidRequest(request_id="w", prompt_token_ids=(5, 6), stream=True)
+    writer = _Writer(valid, keep_stop_token=False, perf=True, arrival_wall=1000.0)
+    done = Complete(0, "abc", [1, 2, 3], FinishReason.EOS, 2, 0, Timing(0.1, 0.2, 0.5))
+    msgs = writer.messages([Chunk(0, "a", [1]), Chunk(0, "b", [2]), Chunk(0, "c", [3]), done])
+    assert [m.WhichOneof("response") for m in msgs] == ["chunk", "complete"]
+    assert list(msgs[0].chunk.token_ids) == [1, 2] and msgs[0].chunk.completion_tokens == 2
+    assert list(msgs[1].complete.output_token_ids) == [1, 2] and msgs[1].complete.completion_tokens == 2
+    perf = msgs[1].complete.perf_metrics
+    assert (perf.arrival_time, perf.first_token_time, perf.last_token_time) == (1000.0, 1000.2, 1000.5)
