@@ -56,7 +56,7 @@ class Router:
         self.proc = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--worker-urls", f"grpc://{worker}", "--model-path", str(DEFAULT_MODEL),
-             "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+             "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
              "--health-success-threshold", "1", "--log-level", "info"],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -170,6 +170,18 @@ def test_streaming_chat_completion_through_the_router(stack):
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert "Paris" in text and len([c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]) > 2
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+
+
+def test_stop_strings_and_refused_fields_through_the_router(stack):
+    worker, router = stack
+    resp = post(router, chat_body(stream=False, stop=[" Paris"]))
+    assert resp.status == 200
+    choice = json.loads(resp.read())["choices"][0]
+    assert choice["finish_reason"] == "stop" and "Paris" not in choice["message"]["content"]
+    assert choice["message"]["content"].startswith("The capital of France is")
+    resp = post(router, chat_body(stream=False, response_format={"type": "json_object"}))
+    body = resp.read().decode()
+    assert resp.status >= 400 and "guided_decoding" in body, body  # refused by name, not ignored
 
 
 def test_client_disconnect_at_the_router_ends_the_request_in_tokenloop(stack):
