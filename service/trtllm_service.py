@@ -25,7 +25,6 @@ from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 from tokenloop.looper.request import FinishReason, OutputParams, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed, RequestStream
 
-from .convert import coalesce
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
 from .servicer import StallWatchdog, deadline_of, metadata_value
 from .validation import MAX_TOP_LOGPROBS, _check, _finite
@@ -168,44 +167,54 @@ def _logprobs(items) -> list[tpb.TokenLogprob]:
 
 
 class _Writer:
-    """Looper events of one request -> trtllm GenerateResponse messages."""
+    """Looper events of one request -> trtllm GenerateResponse messages.
 
-    def __init__(self, valid: ValidRequest, keep_stop_token: bool, perf: bool, arrival_wall: float):
+    Chunks of a sequence that arrived together go out as one message (a reader that fell behind gets
+    every ready token at once); with `interval` N > 1 they are held until N tokens are ready or the
+    sequence completes (`--stream-interval`).
+    """
+
+    def __init__(self, valid: ValidRequest, keep_stop_token: bool, perf: bool, arrival_wall: float,
+                 interval: int = 1):
         self.valid, self.keep_stop_token = valid, keep_stop_token
-        self.perf, self.arrival_wall = perf, arrival_wall
+        self.perf, self.arrival_wall, self.interval = perf, arrival_wall, max(1, interval)
         self.num_sent: dict[int, int] = {}
+        self.held: dict[int, list[Chunk]] = {}  # sequence index -> chunks not yet sent
 
-    def _strip(self, done: Complete) -> int | None:
-        """The trailing stop / EOS token TensorRT-LLM leaves out of output ids, if any."""
+    def _strip(self, done: Complete) -> bool:
+        """Whether the last output token is a stop / EOS token TensorRT-LLM leaves out of output ids."""
         if self.keep_stop_token or not done.token_ids:
-            return None
-        last = done.token_ids[-1]
-        if done.finish_reason == FinishReason.STOP_TOKEN and last == done.matched_stop_token:
-            return last
-        if done.finish_reason == FinishReason.EOS:  # the executor's own EOS rule ended it on this token
-            return last
-        return None
+            return False
+        if done.finish_reason == FinishReason.STOP_TOKEN:
+            return done.token_ids[-1] == done.matched_stop_token
+        return done.finish_reason == FinishReason.EOS  # the executor's EOS rule ended it on this token
 
     def messages(self, batch: list) -> list[tpb.GenerateResponse]:
-        batch = coalesce(batch)  # a reader that fell behind gets one chunk per sequence
-        stripped = {e.index for e in batch if isinstance(e, Complete) and self._strip(e) is not None}
-        last_chunk = {e.index: i for i, e in enumerate(batch) if isinstance(e, Chunk)}
         out = []
-        for i, event in enumerate(batch):
+        for event in batch:
             if isinstance(event, Chunk):
-                ids = event.token_ids[:-1] if event.index in stripped and last_chunk[event.index] == i \
-                    else event.token_ids
-                if ids:
-                    out.append(self._chunk(event, ids))
-            else:
-                out.append(self._complete(event, event.index in stripped))
+                self.held.setdefault(event.index, []).append(event)
+                continue
+            strip = self._strip(event)
+            chunks = self.held.pop(event.index, [])
+            if chunks:  # the final token arrives with the complete: drop it here too
+                out += self._chunk(event.index, chunks, drop_last=strip)
+            out.append(self._complete(event, strip))
+        for index in [i for i, cs in self.held.items() if sum(len(c.token_ids) for c in cs) >= self.interval]:
+            out += self._chunk(index, self.held.pop(index))
         return out
 
-    def _chunk(self, chunk: Chunk, ids: list[int]) -> tpb.GenerateResponse:
-        sent = self.num_sent[chunk.index] = self.num_sent.get(chunk.index, 0) + len(ids)
-        return tpb.GenerateResponse(request_id=self.valid.request_id, chunk=tpb.GenerateStreamChunk(
-            token_ids=ids, sequence_index=chunk.index, prompt_tokens=len(self.valid.prompt_token_ids),
-            completion_tokens=sent, logprobs=_logprobs((chunk.logprobs or [])[:len(ids)])))
+    def _chunk(self, index: int, chunks: list[Chunk], drop_last: bool = False) -> list[tpb.GenerateResponse]:
+        ids = [t for c in chunks for t in c.token_ids]
+        lps = [lp for c in chunks for lp in c.logprobs or ()]
+        if drop_last:
+            ids = ids[:-1]
+        if not ids:
+            return []
+        sent = self.num_sent[index] = self.num_sent.get(index, 0) + len(ids)
+        return [tpb.GenerateResponse(request_id=self.valid.request_id, chunk=tpb.GenerateStreamChunk(
+            token_ids=ids, sequence_index=index, prompt_tokens=len(self.valid.prompt_token_ids),
+            completion_tokens=sent, logprobs=_logprobs(lps[:len(ids)])))]
 
     def _complete(self, done: Complete, strip: bool) -> tpb.GenerateResponse:
         ids = done.token_ids[:-1] if strip else done.token_ids
@@ -255,7 +264,8 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                 if app.looper.find(rid) is not None:
                     raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
                 writer = _Writer(valid, request.include_stop_token_in_output,
-                                 request.output_config.return_perf_metrics, arrival_wall)
+                                 request.output_config.return_perf_metrics, arrival_wall,
+                                 getattr(app.config, "stream_interval", 1))
                 stream = app.looper.submit(valid, arrival)
                 async for msg in self._relay(stream, writer, completes):
                     yield msg

@@ -274,3 +274,18 @@ def test_writer_coalesces_a_backlog_and_strips_the_eos_token_once():
     assert list(msgs[1].complete.output_token_ids) == [1, 2] and msgs[1].complete.completion_tokens == 2
     perf = msgs[1].complete.perf_metrics
     assert (perf.arrival_time, perf.first_token_time, perf.last_token_time) == (1000.0, 1000.2, 1000.5)
+
+
+def test_writer_holds_chunks_until_the_stream_interval():
+    from tokenloop.looper.request import FinishReason, ValidRequest
+    from tokenloop.looper.stream import Chunk, Complete, Timing
+    from tokenloop.service.trtllm_service import _Writer
+
+    writer = _Writer(ValidRequest(request_id="w", prompt_token_ids=(5,), stream=True), False, False, 0.0, interval=3)
+    assert writer.messages([Chunk(0, "a", [1]), Chunk(0, "b", [2])]) == []
+    (first,) = writer.messages([Chunk(0, "c", [3]), Chunk(0, "d", [4])])
+    assert list(first.chunk.token_ids) == [1, 2, 3, 4]
+    done = Complete(0, "abcde", [1, 2, 3, 4, 5, 9], FinishReason.STOP_TOKEN, 1, 0, Timing(), matched_stop_token=9)
+    chunk, complete = writer.messages([Chunk(0, "e", [5]), Chunk(0, "", [9]), done])
+    assert list(chunk.chunk.token_ids) == [5] and chunk.chunk.completion_tokens == 5
+    assert list(complete.complete.output_token_ids) == [1, 2, 3, 4, 5] and complete.complete.matched_token_id == 9
