@@ -5,10 +5,15 @@ tokens) and drops SentencePiece leading spaces (TGI #131). We keep two offsets i
 sequence's ids, as TGI and vLLM do: text is decoded from `prefix_offset` (a few tokens of
 context) and only the part past `ids[prefix_offset:read_offset]` is new. A delta that ends in
 U+FFFD (an incomplete UTF-8 sequence) is held until the next token completes it.
+
+Byte-level BPE tokenizers (GPT-2 style, SmolLM2, Llama 3) decode by concatenating bytes, so once
+the ids read so far decoded cleanly, the new text is just the decoding of the new ids: those
+take a fast path that decodes only the unread ids, once per push, with no context re-decoded.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 _CONTEXT_TOKENS = 5  # prompt tokens used as decoding context for the first generated token
@@ -18,10 +23,29 @@ class Decoder(Protocol):
     def decode(self, ids, skip_special_tokens: bool = True) -> str: ...
 
 
+_BYTE_LEVEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> decodes by concatenation
+
+
+def is_byte_level(tokenizer: Decoder) -> bool:
+    """True when the tokenizer's decoder is plain byte-level BPE (decode(a + b) == decode(a) + decode(b)
+    whenever `a` ends on a character boundary)."""
+    try:
+        return _BYTE_LEVEL[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    decoder = getattr(getattr(tokenizer, "_tok", None), "decoder", None)
+    result = type(decoder).__name__ == "ByteLevel"
+    try:
+        _BYTE_LEVEL[tokenizer] = result
+    except TypeError:
+        pass
+    return result
+
+
 class IncrementalDetokenizer:
     """Turns appended token ids into text deltas."""
 
-    __slots__ = ("_tok", "_skip", "_ids", "_prefix_offset", "_read_offset", "_prefix_text")
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_fast")
 
     def __init__(self, tokenizer: Decoder, prompt_ids, skip_special_tokens: bool = True):
         self._tok = tokenizer
@@ -30,6 +54,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
+        self._fast = is_byte_level(tokenizer)
 
     def _decode(self, ids) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
@@ -37,6 +62,15 @@ class IncrementalDetokenizer:
     def push(self, token_ids) -> str:
         """Append ids; return the text they complete (possibly empty)."""
         self._ids.extend(token_ids)
+        if self._fast:  # byte-level: decode only what was not read yet
+            text = self._decode(self._ids[self._read_offset:])
+            if text.endswith("\ufffd"):
+                return ""  # an incomplete UTF-8 sequence: wait for the next token
+            if "\ufffd" not in text:
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._ids)
+                self._prefix_text = text
+                return text
         text = self._decode(self._ids[self._prefix_offset:])
         if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
             return ""

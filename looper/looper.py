@@ -38,6 +38,9 @@ class Looper:
         self._channel: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: dict[int, RequestState] = {}  # executor id -> state (looper thread only)
         self._outbox: dict[RequestStream, list] = {}  # stream -> [events, done, error] (looper thread only)
+        self._handoff: dict[RequestStream, list] = {}  # the same, awaiting the event loop (under _handoff_lock)
+        self._handoff_lock = threading.Lock()
+        self._handoff_scheduled = False  # a _deliver is queued on the event loop
         self._streams: dict[str, RequestStream] = {}  # request id -> open stream (event loop only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -100,9 +103,12 @@ class Looper:
     def _request_cancel(self, stream: RequestStream) -> None:
         self._channel.put((_CANCEL, stream))
 
-    def _deliver(self, items: list[tuple[RequestStream, list]]) -> None:
-        """One hand-off per poll: push every stream's events, forget finished streams."""
-        for stream, (events, done, error) in items:
+    def _deliver(self) -> None:
+        """One hand-off per poll (or fewer, when the event loop is behind): push every stream's events."""
+        with self._handoff_lock:
+            items, self._handoff = self._handoff, {}
+            self._handoff_scheduled = False
+        for stream, (events, done, error) in items.items():
             stream.push(events, done, error)
             if (done or error is not None) and self._streams.get(stream.request.request_id) is stream:
                 del self._streams[stream.request.request_id]
@@ -171,6 +177,8 @@ class Looper:
 
     def _pull_steps(self) -> None:
         steps = self.executor.await_responses(self._poll_timeout)
+        if len(steps) > 1:
+            steps = merge_steps(steps)
         now = time.monotonic()
         for step in steps:
             state = self._in_flight.get(step.request_id)
@@ -216,11 +224,20 @@ class Looper:
             state.closed = True
 
     def _fan_out(self) -> None:
+        """Hand this poll's events to the event loop; merged into the pending hand-off if it has not run yet."""
         if not self._outbox:
             return
-        items, self._outbox = list(self._outbox.items()), {}
+        outbox, self._outbox = self._outbox, {}
+        with self._handoff_lock:
+            if self._handoff:
+                _merge_outbox(self._handoff, outbox)
+            else:
+                self._handoff = outbox
+            if self._handoff_scheduled:
+                return
+            self._handoff_scheduled = True
         try:
-            self._loop.call_soon_threadsafe(self._deliver, items)
+            self._loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
@@ -258,3 +275,37 @@ class Looper:
                 state = RequestState(cmd[1], self._tokenizer, cmd[2])
                 self._send(state, [], error)
                 self._fan_out()
+
+
+def _merge_outbox(into: dict[RequestStream, list], more: dict[RequestStream, list]) -> None:
+    for stream, entry in more.items():
+        old = into.get(stream)
+        if old is None:
+            into[stream] = entry
+            continue
+        old[0] += entry[0]
+        old[1] = old[1] or entry[1]
+        if old[2] is None:
+            old[2] = entry[2]
+
+
+def merge_steps(steps: list[Step]) -> list[Step]:
+    """One step per sequence per poll: consecutive token steps of a sequence (an executor that returns
+    one response per token, and a looper that fell behind) are joined, so each is detokenized once."""
+    by_seq: dict[tuple[int, int], Step] = {}
+    out: list[Step] = []
+    for step in steps:
+        key = (step.request_id, step.seq_index)
+        prev = by_seq.get(key)
+        if prev is None or prev.is_final or step.error is not None or prev.error is not None:
+            by_seq[key] = step
+            out.append(step)
+            continue
+        prev.token_ids = prev.token_ids + step.token_ids
+        if prev.logprobs is not None and step.logprobs is not None:
+            prev.logprobs = prev.logprobs + step.logprobs
+            if prev.top_logprobs is not None and step.top_logprobs is not None:
+                prev.top_logprobs = prev.top_logprobs + step.top_logprobs
+        prev.is_final, prev.finish_reason = step.is_final, step.finish_reason
+        prev.matched_stop_token = step.matched_stop_token
+    return out if len(out) < len(steps) else steps

@@ -31,26 +31,39 @@ class StallWatchdog:
     grpc.aio resumes a streaming handler only after its yielded message was accepted, so a reader
     that stops reading (and HTTP/2 flow control filling up) parks the handler at `yield`; the
     cancellation then runs its cleanup, which cancels the request and frees its KV blocks.
+    One timer per stream, re-armed lazily: `arm()` / `disarm()` around each write only note the time.
     """
 
-    __slots__ = ("timeout", "task", "timer", "loop")
+    __slots__ = ("timeout", "task", "timer", "loop", "since")
 
     def __init__(self, timeout: float):
         self.timeout = timeout
         self.task = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
         self.timer = None
+        self.since = 0.0  # loop time the current write started; 0: not writing
 
     def arm(self) -> None:
         if self.timeout > 0:
-            self.timer = self.loop.call_later(self.timeout, self._fire)
+            self.since = self.loop.time()
+            if self.timer is None:
+                self.timer = self.loop.call_at(self.since + self.timeout, self._check)
 
     def disarm(self) -> None:
+        self.since = 0.0
+
+    def close(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
 
-    def _fire(self) -> None:
+    def _check(self) -> None:
+        self.timer = None
+        if not self.since:
+            return  # not writing: the next arm() starts a timer
+        if self.loop.time() - self.since < self.timeout:
+            self.timer = self.loop.call_at(self.since + self.timeout, self._check)
+            return
         log.warning("a reader stopped reading for %.1fs: aborting its stream", self.timeout)
         self.task.cancel()
 
@@ -77,15 +90,17 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 if app.looper.find(rid) is not None:
                     raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
                 stream = app.looper.submit(valid, arrival)
+                watchdog = StallWatchdog(app.config.stall_timeout)
+                writer = convert.StreamWriter(valid, app.config.stream_interval, app.config.coalesce)
                 try:
-                    watchdog = StallWatchdog(app.config.stall_timeout)
                     async for batch in stream.batches():
-                        for msg in convert.messages(valid, batch):
+                        for msg in writer.messages(batch):
                             watchdog.arm()
                             yield msg  # returns once grpc took the message: a stalled reader blocks here
                             watchdog.disarm()
-                        completes += [e for e in batch if isinstance(e, Complete)]
+                        completes += [e for e in batch if type(e) is Complete]
                 finally:
+                    watchdog.close()
                     if not stream.finished:
                         stream.cancel()  # client gone, deadline, stalled reader, or server abort
                     app.observe_end(valid, completes, grpc.StatusCode.OK if stream.finished else None)

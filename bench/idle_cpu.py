@@ -1,0 +1,109 @@
+"""CPU used by an idle tokenloop server: the whole process and the looper thread alone.
+
+    .venv/bin/python bench/idle_cpu.py                      # the real engine and the default model
+    .venv/bin/python bench/idle_cpu.py --executor null      # the null executor (no model weights)
+
+Starts a server in this process, serves a few requests, then sleeps `--seconds` and reads
+utime + stime from /proc/self/stat (every thread) and /proc/self/task/<tid>/stat (the looper
+thread, by its native id). Figures are % of one core; they are measured, not asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(stat_path: str) -> float:
+    """utime + stime from a /proc stat file, in seconds (resolution 1 / CLK_TCK)."""
+    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def run_ns(task_dir: str) -> int:
+    """Nanoseconds on a CPU from a task's schedstat (finer than stat's clock ticks)."""
+    return int(Path(task_dir, "schedstat").read_text().split()[0])
+
+
+def threads_ns() -> dict[int, int]:
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            out[int(task.name)] = run_ns(str(task))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def executor_factory(kind: str):
+    if kind == "engine":
+        from tokenloop.service.server import default_executor_factory
+        return default_executor_factory
+    from bench.null_executor import NullExecutor, sample_token_ids
+    from tokenloop.looper.tokenizer import Tokenizer
+    return lambda cfg: NullExecutor(sample_token_ids(Tokenizer.from_dir(cfg.model)), rate=200.0)
+
+
+async def measure(model: str, kind: str, seconds: float) -> dict:
+    """Start, warm up with 4 short requests, then measure `seconds` of idleness."""
+    from tokenloop.service.config import ServerConfig
+    from tokenloop.service.server import Server
+    server = Server(ServerConfig(model=model, port=0), executor_factory=executor_factory(kind))
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TextGenerationStub(channel)
+            req = pb.GenerateRequest(text="Hello", stopping=pb.StoppingCriteria(max_new_tokens=8))
+            await asyncio.gather(*(stub.Generate(req).read() for _ in range(4)))
+        await asyncio.sleep(1.0)  # let the last hand-offs settle
+        tid = server.app.looper._thread.native_id
+        task = f"/proc/self/task/{tid}"
+        p0, l0, n0, t0 = cpu_s("/proc/self/stat"), cpu_s(f"{task}/stat"), threads_ns(), time.monotonic()
+        await asyncio.sleep(seconds)
+        p1, l1, n1, t1 = cpu_s("/proc/self/stat"), cpu_s(f"{task}/stat"), threads_ns(), time.monotonic()
+    finally:
+        await server.stop(grace=0)
+    wall = t1 - t0
+    proc_ns = sum(n1[t] - n0.get(t, 0) for t in n1)
+    return {"executor": kind, "seconds": round(wall, 2), "num_threads": len(n1),
+            "process_pct": round(100 * proc_ns / 1e9 / wall, 4),
+            "looper_pct": round(100 * (n1[tid] - n0[tid]) / 1e9 / wall, 4),
+            "process_ticks_pct": round(100 * (p1 - p0) / wall, 3),
+            "looper_ticks_pct": round(100 * (l1 - l0) / wall, 3)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--executor", choices=("engine", "null"), default="engine")
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    import uvloop
+    res = uvloop.run(measure(args.model, args.executor, args.seconds))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"idle {res['executor']} server over {res['seconds']} s: process {res['process_pct']} % of a core, "
+              f"looper thread {res['looper_pct']} % ({res['num_threads']} threads; from schedstat)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

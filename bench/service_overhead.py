@@ -1,0 +1,333 @@
+"""What the Python front costs: a bare grpc.aio stream vs the full tokenloop path on a null executor.
+
+    .venv/bin/python bench/service_overhead.py            # the table (about two minutes)
+    .venv/bin/python bench/service_overhead.py --json     # one JSON line, with ratio_256 and token_ratio_256
+
+Every server runs in its own process (started from this file with `serve ...`); this process is the
+client (grpc.aio on uvloop, one channel). Scenarios, each at 1, 64 and 256 concurrent streams:
+
+- bare: a grpc.aio server-streaming method that yields one pre-built ~20-byte message per token
+  (the ceiling for Python gRPC on this machine);
+- messages: the full path (validation, admission, channel, looper, detokenizer, fan-out,
+  protobuf) on the null executor emitting as fast as it is polled, one token per message
+  (coalescing off);
+- coalesced: the same with coalescing on (`--stream-interval 1`): a reader that falls behind gets
+  all ready tokens of its request in one message;
+- paced: the null executor at 20 tokens/s per stream; the added latency of each token from its
+  emission in the executor (CLOCK_MONOTONIC, shared by both processes) to its receipt here.
+
+Then `bench/idle_cpu.py` measures an idle server over 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+PROMPT = "Write a short story about a looper thread that never spins."
+CONCURRENCY = (1, 64, 256)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def tokens_per_stream(num_streams: int, total: int) -> int:
+    return max(128, min(4096, total // num_streams))
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def threads_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds of each thread of a process (schedstat)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+# -- the server processes ------------------------------------------------------------------
+class BareServicer(pb_grpc.TextGenerationServicer):
+    """Yields max_new_tokens pre-built one-token chunks: the ceiling of grpc.aio streaming here."""
+
+    async def Generate(self, request, context):
+        msg = pb.GenerateResponse(request_id=request.request_id, chunk=pb.Chunk(index=0, text=" token",
+                                                                             token_ids=[1234]))
+        for _ in range(request.stopping.max_new_tokens):
+            yield msg
+
+
+async def _serve_bare(args) -> tuple[object, object]:
+    from tokenloop.service.server import grpc_options
+    from tokenloop.service.config import ServerConfig
+    server = grpc.aio.server(options=grpc_options(ServerConfig()))
+    pb_grpc.add_TextGenerationServicer_to_server(BareServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return port, lambda: server.stop(0)
+
+
+async def _serve_full(args) -> tuple[object, object]:
+    from bench.null_executor import NullExecutor, sample_token_ids
+    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.service.config import ServerConfig
+    from tokenloop.service.server import Server
+    ex = NullExecutor(sample_token_ids(Tokenizer.from_dir(args.model)), rate=args.rate, record=True)
+    fields = dict(model=args.model, port=0, max_concurrent_requests=4096, max_queue=4096,
+                  max_new_tokens=1 << 16, stall_timeout=60.0)
+    if "stream_interval" in ServerConfig.__dataclass_fields__:
+        fields["stream_interval"] = args.stream_interval
+        fields["coalesce"] = not args.no_coalesce
+    elif args.no_coalesce:  # before --stream-interval existed: the servicer coalesced in convert.coalesce
+        from tokenloop.service import convert
+        convert.coalesce = list
+    server = Server(ServerConfig(**fields), executor_factory=lambda cfg: ex)
+    port = await server.start()
+    print(f"LOOPER {server.app.looper._thread.native_id}", flush=True)
+
+    async def stop():
+        Path(args.record).write_text(json.dumps(ex.emitted))
+        await server.stop(grace=0)
+    return port, stop
+
+
+async def serve(args) -> None:
+    """Run one server until SIGTERM; prints `READY <port>` when it serves."""
+    if os.environ.get("SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
+    port, stop = await (_serve_bare(args) if args.mode == "bare" else _serve_full(args))
+    done = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, done.set)
+    print(f"READY {port}", flush=True)
+    await done.wait()
+    await stop()
+
+
+class ServerProcess:
+    """A `serve` child process; `stop()` returns the executor's emission stamps (full mode)."""
+
+    def __init__(self, mode: str, model: str, rate: float | None = None, no_coalesce: bool = False,
+                 stream_interval: int = 1):
+        self.record = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, __file__, "serve", mode, "--model", model, "--record", self.record,
+               "--stream-interval", str(stream_interval)]
+        cmd += ["--rate", str(rate)] if rate else []
+        cmd += ["--no-coalesce"] if no_coalesce else []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        line = self.proc.stdout.readline()
+        looper = int(line.split()[1]) if line.startswith("LOOPER") else 0
+        if looper:
+            line = self.proc.stdout.readline()
+        if not line.startswith("READY"):
+            raise RuntimeError(f"server did not start: {line!r}")
+        self.port = int(line.split()[1])
+        self.looper_tid = looper
+
+    def stop(self) -> dict[str, list[float]]:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+        path = Path(self.record)
+        stamps = json.loads(path.read_text()) if path.exists() else {}
+        path.unlink(missing_ok=True)
+        return stamps
+
+
+# -- the client ----------------------------------------------------------------------------
+async def _one_stream(stub, rid: str, num_tokens: int, receipts: list) -> tuple[int, int]:
+    call = stub.Generate(pb.GenerateRequest(
+        request_id=rid, text=PROMPT, stream=True,
+        stopping=pb.StoppingCriteria(max_new_tokens=num_tokens, ignore_eos=True)))
+    num_tok = num_msg = 0
+    mono = time.monotonic
+    while True:
+        msg = await call.read()
+        if msg is grpc.aio.EOF:
+            return num_tok, num_msg
+        n = len(msg.chunk.token_ids)
+        if n:
+            num_tok += n
+            num_msg += 1
+            receipts.append((mono(), n))
+
+
+async def run_load(port: int, num_streams: int, num_tokens: int, tag: str, server_pid: int,
+                   looper_tid: int = 0) -> dict:
+    """`num_streams` concurrent streams of `num_tokens` tokens; throughput, CPU and receipt times."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.TextGenerationStub(channel)
+        await asyncio.gather(*(_one_stream(stub, f"warm-{tag}-{i}", 8, []) for i in range(8)))
+        receipts = {f"{tag}-{i}": [] for i in range(num_streams)}
+        th0, cpu0, ccpu0, t0 = threads_cpu_s(server_pid), proc_cpu_s(server_pid), time.process_time(), time.monotonic()
+        counts = await asyncio.gather(*(_one_stream(stub, rid, num_tokens, r) for rid, r in receipts.items()))
+        wall = time.monotonic() - t0
+        cpu, ccpu = proc_cpu_s(server_pid) - cpu0, time.process_time() - ccpu0
+        th = {t: c - th0.get(t, 0.0) for t, c in threads_cpu_s(server_pid).items()}
+    num_tok, num_msg = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    if num_tok != num_streams * num_tokens:
+        raise RuntimeError(f"{tag}: got {num_tok} tokens, expected {num_streams * num_tokens}")
+    return {"streams": num_streams, "tokens": num_tok, "messages": num_msg, "wall_s": wall,
+            "tokens_per_s": num_tok / wall, "messages_per_s": num_msg / wall,
+            "server_cpu_us_per_msg": 1e6 * cpu / num_msg, "client_cpu_us_per_msg": 1e6 * ccpu / num_msg,
+            "server_cpu_pct": 100 * cpu / wall, "looper_cpu_pct": 100 * th.get(looper_tid, 0.0) / wall,
+            "server_main_cpu_pct": 100 * th.get(server_pid, 0.0) / wall, "client_cpu_pct": 100 * ccpu / wall,
+            "_receipts": receipts}
+
+
+def add_latency(result: dict, stamps: dict[str, list[float]]) -> None:
+    """Per token: receipt time here minus emission time in the executor (ms, p50 / p99)."""
+    lat = []
+    for rid, receipts in result.pop("_receipts").items():
+        emitted = stamps.get(rid, [])
+        pos = 0
+        for t, n in receipts:
+            lat += [t - e for e in emitted[pos:pos + n]]
+            pos += n
+    if lat:
+        q = statistics.quantiles(lat, n=100)
+        result["latency_p50_ms"], result["latency_p99_ms"] = 1e3 * q[49], 1e3 * q[98]
+
+
+SCENARIOS = {  # name: (server mode, server options)
+    "bare": ("bare", {}),
+    "messages": ("full", {"no_coalesce": True}),
+    "coalesced": ("full", {}),
+    "paced": ("full", {"rate": None}),  # the rate comes from --rate
+}
+
+
+def _best(runs: list[dict]) -> dict:
+    """The run with the highest throughput (least disturbed by other work on a shared machine)."""
+    return max(runs, key=lambda r: r["tokens_per_s"])
+
+
+async def _measure_all(args, servers: dict) -> dict[str, list[dict]]:
+    res: dict[str, list[dict]] = {name: [] for name in servers}
+    for n in CONCURRENCY:
+        runs: dict[str, list[dict]] = {name: [] for name in servers}
+        for rep in range(args.repeat):  # interleaved, so background load hits every scenario alike
+            for name, srv in servers.items():
+                if name == "paced" and rep:
+                    continue
+                num = int(3 * args.rate) if name == "paced" else tokens_per_stream(
+                    n, args.tokens * (8 if name == "coalesced" else 1))
+                runs[name].append(await run_load(srv.port, n, num, f"{name}{n}.{rep}", srv.proc.pid,
+                                                 srv.looper_tid))
+        for name in servers:
+            res[name].append(_best(runs[name]))
+    return res
+def idle_cpu(model: str, seconds: float) -> dict:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "idle_cpu.py"), "--model", model,
+                          "--executor", "null", "--seconds", str(seconds), "--json"],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+async def measure(args) -> dict:
+    servers = {}
+    try:
+        for name, (mode, kw) in SCENARIOS.items():
+            kw = dict(kw, rate=args.rate) if "rate" in kw else kw
+            servers[name] = ServerProcess(mode, args.model, stream_interval=args.stream_interval, **kw)
+        res = await _measure_all(args, servers)
+    finally:
+        stamps = {name: srv.stop() for name, srv in servers.items()}
+    for name, rows in res.items():
+        for r in rows:
+            add_latency(r, stamps[name])
+    if args.idle_seconds > 0:
+        res["idle"] = idle_cpu(args.model, args.idle_seconds)
+    return res
+
+
+def summary(res: dict) -> dict:
+    bare = {r["streams"]: r for r in res["bare"]}
+    out = {}
+    for key, rows in (("ratio", res["messages"]), ("token_ratio", res["coalesced"])):
+        for r in rows:
+            out[f"{key}_{r['streams']}"] = round(r["tokens_per_s"] / bare[r["streams"]]["messages_per_s"], 3)
+    for r in res["paced"]:
+        out[f"paced_p50_ms_{r['streams']}"] = round(r.get("latency_p50_ms", float("nan")), 3)
+        out[f"paced_p99_ms_{r['streams']}"] = round(r.get("latency_p99_ms", float("nan")), 3)
+    if "idle" in res:
+        out.update({f"idle_{k}": v for k, v in res["idle"].items()})
+    return out
+
+
+def print_table(res: dict) -> None:
+    bare = {r["streams"]: r for r in res["bare"]}
+    print("| path | streams | tokens/s | messages/s | tokens/s ÷ bare msgs/s | server CPU µs/msg "
+          "| server CPU % (main / looper) | client CPU % | latency p50 / p99 ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, rows in res.items():
+        if name == "idle":
+            continue
+        for r in rows:
+            ratio = r["tokens_per_s"] / bare[r["streams"]]["messages_per_s"]
+            lat = (f"{r['latency_p50_ms']:.2f} / {r['latency_p99_ms']:.2f}" if "latency_p50_ms" in r else "—")
+            print(f"| {name} | {r['streams']} | {r['tokens_per_s']:,.0f} | {r['messages_per_s']:,.0f} | "
+                  f"{ratio:.2f} | {r['server_cpu_us_per_msg']:.0f} | {r['server_cpu_pct']:.0f} "
+                  f"({r['server_main_cpu_pct']:.0f} / {r['looper_cpu_pct']:.0f}) | {r['client_cpu_pct']:.0f} | {lat} |")
+    if "idle" in res:
+        i = res["idle"]
+        print(f"\nidle server over {i['seconds']:.0f} s: process {i['process_pct']:.2f} % of a core, "
+              f"looper thread {i['looper_pct']:.3f} %")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd")
+    s = sub.add_parser("serve", help="(internal) run one server process")
+    s.add_argument("mode", choices=("bare", "full"))
+    s.add_argument("--model", default=str(DEFAULT_MODEL))
+    s.add_argument("--record", default="")
+    s.add_argument("--rate", type=float, default=None)
+    s.add_argument("--stream-interval", type=int, default=1)
+    s.add_argument("--no-coalesce", action="store_true")
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="its tokenizer picks the null executor's ids")
+    p.add_argument("--tokens", type=int, default=32768, help="tokens per scenario and concurrency (×8 coalesced)")
+    p.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream in the paced scenario")
+    p.add_argument("--idle-seconds", type=float, default=10.0)
+    p.add_argument("--repeat", type=int, default=3, help="interleaved runs per scenario; the best is kept")
+    p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    p.add_argument("--raw", default="", help="also write every figure to this JSON file")
+    args = p.parse_args(argv)
+    import uvloop
+    if args.cmd == "serve":
+        uvloop.run(serve(args))
+        return 0
+    res = uvloop.run(measure(args))
+    if args.raw:
+        Path(args.raw).write_text(json.dumps(res, indent=1))
+    if args.json:
+        print(json.dumps(summary(res)))
+    else:
+        print_table(res)
+        print("\n" + json.dumps(summary(res)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
