@@ -289,3 +289,20 @@ def test_writer_holds_chunks_until_the_stream_interval():
     chunk, complete = writer.messages([Chunk(0, "e", [5]), Chunk(0, "", [9]), done])
     assert list(chunk.chunk.token_ids) == [5] and chunk.chunk.completion_tokens == 5
     assert list(complete.complete.output_token_ids) == [1, 2, 3, 4, 5] and complete.complete.matched_token_id == 9
+
+
+def test_stalled_reader_is_aborted_and_freed(tokenizer_dir, ids):
+    async def body():
+        ex = ScriptedExecutor(tick=0.001)
+        async with serving(tokenizer_dir, executor=ex, stall_timeout=0.5) as (server, _stub, _):
+            # a client with a tiny flow-control window that never reads: the server's writes stop completing
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=[
+                ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
+            call = tpb_grpc.TrtllmServiceStub(channel).Generate(gen(ids, max_tokens=4000))
+            await call.read()  # grpc.aio starts a call when it is first read; then stop reading
+            assert await wait_for(lambda: ex.cancels, timeout=20)
+            assert await wait_for(lambda: ex.num_active == 0 and server.app.looper.num_open == 0)
+            assert await wait_for(lambda: server.app.admission.num_active == 0)
+            call.cancel()
+            await channel.close()
+    run(body())
