@@ -63,7 +63,9 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32, as transformers computes it (so fp32 outputs match bit for bit)."""
+    """RMSNorm in float32, as transformers computes it (so outputs match bit for bit)."""
+    if x.dtype != torch.bfloat16:  # the fused kernel gives the same bits in float32 and float64
+        return F.rms_norm(x, weight.shape, weight, eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -124,9 +126,9 @@ class Model:
             qkv = linear(x, w.qkv, backend)  # [T, (H+2K)*E]
             if w.qkv_bias is not None:
                 qkv = qkv + w.qkv_bias
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = rotate(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)  # [T, H, E]
-            k = rotate(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)  # [T, K, E]
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = rotate(qk.view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)  # [T, H+K, E]
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, H, E], [T, K, E]
             self.k_cache[i].index_copy_(0, batch.slot_mapping, k)
             self.v_cache[i].index_copy_(0, batch.slot_mapping, v.view(num_tokens, c.num_kv_heads, c.head_dim))
             attn = self._attention(i, q, k, v.view(num_tokens, c.num_kv_heads, c.head_dim), batch.groups)
