@@ -150,6 +150,7 @@ async def wait_ready(port: int, timeout: float = 300.0) -> None:
 
 async def run_grpc(port: int, scenario: Scenario) -> Result:
     import grpc
+
     from tokenloop.v1 import tokenloop_pb2 as pb
     from tokenloop.v1 import tokenloop_pb2_grpc
 

@@ -95,10 +95,10 @@ class MatmulPolicy:
         with torch.inference_mode():
             for b in BUCKETS:
                 x = torch.randn(b, weight.shape[1], dtype=weight.dtype)
-                times = {Backend.TORCH: _time(lambda: F.linear(x, weight)),
-                         Backend.NUMPY: _time(lambda: np.matmul(x.numpy(), weight.numpy().T))}
+                times = {Backend.TORCH: _time(lambda x=x: F.linear(x, weight)),
+                         Backend.NUMPY: _time(lambda x=x: np.matmul(x.numpy(), weight.numpy().T))}
                 if probe is not None and b >= MIN_SPLIT_TOKENS:
-                    times[Backend.NUMPY2] = _time(lambda: probe.linear(x, weight, Backend.NUMPY2))
+                    times[Backend.NUMPY2] = _time(lambda x=x: probe.linear(x, weight, Backend.NUMPY2))
                 buckets[b] = min(times, key=times.get)
         return cls(buckets, probe._helper if probe is not None else None)
 
