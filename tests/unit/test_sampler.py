@@ -100,3 +100,7 @@ def test_a_sequences_draws_do_not_depend_on_its_batch_neighbours():
     batch_tokens = [sampler.sample_batch(logits[[0, 1, 2]], [others[0], mid, others[1]], (0,))[1].token_id
                     for _ in range(10)]
     assert alone_tokens == batch_tokens
+
+
+def test_the_largest_api_seed_is_accepted():
+    assert len(_draws((1 << 64) - 1, num=3)) == 3
