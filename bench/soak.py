@@ -1,0 +1,334 @@
+"""Chaos and soak: hundreds of misbehaving streams against a real `tokenloop serve`, then a leak check.
+
+    python bench/soak.py            # full: 400 streams, writes bench/RESULTS-soak.md  (make soak)
+    python bench/soak.py --quick    # 100 streams, < 60 s (tests/e2e/test_soak.py)
+
+Loopback only, bounded in count and time. The server runs the default model with
+TOKENLOOP_DEBUG_FAULT=request:SOAK-FAULT (requests with that marker fail alone); a second server
+with step:N checks an engine death (every stream UNAVAILABLE, exit code 1). Afterwards the first
+server must answer normally, GetLoad must show nothing running, waiting or holding KV blocks, its RSS
+must be within 10% of the pre-soak level, and every Generate must have had exactly one terminal status
+(checked on the client and in the server's JSON request-end log). Exit code 1 when a leak is found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+MARKER = "SOAK-FAULT"
+GAVE_UP = ("CANCELLED", "DEADLINE_EXCEEDED")  # the client ended these itself
+MAX_MESSAGE_BYTES = 1 << 20
+ADMISSION = ("--max-concurrent-requests", "32", "--max-queue", "48")  # tight, so that bursts overflow it
+KINDS = {"normal": 6, "n2": 1, "slow_reader": 2, "cancel": 3, "deadline": 3, "malformed": 3, "oversized": 1,
+         "too_long": 1, "abort": 3, "duplicate_id": 1, "fault": 1}
+PROMPTS = ["Tell me a story about a cat.", "List three colours:", "What is 2 + 2?", "Write a haiku about rain.",
+           "The capital of France is"]
+
+
+@dataclass
+class Outcome:
+    """What one Generate call ended with, as the client saw it."""
+
+    kind: str
+    request_id: str
+    code: str
+    num_completes: int = 0
+    num_terminal: int = 1  # terminal statuses seen: must be exactly one
+    reached_server: bool = True
+    abort_errors: int = 0
+
+
+class ServerProcess:
+    """A `tokenloop serve` child on a free loopback port, JSON logs collected."""
+
+    def __init__(self, fault: str, *args: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "tokenloop.service.cli", "serve", "--model", str(MODEL), "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-format", "json", "--max-message-bytes", str(MAX_MESSAGE_BYTES), *args]
+        env = {**__import__("os").environ, "TOKENLOOP_DEBUG_FAULT": fault}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        while not self.ready.wait(0.2):
+            if self.proc.poll() is not None:
+                raise RuntimeError("tokenloop serve exited:\n" + "".join(self.lines[-20:]))
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "tokenloop ready" in line:
+                self.ready.set()
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def request_ends(self) -> list[dict]:
+        out = []
+        for line in list(self.lines):
+            if '"request end"' in line:
+                rec = json.loads(line)
+                if rec.get("rpc", "").endswith("/Generate"):
+                    out.append(rec)
+        return out
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def request(rng: random.Random, rid: str, kind: str) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(text=rng.choice(PROMPTS), request_id=rid, stream=rng.random() < 0.8,
+                             stopping=pb.StoppingCriteria(max_new_tokens=rng.randint(1, 16)),
+                             sampling=pb.SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0])))
+    if kind == "n2":
+        req.n = 2
+    elif kind in ("cancel", "deadline", "abort", "slow_reader"):
+        req.stream, req.stopping.max_new_tokens = True, rng.randint(16, 48)
+    elif kind == "malformed":
+        rng.choice([lambda: setattr(req.sampling, "temperature", float("nan")), lambda: setattr(req, "n", 999),
+                    lambda: setattr(req, "text", ""), lambda: req.stopping.stop.extend(["x"] * 100),
+                    lambda: req.token_ids.ids.extend([10**9]),
+                    lambda: setattr(req.stopping, "max_new_tokens", 10**6)])()
+    elif kind == "oversized":
+        req.text = "x" * (MAX_MESSAGE_BYTES + 1024)  # refused by the transport before any handler
+    elif kind == "too_long":
+        req.text = "word " * 9000  # within the byte limit, beyond the model's context (8192)
+    elif kind == "fault":
+        req.text = f"{MARKER} {req.text}"
+    return req
+
+
+async def generate(stub, rng: random.Random, kind: str, rid: str, spread: float = 0.0) -> Outcome:
+    await asyncio.sleep(rng.uniform(0, spread))  # bursts of arrivals, not one wall
+    req = request(rng, rid, kind)
+    timeout = rng.uniform(0.05, 1.0) if kind == "deadline" else 120
+    call = stub.Generate(req, timeout=timeout)
+    out, aborts = Outcome(kind, rid, "OK", reached_server=kind != "oversized"), None
+    try:
+        if kind == "cancel":
+            asyncio.get_running_loop().call_later(rng.uniform(0.0, 0.8), call.cancel)
+        if kind == "abort":
+            aborts = asyncio.ensure_future(abort_soon(stub, rng, rid))
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            if msg.HasField("complete"):
+                out.num_completes += 1
+            if kind == "slow_reader":
+                await asyncio.sleep(rng.uniform(0.05, 0.3))
+    except asyncio.CancelledError:
+        out.code = "CANCELLED"
+    except grpc.aio.AioRpcError as err:
+        out.code = err.code().name
+        late = err.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+        out.num_terminal += int(late and out.num_completes == (req.n or 1))  # an error after every Complete
+    if out.code == "OK" and out.num_completes != (req.n or 1):
+        out.num_terminal = 0  # ended OK without a Complete for every sequence
+    if aborts is not None:
+        out.abort_errors = await aborts
+    return out
+
+
+async def abort_soon(stub, rng: random.Random, rid: str) -> int:
+    """Abort a live id twice at once, and a stale one; returns how many Abort calls failed."""
+    await asyncio.sleep(rng.uniform(0.05, 0.6))
+    got = await asyncio.gather(*(stub.Abort(pb.AbortRequest(request_id=r), timeout=10)
+                                 for r in (rid, rid, rid + "-stale")), return_exceptions=True)
+    return sum(isinstance(g, BaseException) for g in got)
+
+
+async def abort_storm(stub, rng: random.Random, ids: list[str], num: int) -> int:
+    """Aborts of live, finished, duplicate and never-seen ids; returns how many errored (must be 0)."""
+    errors = 0
+    for i in range(num):
+        rid = rng.choice(ids) if ids and rng.random() < 0.7 else f"stale-{i}"
+        try:
+            await stub.Abort(pb.AbortRequest(request_id=rid), timeout=10)
+        except grpc.aio.AioRpcError:
+            errors += 1
+        await asyncio.sleep(0.005)
+    return errors
+
+
+async def soak(port: int, num: int, seed: int, limit_s: float) -> tuple[list[Outcome], int]:
+    rng = random.Random(seed)
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(4)]
+    stubs = [pb_grpc.TextGenerationStub(c) for c in channels]
+    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=num)
+    ids = [f"soak-{i}" for i in range(num)]
+    tasks = []
+    for i, kind in enumerate(kinds):
+        rid = ids[i - 1] if kind == "duplicate_id" and i else ids[i]
+        tasks.append(asyncio.ensure_future(generate(stubs[i % 4], random.Random(rng.random()), kind, rid, num / 40)))
+    storm = asyncio.ensure_future(abort_storm(stubs[0], random.Random(seed + 1), ids, num // 2))
+    await asyncio.wait(tasks + [storm], timeout=limit_s)
+    outcomes = []
+    for task, kind, rid in zip(tasks, kinds, ids):
+        if task.done():
+            outcomes.append(task.result())
+        else:  # still open after the time limit: no terminal status (a leak, or a too-short --limit)
+            task.cancel()
+            outcomes.append(Outcome(kind, rid, "HUNG", num_terminal=0))
+    abort_errors = storm.result() if storm.done() else 1
+    for c in channels:
+        await c.close()
+    return outcomes, abort_errors + sum(o.abort_errors for o in outcomes)
+
+
+async def warm_up(port: int, num: int) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pb_grpc.TextGenerationStub(ch)
+        await asyncio.gather(*(stub.Generate(pb.GenerateRequest(text=PROMPTS[i % 5], stream=False,
+                                             stopping=pb.StoppingCriteria(max_new_tokens=16))).read()
+                               for i in range(num)))
+
+
+async def settle(port: int, timeout: float = 30) -> tuple[pb.Load, bool]:
+    """GetLoad until nothing runs, waits or holds KV blocks; then one normal greedy request."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pb_grpc.TextGenerationStub(ch)
+        end = time.monotonic() + timeout
+        while True:
+            load = await stub.GetLoad(pb.GetLoadRequest())
+            idle = not (load.num_running or load.num_waiting or load.num_in_flight or load.kv_blocks_used)
+            if idle or time.monotonic() > end:
+                break
+            await asyncio.sleep(0.2)
+        msgs = [m async for m in stub.Generate(pb.GenerateRequest(
+            text="The capital of France is", sampling=pb.SamplingParams(temperature=0),
+            stopping=pb.StoppingCriteria(max_new_tokens=4)))]
+        return load, bool(msgs) and msgs[-1].complete.usage.completion_tokens > 0
+
+
+async def engine_death(num: int) -> tuple[collections.Counter, int]:
+    """A server whose engine dies after a few polls: every open stream UNAVAILABLE, exit code 1."""
+    server = ServerProcess("step:20")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = pb_grpc.TextGenerationStub(ch)
+            rng = random.Random(7)
+            outs = await asyncio.gather(*(generate(stub, rng, "cancel" if i % 4 == 0 else "slow_reader", f"d{i}")
+                                          for i in range(num)))
+        return collections.Counter(o.code for o in outs), await asyncio.to_thread(server.proc.wait, 60)
+    finally:
+        server.stop()
+
+
+def server_terminal_counts(server: ServerProcess, outcomes: list[Outcome]) -> list[str]:
+    """Leaks found in the server's log: a Generate whose end was logged other than exactly once.
+
+    A call the client itself cancelled or let expire may have ended before the server saw it:
+    for those, no line is fine, and more than one is still a leak.
+    """
+    seen = collections.Counter(rec["request_id"] for rec in server.request_ends())
+    most = collections.Counter(o.request_id for o in outcomes if o.reached_server)
+    least = collections.Counter(o.request_id for o in outcomes if o.reached_server and o.code not in GAVE_UP)
+    kinds = {o.request_id: f"{o.kind} {o.code}" for o in outcomes}
+    return [f"{rid} ({kinds[rid]}): {seen[rid]} request-end lines for {n} calls"
+            for rid, n in most.items() if not least[rid] <= seen[rid] <= n]
+
+
+async def run(args) -> tuple[str, bool]:
+    server = ServerProcess(f"request:{MARKER}", *ADMISSION, "--stall-timeout", "10", "--shutdown-grace", "5")
+    try:
+        await warm_up(server.port, 48)
+        rss0, t0 = server.rss_bytes(), time.monotonic()
+        outcomes, abort_errors = await soak(server.port, args.num, args.seed, args.limit)
+        soak_s = time.monotonic() - t0
+        load, answers = await settle(server.port)
+        await asyncio.sleep(1.5)  # the last request-end lines; the allocator settles
+        rss1 = server.rss_bytes()
+        log_leaks = server_terminal_counts(server, outcomes)
+    finally:
+        exit_code = await asyncio.to_thread(server.stop)
+    death, death_exit = await engine_death(args.death_streams)
+    leaks = list(log_leaks)
+    leaks += [f"{o.request_id} ({o.kind}): {o.num_terminal} terminal statuses" for o in outcomes if o.num_terminal != 1]
+    leaks += [f"{abort_errors} Abort calls failed"] if abort_errors else []
+    leaks += [f"GetLoad after the soak: {str(load).strip()}"] if (load.num_running or load.num_waiting or
+                                                                    load.num_in_flight or load.kv_blocks_used) else []
+    leaks += ["the server did not answer normally afterwards"] if not answers else []
+    leaks += [f"RSS {rss0 >> 20} MiB -> {rss1 >> 20} MiB (> 10%)"] if rss1 > rss0 * 1.10 else []
+    leaks += [f"SIGTERM exit code {exit_code}"] if exit_code != 0 else []
+    leaks += [f"engine death: exit code {death_exit}"] if death_exit != 1 else []
+    leaks += [f"engine death: statuses {dict(death)}"] if set(death) - {"UNAVAILABLE", "CANCELLED", "OK"} or \
+        not death["UNAVAILABLE"] else []
+    table = summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks)
+    return table, not leaks
+
+
+def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks) -> str:
+    by_status = collections.Counter(o.code for o in outcomes)
+    by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for o in outcomes:
+        by_kind[o.kind][o.code] += 1
+    codes = sorted(by_status)
+    lines = [f"Soak: {len(outcomes)} Generate streams (seed {args.seed}) in {soak_s:.1f} s against `tokenloop serve` "
+             f"(default model {MODEL.name}, {' '.join(ADMISSION)}), arrivals spread over {args.num / 40:.1f} s, "
+             f"plus an Abort storm of "
+             f"{args.num // 2} and an engine death with {args.death_streams} open streams.", "",
+             "| kind | " + " | ".join(codes) + " | total |", "|---" * (len(codes) + 2) + "|"]
+    for kind in KINDS:
+        if by_kind.get(kind):
+            c = by_kind[kind]
+            lines.append(f"| {kind} | " + " | ".join(str(c[k]) for k in codes) + f" | {sum(c.values())} |")
+    lines.append("| **all** | " + " | ".join(f"**{by_status[k]}**" for k in codes) + f" | **{len(outcomes)}** |")
+    lines += ["", f"- After: GetLoad running {load.num_running}, waiting {load.num_waiting}, in flight "
+              f"{load.num_in_flight}, KV blocks used {load.kv_blocks_used}/{load.kv_blocks_total} "
+              "(prefix-cached blocks are evictable and count as free)",
+              f"- RSS: {rss0 / 2**20:.0f} MiB before, {rss1 / 2**20:.0f} MiB after ({(rss1 / rss0 - 1) * 100:+.1f}%)",
+              f"- Engine death (TOKENLOOP_DEBUG_FAULT=step:20): streams {dict(death)}, exit code {death_exit}",
+              f"- Leaks found: {'none' if not leaks else len(leaks)}"]
+    lines += [f"  - {leak}" for leak in leaks[:20]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="100 streams, < 60 s (for make test)")
+    p.add_argument("--num", type=int, default=None, help="Generate streams (default 400, quick 100)")
+    p.add_argument("--death-streams", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--limit", type=float, default=None, help="seconds the streams may take in all")
+    p.add_argument("--out", default=None, help="Markdown summary file (default bench/RESULTS-soak.md, none with --quick)")
+    args = p.parse_args()
+    args.num = args.num or (100 if args.quick else 400)
+    args.death_streams = args.death_streams or (8 if args.quick else 24)
+    args.limit = args.limit or (40 if args.quick else 300)
+    table, ok = asyncio.run(run(args))
+    print(table)
+    out = args.out or (None if args.quick else str(ROOT / "bench" / "RESULTS-soak.md"))
+    if out:
+        Path(out).write_text("# Chaos and soak results (`make soak`)\n\n" + table)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
