@@ -94,6 +94,13 @@ def _outcome(exc: BaseException | None, context) -> str:
     return status_of(exc)[0].name
 
 
+async def _hide_unexpected(exc: BaseException, context) -> None:
+    """A bug's exception: log it here, tell the client only its type (grpc would send its text)."""
+    if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
+        log.error("unexpected error in an RPC", exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
+
+
 class RequestLogInterceptor(grpc.aio.ServerInterceptor):
     """Logs one line per finished RPC (INFO for Generate, DEBUG for the rest); echoes x-request-id."""
 
@@ -137,6 +144,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
                     yield msg
             except BaseException as e:
                 exc = e
+                await _hide_unexpected(e, context)
                 raise
             finally:
                 self._end(rec, exc, context)
@@ -149,6 +157,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
                 return await fn(request, context)
             except BaseException as e:
                 exc = e
+                await _hide_unexpected(e, context)
                 raise
             finally:
                 self._end(rec, exc, context)

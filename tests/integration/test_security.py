@@ -196,3 +196,17 @@ def test_request_end_log_line_and_request_id_echo(tokenizer_dir, caplog):
     assert {"queue_s", "ttft_s"} <= set(ok)
     assert any(line["status"] == "INVALID_ARGUMENT" for line in lines)
     assert os.sep not in json.dumps([line.get("message") for line in lines])
+
+
+def test_unexpected_errors_reach_the_client_without_paths_or_text(tokenizer_dir):
+    async def body():
+        async with serving(tokenizer_dir) as (server, stub, _):
+            def broken(*args, **kwargs):
+                raise OSError("cannot open /srv/secret/other-client-prompt.txt")
+            server.app.validator.generate = broken
+            err = await refused(stub.Generate(GEN).read())
+            assert err.code() == grpc.StatusCode.INTERNAL and err.details() == "internal error (OSError)"
+            server.app.tokenizer.decode = broken
+            err = await refused(stub.Detokenize(pb.DetokenizeRequest(token_ids=[5])))
+            assert err.code() == grpc.StatusCode.INTERNAL and err.details() == "internal error (OSError)"
+    run(body())
