@@ -210,3 +210,31 @@ def test_unexpected_errors_reach_the_client_without_paths_or_text(tokenizer_dir)
             err = await refused(stub.Detokenize(pb.DetokenizeRequest(token_ids=[5])))
             assert err.code() == grpc.StatusCode.INTERNAL and err.details() == "internal error (OSError)"
     run(body())
+
+
+def test_tracing_interceptor_opens_a_server_span_per_rpc(tokenizer_dir, monkeypatch):
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tokenloop.service import server as server_module
+    from tokenloop.service.tracing import TracingInterceptor
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    monkeypatch.setattr(server_module, "tracing_interceptor",
+                        lambda endpoint: TracingInterceptor(provider.get_tracer("test"), trace))
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+    async def body():
+        async with serving(tokenizer_dir) as (_, stub, _):
+            [m async for m in stub.Generate(GEN, metadata=(("traceparent", parent), ("x-request-id", "t-1")))]
+            await stub.GetModelInfo(pb.GetModelInfoRequest())
+    run(body())
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    gen = by_name["tokenloop.v1.TextGeneration/Generate"]
+    assert gen.kind == trace.SpanKind.SERVER and gen.attributes["tokenloop.request_id"] == "t-1"
+    assert format(gen.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"  # the caller's trace
+    assert "tokenloop.v1.TextGeneration/GetModelInfo" in by_name
