@@ -100,6 +100,7 @@ def test_sigterm_finishes_in_flight_cancels_the_rest_and_exits_0():
         # a request-level fault fails only that request; the server keeps serving
         code, msgs = outcome(server.stub, gen("BOOM goes the engine"))
         assert code == grpc.StatusCode.INTERNAL and "injected fault" in msgs[-1]
+        server.proc.send_signal(signal.SIGHUP)  # reload certificates (none here): must not stop the server
         code, msgs = outcome(server.stub, gen(), metadata=(("x-request-id", "e2e-ok"),))
         assert code == grpc.StatusCode.OK and msgs[-1].complete.usage.completion_tokens == 8
         short = first_message_then_rest(server.stub, gen(max_new=6))
