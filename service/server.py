@@ -45,6 +45,8 @@ def interceptors(config: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
     out = [i for i in (tracing_interceptor(config.otel_endpoint),) if i is not None]
     out.append(RequestLogInterceptor())
     keys = load_api_keys(config.api_key_file)
+    if config.api_key_file and not keys:  # never serve openly by mistake
+        raise ValueError(f"--api-key-file {config.api_key_file} holds no API key")
     if keys:
         out.append(ApiKeyInterceptor(keys))
         log.info("API keys required (%d configured)", len(keys))
@@ -143,8 +145,12 @@ class Server:
 
 
 async def run(config: ServerConfig) -> int:
-    """Run a server until SIGTERM/SIGINT; exit code 0 after a clean drain."""
-    server = Server(config)
+    """Run a server until SIGTERM/SIGINT; exit code 0 after a clean drain, 2 when it cannot start."""
+    try:
+        server = Server(config)
+    except (OSError, ValueError) as exc:  # an unreadable or empty API key file
+        log.error("start-up failed: %s", exc)
+        return 2
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)

@@ -96,3 +96,15 @@ def test_json_and_text_log_lines_carry_the_request_fields():
 def test_tracing_is_off_without_an_endpoint(monkeypatch):
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     assert tracing_interceptor("") is None
+
+
+def test_an_empty_or_missing_api_key_file_stops_start_up(tmp_path, monkeypatch):
+    from tests.conftest import run
+    from tokenloop.service.server import interceptors
+    from tokenloop.service.server import run as serve
+    monkeypatch.delenv("TOKENLOOP_API_KEYS", raising=False)
+    (tmp_path / "keys").write_text("# nothing here yet\n\n")
+    with pytest.raises(ValueError, match="holds no API key"):
+        interceptors(ServerConfig(api_key_file=str(tmp_path / "keys")))
+    for path in (tmp_path / "keys", tmp_path / "missing"):
+        assert run(serve(ServerConfig(api_key_file=str(path), port=0))) == 2  # not an open server
