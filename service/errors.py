@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 from tokenloop.looper.stream import ErrorKind, RequestFailed
 
@@ -54,12 +56,26 @@ _KIND_TO_CODE = {
 }
 
 
+_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|/)[\w.+~-]+(?:[/\\][\w.+~-]+)+")
+MAX_MESSAGE_CHARS = 500
+
+
+def client_text(message: str) -> str:
+    """What a client may see of a message: its first line, file paths elided, bounded in length.
+
+    Engine and TensorRT-LLM errors can carry C++ stack frames and source paths; those stay in the log.
+    """
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    first = _PATH.sub("<path>", first)
+    return first if len(first) <= MAX_MESSAGE_CHARS else first[:MAX_MESSAGE_CHARS] + "..."
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
     """The (code, message, trailing metadata) a client sees for an exception."""
     if isinstance(exc, ServiceError):
-        return exc.code, exc.message, exc.trailers
+        return exc.code, client_text(exc.message), exc.trailers
     if isinstance(exc, RequestFailed):
-        return _KIND_TO_CODE[exc.kind], exc.message, ()
+        return _KIND_TO_CODE[exc.kind], client_text(exc.message), ()
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})", ()
 
 
