@@ -140,6 +140,9 @@ class Server:
         log.info("draining (grace %.1fs)", grace)
         await self.app.drain(grace)
         await self.grpc.stop(1.0)
+        if self.config.metrics_port:
+            from .metrics import stop_metrics_server
+            stop_metrics_server(self.app)
         await asyncio.to_thread(self.app.close)
         log.info("stopped")
 
