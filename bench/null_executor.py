@@ -14,6 +14,7 @@ can subtract these stamps from its own receipt times.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 
@@ -63,6 +64,7 @@ class NullExecutor:
         self._seqs: dict[int, list[_Seq]] = {}  # executor id -> sequences
         self._names: dict[int, str] = {}  # executor id -> request id
         self._cancelled: set[int] = set()
+        self._heap: list[tuple[float, int, int]] = []  # paced: (next due time, executor id, sequence index)
         self._next_id = 1
         self._lock = threading.Lock()  # only stats() runs on another thread
         self._wake = threading.Event()
@@ -77,6 +79,9 @@ class NullExecutor:
             rid, self._next_id = self._next_id, self._next_id + 1
             self._seqs[rid] = [_Seq(rid, i, request.stopping.max_new_tokens, now) for i in range(request.n)]
             self._names[rid] = request.request_id
+        if self.rate is not None:
+            for i in range(request.n):
+                heapq.heappush(self._heap, (now + 1.0 / self.rate, rid, i))
         if self.record:
             self.emitted.setdefault(request.request_id, [])
         return rid
@@ -91,12 +96,13 @@ class NullExecutor:
         if not self._seqs:
             self._wake.wait(timeout)
             return []
-        if self.rate is not None:
-            now = time.monotonic()
-            wait = min(timeout, self._next_due() - now)
+        if self.rate is None:
+            return self._emit(time.monotonic())
+        if not self._cancelled:
+            wait = min(timeout, self._heap[0][0] - time.monotonic()) if self._heap else timeout
             if wait > 0:
                 time.sleep(wait)
-        return self._emit(time.monotonic())
+        return self._emit_paced(time.monotonic())
 
     def stats(self) -> ExecutorStats:
         """Running sequences; no KV cache."""
@@ -110,15 +116,40 @@ class NullExecutor:
             self._seqs.clear()
 
     # -- emission --------------------------------------------------------------------------
-    def _next_due(self) -> float:
-        step = 1.0 / self.rate
-        return min(seq.start + (seq.pos + 1) * step for seqs in self._seqs.values() for seq in seqs
-                   if not seq.final_sent)
+    def _emit_paced(self, now: float) -> list[Step]:
+        """Only the sequences whose next token is due (a heap of due times), plus cancellations."""
+        self.num_steps += 1
+        steps = self._cancel_steps() if self._cancelled else []
+        heap, rate = self._heap, self.rate
+        while heap and heap[0][0] <= now:
+            _, rid, index = heapq.heappop(heap)
+            seqs = self._seqs.get(rid)
+            if seqs is None or seqs[index].final_sent:
+                continue
+            seq = seqs[index]
+            num = max(1, min(int((now - seq.start) * rate + 1e-9) - seq.pos, seq.max_tokens - seq.pos))
+            steps.append(self._advance(seq, num, now))
+            if not seq.final_sent:
+                heapq.heappush(heap, (seq.start + (seq.pos + 1) / rate, rid, index))
+            elif all(s.final_sent for s in seqs):
+                self._forget(rid)
+        return steps
 
-    def _due(self, seq: _Seq, now: float) -> int:
-        if self.rate is None:
-            return self.tokens_per_step
-        return int((now - seq.start) * self.rate + 1e-9) - seq.pos
+    def _cancel_steps(self) -> list[Step]:
+        steps = []
+        for rid in list(self._cancelled):
+            for seq in self._seqs.get(rid, ()):
+                if not seq.final_sent:
+                    seq.final_sent = True
+                    steps.append(Step(rid, seq.index, [], is_final=True, finish_reason=FinishReason.CANCELLED))
+            self._forget(rid)
+        return steps
+
+    def _forget(self, rid: int) -> None:
+        with self._lock:
+            self._seqs.pop(rid, None)
+            self._cancelled.discard(rid)
+            self._names.pop(rid, None)
 
     def _emit(self, now: float) -> list[Step]:
         self.num_steps += 1
@@ -133,7 +164,7 @@ class NullExecutor:
                     seq.final_sent = True
                     steps.append(Step(rid, seq.index, [], is_final=True, finish_reason=FinishReason.CANCELLED))
                     continue
-                num = min(self._due(seq, now), seq.max_tokens - seq.pos)
+                num = min(self.tokens_per_step, seq.max_tokens - seq.pos)
                 if num > 0:
                     steps.append(self._advance(seq, num, now))
             if all(seq.final_sent for seq in seqs):
@@ -146,15 +177,15 @@ class NullExecutor:
         return steps
 
     def _advance(self, seq: _Seq, num: int, now: float) -> Step:
-        ids, n = self.token_ids, len(self.token_ids)
-        new = [ids[(seq.pos + k) % n] for k in range(num)]
+        ids, n, pos = self.token_ids, len(self.token_ids), seq.pos
+        new = [ids[pos % n]] if num == 1 else [ids[(pos + k) % n] for k in range(num)]
         if self.record and seq.index == 0:
             stamps = self.emitted[self._names[seq.request_id]]
             if self.rate is None:
-                stamps += [now] * num
+                stamps.append(now) if num == 1 else stamps.extend([now] * num)
             else:
-                stamps += [seq.start + (seq.pos + k + 1) / self.rate for k in range(num)]
-        seq.pos += num
+                stamps += [seq.start + (pos + k + 1) / self.rate for k in range(num)]
+        seq.pos = pos + num
         self.num_tokens += num
         final = seq.pos >= seq.max_tokens
         seq.final_sent = final

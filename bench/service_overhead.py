@@ -75,18 +75,69 @@ class BareServicer(pb_grpc.TextGenerationServicer):
     async def Generate(self, request, context):
         msg = pb.GenerateResponse(request_id=request.request_id, chunk=pb.Chunk(index=0, text=" token",
                                                                              token_ids=[1234]))
+        rate = float(dict(context.invocation_metadata() or ()).get("x-bench-rate", 0))
+        if rate:  # paced: one message every 1/rate s, its send time (CLOCK_MONOTONIC) in `text`
+            async for m in self._paced(msg, request.stopping.max_new_tokens, rate):
+                yield m
+            return
         for _ in range(request.stopping.max_new_tokens):
+            yield msg
+
+    @staticmethod
+    async def _paced(msg, num: int, rate: float):
+        start = time.monotonic()
+        for k in range(num):
+            delay = start + (k + 1) / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            msg.chunk.text = f"{time.monotonic():.6f}"
             yield msg
 
 
 async def _serve_bare(args) -> tuple[object, object]:
-    from tokenloop.service.server import grpc_options
     from tokenloop.service.config import ServerConfig
+    from tokenloop.service.server import grpc_options
     server = grpc.aio.server(options=grpc_options(ServerConfig()))
     pb_grpc.add_TextGenerationServicer_to_server(BareServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return port, lambda: server.stop(0)
+
+
+def _install_trace(ex) -> None:
+    """BENCH_TRACE=1 (diagnosis): at exit, print the median time from a token's emission to the looper's
+    hand-off on the event loop and to the servicer's StreamWriter, i.e. where the added latency goes."""
+    import atexit
+
+    from tokenloop.looper.looper import Looper
+    from tokenloop.looper.stream import Chunk
+    from tokenloop.service.convert import StreamWriter
+    lags: dict[str, list[float]] = {"hand-off": [], "writer": []}
+    seen: dict[tuple[str, str], int] = {}
+
+    def note(where: str, rid: str, events, now: float) -> None:
+        k, stamps = seen.get((where, rid), 0), ex.emitted.get(rid, [])
+        for e in events:
+            for _ in e.token_ids if type(e) is Chunk else ():
+                if k < len(stamps):
+                    lags[where].append(now - stamps[k])
+                k += 1
+        seen[(where, rid)] = k
+
+    deliver, messages = Looper._deliver, StreamWriter.messages
+
+    def traced_deliver(self):
+        now = time.monotonic()
+        for stream, entry in list(self._handoff.items()):
+            note("hand-off", stream.request.request_id, entry[0], now)
+        return deliver(self)
+
+    def traced_messages(self, batch):
+        note("writer", self.request.request_id, batch, time.monotonic())
+        return messages(self, batch)
+    Looper._deliver, StreamWriter.messages = traced_deliver, traced_messages
+    atexit.register(lambda: print("TRACE emission -> " + ", ".join(
+        f"{k} p50 {1e3 * statistics.median(v):.2f} ms" for k, v in lags.items() if v), file=sys.stderr))
 
 
 async def _serve_full(args) -> tuple[object, object]:
@@ -103,6 +154,8 @@ async def _serve_full(args) -> tuple[object, object]:
     elif args.no_coalesce:  # before --stream-interval existed: the servicer coalesced in convert.coalesce
         from tokenloop.service import convert
         convert.coalesce = list
+    if os.environ.get("BENCH_TRACE"):
+        _install_trace(ex)
     server = Server(ServerConfig(**fields), executor_factory=lambda cfg: ex)
     port = await server.start()
     print(f"LOOPER {server.app.looper._thread.native_id}", flush=True)
@@ -115,8 +168,6 @@ async def _serve_full(args) -> tuple[object, object]:
 
 async def serve(args) -> None:
     """Run one server until SIGTERM; prints `READY <port>` when it serves."""
-    if os.environ.get("SWITCH_INTERVAL"):
-        sys.setswitchinterval(float(os.environ["SWITCH_INTERVAL"]))
     port, stop = await (_serve_bare(args) if args.mode == "bare" else _serve_full(args))
     done = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, done.set)
@@ -155,10 +206,14 @@ class ServerProcess:
 
 
 # -- the client ----------------------------------------------------------------------------
-async def _one_stream(stub, rid: str, num_tokens: int, receipts: list) -> tuple[int, int]:
+async def _one_stream(stub, rid: str, num_tokens: int, receipts: list, rate: float = 0.0,
+                      delay: float = 0.0) -> tuple[int, int]:
+    if delay:
+        await asyncio.sleep(delay)
     call = stub.Generate(pb.GenerateRequest(
         request_id=rid, text=PROMPT, stream=True,
-        stopping=pb.StoppingCriteria(max_new_tokens=num_tokens, ignore_eos=True)))
+        stopping=pb.StoppingCriteria(max_new_tokens=num_tokens, ignore_eos=True)),
+        metadata=(("x-bench-rate", str(rate)),) if rate else None)
     num_tok = num_msg = 0
     mono = time.monotonic
     while True:
@@ -169,18 +224,19 @@ async def _one_stream(stub, rid: str, num_tokens: int, receipts: list) -> tuple[
         if n:
             num_tok += n
             num_msg += 1
-            receipts.append((mono(), n))
+            receipts.append((mono(), n) if not rate else (mono(), n, msg.chunk.text))
 
 
 async def run_load(port: int, num_streams: int, num_tokens: int, tag: str, server_pid: int,
-                   looper_tid: int = 0) -> dict:
+                   looper_tid: int = 0, rate: float = 0.0, stagger: float = 0.0) -> dict:
     """`num_streams` concurrent streams of `num_tokens` tokens; throughput, CPU and receipt times."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.TextGenerationStub(channel)
         await asyncio.gather(*(_one_stream(stub, f"warm-{tag}-{i}", 8, []) for i in range(8)))
         receipts = {f"{tag}-{i}": [] for i in range(num_streams)}
         th0, cpu0, ccpu0, t0 = threads_cpu_s(server_pid), proc_cpu_s(server_pid), time.process_time(), time.monotonic()
-        counts = await asyncio.gather(*(_one_stream(stub, rid, num_tokens, r) for rid, r in receipts.items()))
+        counts = await asyncio.gather(*(_one_stream(stub, rid, num_tokens, r, rate, i * stagger / num_streams)
+                                        for i, (rid, r) in enumerate(receipts.items())))
         wall = time.monotonic() - t0
         cpu, ccpu = proc_cpu_s(server_pid) - cpu0, time.process_time() - ccpu0
         th = {t: c - th0.get(t, 0.0) for t, c in threads_cpu_s(server_pid).items()}
@@ -199,6 +255,9 @@ def add_latency(result: dict, stamps: dict[str, list[float]]) -> None:
     """Per token: receipt time here minus emission time in the executor (ms, p50 / p99)."""
     lat = []
     for rid, receipts in result.pop("_receipts").items():
+        if receipts and len(receipts[0]) == 3:  # the bare server's send times, carried in the text
+            lat += [t - float(text) for t, _, text in receipts]
+            continue
         emitted = stamps.get(rid, [])
         pos = 0
         for t, n in receipts:
@@ -209,11 +268,13 @@ def add_latency(result: dict, stamps: dict[str, list[float]]) -> None:
         result["latency_p50_ms"], result["latency_p99_ms"] = 1e3 * q[49], 1e3 * q[98]
 
 
-SCENARIOS = {  # name: (server mode, server options)
+SCENARIOS = {  # name: (server mode, server options); "rate" names the argument that sets it
     "bare": ("bare", {}),
+    "bare-paced": ("bare", {"rate": "rate"}),
     "messages": ("full", {"no_coalesce": True}),
-    "coalesced": ("full", {}),
-    "paced": ("full", {"rate": None}),  # the rate comes from --rate
+    "coalesced": ("full", {"rate": "flood_rate"}),
+    "paced": ("full", {"rate": "rate"}),  # streams start spread over one token period
+    "paced-burst": ("full", {"rate": "rate"}),  # streams start together: every token of a period at once
 }
 
 
@@ -228,12 +289,15 @@ async def _measure_all(args, servers: dict) -> dict[str, list[dict]]:
         runs: dict[str, list[dict]] = {name: [] for name in servers}
         for rep in range(args.repeat):  # interleaved, so background load hits every scenario alike
             for name, srv in servers.items():
-                if name == "paced" and rep:
+                paced = "paced" in name
+                if paced and rep:
                     continue
-                num = int(3 * args.rate) if name == "paced" else tokens_per_stream(
+                num = int(3 * args.rate) if paced else tokens_per_stream(
                     n, args.tokens * (8 if name == "coalesced" else 1))
+                stagger = 1.0 / args.rate if name in ("paced", "bare-paced") else 0.0
                 runs[name].append(await run_load(srv.port, n, num, f"{name}{n}.{rep}", srv.proc.pid,
-                                                 srv.looper_tid))
+                                                 srv.looper_tid, args.rate if name == "bare-paced" else 0.0,
+                                                 stagger))
         for name in servers:
             res[name].append(_best(runs[name]))
     return res
@@ -248,7 +312,7 @@ async def measure(args) -> dict:
     servers = {}
     try:
         for name, (mode, kw) in SCENARIOS.items():
-            kw = dict(kw, rate=args.rate) if "rate" in kw else kw
+            kw = dict(kw, rate=getattr(args, kw["rate"])) if "rate" in kw else kw
             servers[name] = ServerProcess(mode, args.model, stream_interval=args.stream_interval, **kw)
         res = await _measure_all(args, servers)
     finally:
@@ -267,9 +331,11 @@ def summary(res: dict) -> dict:
     for key, rows in (("ratio", res["messages"]), ("token_ratio", res["coalesced"])):
         for r in rows:
             out[f"{key}_{r['streams']}"] = round(r["tokens_per_s"] / bare[r["streams"]]["messages_per_s"], 3)
-    for r in res["paced"]:
-        out[f"paced_p50_ms_{r['streams']}"] = round(r.get("latency_p50_ms", float("nan")), 3)
-        out[f"paced_p99_ms_{r['streams']}"] = round(r.get("latency_p99_ms", float("nan")), 3)
+    for name in ("paced", "paced-burst", "bare-paced"):
+        for r in res[name]:
+            key = name.replace("-", "_")
+            out[f"{key}_p50_ms_{r['streams']}"] = round(r.get("latency_p50_ms", float("nan")), 3)
+            out[f"{key}_p99_ms_{r['streams']}"] = round(r.get("latency_p99_ms", float("nan")), 3)
     if "idle" in res:
         out.update({f"idle_{k}": v for k, v in res["idle"].items()})
     return out
@@ -308,6 +374,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="its tokenizer picks the null executor's ids")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per scenario and concurrency (×8 coalesced)")
     p.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream in the paced scenario")
+    p.add_argument("--flood-rate", type=float, default=4000.0,
+                   help="tokens/s per stream of the free-running executor in the coalesced scenario")
     p.add_argument("--idle-seconds", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=3, help="interleaved runs per scenario; the best is kept")
     p.add_argument("--stream-interval", type=int, default=1)

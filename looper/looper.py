@@ -24,6 +24,7 @@ from .stream import ErrorKind, Event, RequestFailed, RequestStream
 log = logging.getLogger("tokenloop.looper")
 
 _SUBMIT, _CANCEL, _FAIL_ALL, _STOP = range(4)
+_DEADLINE_CHECK_S = 0.005  # deadlines are checked at most this often (a scan of the in-flight map)
 
 
 class Looper:
@@ -41,11 +42,13 @@ class Looper:
         self._handoff: dict[RequestStream, list] = {}  # the same, awaiting the event loop (under _handoff_lock)
         self._handoff_lock = threading.Lock()
         self._handoff_scheduled = False  # a _deliver is queued on the event loop
+        self._delivered = threading.Event()  # set when the event loop has taken the last hand-off
         self._streams: dict[str, RequestStream] = {}  # request id -> open stream (event loop only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.alive = False
         self.death_reason = ""
+        self._next_deadline_check = 0.0
 
     # -- event-loop side -------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -108,6 +111,7 @@ class Looper:
         with self._handoff_lock:
             items, self._handoff = self._handoff, {}
             self._handoff_scheduled = False
+            self._delivered.set()
         for stream, (events, done, error) in items.items():
             stream.push(events, done, error)
             if (done or error is not None) and self._streams.get(stream.request.request_id) is stream:
@@ -122,6 +126,8 @@ class Looper:
         try:
             while self._drain_channel():  # 1) new requests, cancels
                 if self._in_flight:
+                    if self._handoff_scheduled:  # the event loop is behind: let it run (GIL released)
+                        self._delivered.wait(self._poll_timeout)
                     self._pull_steps()  # 2+3) executor steps -> events
                     self._expire_deadlines()
                 self._fan_out()  # 4) one hand-off to the event loop
@@ -205,6 +211,9 @@ class Looper:
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
+        if now < self._next_deadline_check:
+            return
+        self._next_deadline_check = now + _DEADLINE_CHECK_S
         for state in self._in_flight.values():
             deadline = state.request.deadline
             if deadline is not None and now > deadline and not state.closed:
@@ -236,6 +245,7 @@ class Looper:
             if self._handoff_scheduled:
                 return
             self._handoff_scheduled = True
+            self._delivered.clear()
         try:
             self._loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the event loop is closed: nobody is listening any more

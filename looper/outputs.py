@@ -76,6 +76,15 @@ class RequestState:
         seq = self.seqs[step.seq_index]
         if seq.finished:
             return []  # e.g. tokens after a stop string, or the executor's CANCELLED echo
+        ids = step.token_ids
+        if ids and not step.is_final and step.logprobs is None and not seq.per_token:  # the common decode step
+            if not self.t_first:
+                self.t_first = now
+            text = seq.stops.push(seq.detok.push(ids))[0]
+            seq.token_ids += ids
+            if text:
+                seq.text_parts.append(text)
+            return [Chunk(seq.index, text, ids)] if self.request.stream else []
         if step.token_ids and not self.t_first:
             self.t_first = now
         text, used, matched = seq.feed(step.token_ids) if step.token_ids else ("", 0, None)

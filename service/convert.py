@@ -76,7 +76,8 @@ def chunk_message(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
     # setting fields one by one is ~3x cheaper in upb than keyword construction of nested messages
     msg = pb.GenerateResponse(request_id=request_id)
     out = msg.chunk
-    out.SetInParent()
+    if not (chunk.text or chunk.token_ids):
+        out.SetInParent()
     if chunk.index:
         out.index = chunk.index
     if chunk.text:

@@ -8,6 +8,7 @@ import time
 import uuid
 
 import grpc
+
 from tokenloop.looper.stream import Complete, RequestFailed
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc

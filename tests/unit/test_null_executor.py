@@ -1,17 +1,25 @@
-"""The benchmark's null executor: protocol, token counts, pacing, cancellation, emission stamps, and the looper on it."""
+"""The benchmark's null executor (protocol, pacing, cancellation, emission stamps) and the front's fast paths
+it measures: steps merged per poll, the byte-level detokenizer, coalescing and --stream-interval."""
 
 from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
-from tokenloop.looper.executor import Executor
-from tokenloop.looper.looper import Looper
-from tokenloop.looper.request import FinishReason, StoppingParams, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete
 
 from bench.null_executor import NullExecutor, sample_token_ids
 from tests.conftest import run
+from tests.integration.service_harness import serving
+from tests.scripted_executor import ScriptedExecutor
+from tokenloop.looper.detokenizer import IncrementalDetokenizer, is_byte_level
+from tokenloop.looper.executor import Executor, Step
+from tokenloop.looper.looper import Looper, merge_steps
+from tokenloop.looper.request import FinishReason, StoppingParams, ValidRequest
+from tokenloop.looper.stream import Chunk, Complete, Timing
+from tokenloop.looper.tokenizer import Tokenizer
+from tokenloop.service.convert import StreamWriter
+from tokenloop.v1 import tokenloop_pb2 as pb
 
 
 def request(rid="r", max_new=10, n=1, stream=True):
@@ -93,7 +101,10 @@ def test_looper_on_null_executor_delivers_the_sample_text(tokenizer):
         looper.start()
         try:
             streams = [looper.submit(request(f"r{i}", max_new=len(ids))) for i in range(20)]
-            return [[e async for e in s.events()] for s in streams]
+            out = []
+            for s in streams:
+                out.append([e async for e in s.events()])
+            return out
         finally:
             looper.stop()
 
@@ -102,3 +113,64 @@ def test_looper_on_null_executor_delivers_the_sample_text(tokenizer):
         done = events[-1]
         assert isinstance(done, Complete) and done.finish_reason == FinishReason.LENGTH
         assert "".join(c.text for c in chunks) == done.text == tokenizer.decode(ids)
+
+
+def test_merge_steps_joins_a_sequences_steps_of_one_poll():
+    steps = [Step(1, 0, [5]), Step(2, 0, [7]), Step(1, 0, [6], logprobs=None), Step(1, 1, [8]),
+             Step(1, 0, [9], is_final=True, finish_reason=FinishReason.LENGTH),
+             Step(2, 0, [], is_final=True, error="boom")]
+    out = merge_steps(steps)
+    assert [(s.request_id, s.seq_index, s.token_ids) for s in out] == [(1, 0, [5, 6, 9]), (2, 0, [7]), (1, 1, [8]),
+                                                                      (2, 0, [])]
+    assert out[0].is_final and out[0].finish_reason == FinishReason.LENGTH
+    assert out[3].error == "boom"  # an error step is never folded into a token step
+    single = [Step(1, 0, [5]), Step(2, 0, [6])]
+    assert merge_steps(single) is single
+
+
+def test_byte_level_fast_path_matches_the_offset_algorithm(tokenizer, metaspace_dir):
+    assert is_byte_level(tokenizer)
+    assert not is_byte_level(Tokenizer.from_dir(metaspace_dir))
+    ids = sample_token_ids(tokenizer)
+    fast = IncrementalDetokenizer(tokenizer, [1, 2])
+    slow = IncrementalDetokenizer(tokenizer, [1, 2])
+    slow._fast = False
+    for i in range(0, len(ids), 2):
+        assert fast.push(ids[i:i + 2]) == slow.push(ids[i:i + 2])
+    assert fast.flush() == slow.flush()
+
+
+def _done(index=0, ids=()):
+    return Complete(index, "", list(ids), FinishReason.LENGTH, 3, 0, Timing())
+
+
+def test_stream_writer_coalesces_a_batch_and_honours_the_interval():
+    req = request("w")
+    batch = [Chunk(0, "a", [1]), Chunk(0, "b", [2]), Chunk(0, "c", [3])]
+    msgs = StreamWriter(req).messages(batch)
+    assert [(m.chunk.text, list(m.chunk.token_ids)) for m in msgs] == [("abc", [1, 2, 3])]
+    assert len(StreamWriter(req, coalesce=False).messages(batch)) == 3
+    w = StreamWriter(req, interval=4)
+    assert w.messages(batch) == []  # 3 < 4 tokens: held while the reader keeps up
+    msgs = w.messages([Chunk(0, "d", [4]), Chunk(0, "e", [5])])
+    assert [(m.chunk.text, list(m.chunk.token_ids)) for m in msgs] == [("abcde", [1, 2, 3, 4, 5])]
+    w.messages([Chunk(0, "f", [6])])
+    msgs = w.messages([_done(ids=range(1, 7))])  # the end flushes what is held, then completes
+    assert [m.WhichOneof("response") for m in msgs] == ["chunk", "complete"]
+    assert msgs[0].chunk.text == "f"
+
+
+def test_stream_interval_end_to_end(tokenizer_dir):
+    async def body():
+        ex = ScriptedExecutor(tick=0.001)
+        async with serving(tokenizer_dir, executor=ex, stream_interval=4) as (_, stub, _):
+            call = stub.Generate(pb.GenerateRequest(text="Hello world, this is a longer prompt", stream=True,
+                                                    stopping=pb.StoppingCriteria(max_new_tokens=18)))
+            out = []
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                out.append(msg)
+            return out
+    msgs = run(body())
+    sizes = [len(m.chunk.token_ids) for m in msgs if m.WhichOneof("response") == "chunk"]
+    assert sum(sizes) == 18 and all(n >= 4 for n in sizes[:-1]), sizes
+    assert msgs[-1].complete.text == "".join(m.chunk.text for m in msgs[:-1])
