@@ -148,11 +148,11 @@ async def _serve_full(args) -> tuple[object, object]:
     ex = NullExecutor(sample_token_ids(Tokenizer.from_dir(args.model)), rate=args.rate, record=True)
     fields = dict(model=args.model, port=0, max_concurrent_requests=4096, max_queue=4096,
                   max_new_tokens=1 << 16, stall_timeout=60.0)
-    if "stream_interval" in ServerConfig.__dataclass_fields__:
+    from tokenloop.service import convert
+    if hasattr(convert, "StreamWriter"):
         fields["stream_interval"] = args.stream_interval
         fields["coalesce"] = not args.no_coalesce
-    elif args.no_coalesce:  # before --stream-interval existed: the servicer coalesced in convert.coalesce
-        from tokenloop.service import convert
+    elif args.no_coalesce:  # the code before --stream-interval: the servicer coalesced in convert.coalesce
         convert.coalesce = list
     if os.environ.get("BENCH_TRACE"):
         _install_trace(ex)

@@ -45,7 +45,7 @@ def is_byte_level(tokenizer: Decoder) -> bool:
 class IncrementalDetokenizer:
     """Turns appended token ids into text deltas."""
 
-    __slots__ = ("_tok", "_skip", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_fast")
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_fast", "_raw")
 
     def __init__(self, tokenizer: Decoder, prompt_ids, skip_special_tokens: bool = True):
         self._tok = tokenizer
@@ -55,6 +55,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         self._fast = is_byte_level(tokenizer)
+        # the `tokenizers` object itself when wrapped by looper.tokenizer.Tokenizer: one call less per push
+        raw = getattr(tokenizer, "_tok", None)
+        self._raw = raw.decode if self._fast and hasattr(raw, "decode") else None
 
     def _decode(self, ids) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
@@ -63,7 +66,11 @@ class IncrementalDetokenizer:
         """Append ids; return the text they complete (possibly empty)."""
         self._ids.extend(token_ids)
         if self._fast:  # byte-level: decode only what was not read yet
-            text = self._decode(self._ids[self._read_offset:])
+            unread = self._ids[self._read_offset:]
+            if self._raw is not None:
+                text = self._raw(unread, skip_special_tokens=self._skip) if unread else ""
+            else:
+                text = self._decode(unread)
             if text.endswith("\ufffd"):
                 return ""  # an incomplete UTF-8 sequence: wait for the next token
             if "\ufffd" not in text:

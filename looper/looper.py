@@ -183,7 +183,7 @@ class Looper:
 
     def _pull_steps(self) -> None:
         steps = self.executor.await_responses(self._poll_timeout)
-        if len(steps) > 1:
+        if len(steps) > len(self._in_flight):  # some request got several steps (the merge is optional)
             steps = merge_steps(steps)
         now = time.monotonic()
         for step in steps:

@@ -80,7 +80,7 @@ class RequestState:
         if ids and not step.is_final and step.logprobs is None and not seq.per_token:  # the common decode step
             if not self.t_first:
                 self.t_first = now
-            text = seq.stops.push(seq.detok.push(ids))[0]
+            text = seq.detok.push(ids)  # no stop strings here (per_token is False)
             seq.token_ids += ids
             if text:
                 seq.text_parts.append(text)

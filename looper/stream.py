@@ -122,23 +122,28 @@ class RequestStream:
         """Events waiting to be read."""
         return len(self._events)
 
-    async def batches(self) -> AsyncIterator[list[Event]]:
-        """Yield every event that arrived since the last read; raise RequestFailed on error."""
+    async def next_batch(self) -> list[Event] | None:
+        """Every event that arrived since the last read (waiting for one); None at the end; raises
+        RequestFailed on error. A plain coroutine: cheaper per read than the `batches()` generator."""
         while True:
             if self._events:
                 batch = list(self._events)
                 self._events.clear()
-                yield batch
-                continue
+                return batch
             if self._error is not None:
                 raise self._error
             if self._done:
-                return
+                return None
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """Yield every event that arrived since the last read; raise RequestFailed on error."""
+        while (batch := await self.next_batch()) is not None:
+            yield batch
 
     async def events(self) -> AsyncIterator[Event]:
         """Yield events one at a time."""

@@ -94,7 +94,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 watchdog = StallWatchdog(app.config.stall_timeout)
                 writer = convert.StreamWriter(valid, app.config.stream_interval, app.config.coalesce)
                 try:
-                    async for batch in stream.batches():
+                    while (batch := await stream.next_batch()) is not None:
                         for msg in writer.messages(batch):
                             watchdog.arm()
                             yield msg  # returns once grpc took the message: a stalled reader blocks here
