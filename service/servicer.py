@@ -60,8 +60,8 @@ class StallWatchdog:
 
     def _check(self) -> None:
         self.timer = None
-        if not self.since:
-            return  # not writing: the next arm() starts a timer
+        if not self.since or self.task.done():
+            return  # not writing (the next arm() starts a timer), or the handler is gone
         if self.loop.time() - self.since < self.timeout:
             self.timer = self.loop.call_at(self.since + self.timeout, self._check)
             return
