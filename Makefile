@@ -58,7 +58,7 @@ proto-check: setup
 	  && $(BIN)/python clients/python/generate.py --check && $(BIN)/python docs/gen_api_reference.py --check && echo "generated code is up to date"
 
 bench: setup model
-	$(BIN)/python bench/looper_idle.py
+	$(BIN)/python bench/idle_cpu.py
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/service_overhead.py
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2
+
 from tokenloop.looper.executor import Executor
 from tokenloop.looper.looper import Looper
 from tokenloop.looper.request import ValidRequest

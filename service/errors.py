@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import grpc
+
 from tokenloop.looper.stream import ErrorKind, RequestFailed
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from tokenloop.looper.executor import Executor
 from tokenloop.v1 import tokenloop_pb2, tokenloop_pb2_grpc
 

@@ -277,8 +277,8 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
 
     async def _relay(self, stream: RequestStream, writer: _Writer, completes: list[Complete]):
         app = self.app
+        watchdog = StallWatchdog(app.config.stall_timeout)
         try:
-            watchdog = StallWatchdog(app.config.stall_timeout)
             async for batch in stream.batches():
                 for msg in writer.messages(batch):
                     watchdog.arm()
@@ -286,6 +286,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                     watchdog.disarm()
                 completes += [e for e in batch if isinstance(e, Complete)]
         finally:
+            watchdog.close()
             if not stream.finished:
                 stream.cancel()  # client gone (SMG dropped the stream), deadline, stalled reader
             app.observe_end(writer.valid, completes, grpc.StatusCode.OK if stream.finished else None)

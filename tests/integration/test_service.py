@@ -8,11 +8,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from tokenloop.v1 import tokenloop_pb2 as pb
 
 from tests.conftest import run
 from tests.integration.service_harness import serving
 from tests.scripted_executor import ScriptedExecutor
+from tokenloop.v1 import tokenloop_pb2 as pb
 
 HELLO = "Hello world, hello gRPC streams."
 

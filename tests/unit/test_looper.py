@@ -6,12 +6,12 @@ import asyncio
 import time
 
 import pytest
-from tokenloop.looper.looper import Looper
-from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, ErrorKind, RequestFailed
 
 from tests.conftest import run
 from tests.scripted_executor import ScriptedExecutor
+from tokenloop.looper.looper import Looper
+from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
+from tokenloop.looper.stream import Chunk, Complete, ErrorKind, RequestFailed
 
 
 def make_request(tok, rid="r", text="Hello world", max_new=8, n=1, stream=True, **stopping):

@@ -13,13 +13,13 @@ import sys
 from datetime import timedelta
 
 import pytest
-from tokenloop.looper.executor import EngineDeadError, Step
-from tokenloop.looper.request import FinishReason, OutputParams, ValidRequest
-from tokenloop.looper.trtllm import MISSING_TRTLLM, TrtllmConfig, create_trtllm_executor
 
 from tests.conftest import ROOT, run
 from tests.fakes import scenarios
 from tests.fakes.fixtures import FAKES, fake_trtllm, make_engine_dir
+from tokenloop.looper.executor import EngineDeadError, Step
+from tokenloop.looper.request import FinishReason, OutputParams, ValidRequest
+from tokenloop.looper.trtllm import MISSING_TRTLLM, TrtllmConfig, create_trtllm_executor
 
 
 @pytest.fixture

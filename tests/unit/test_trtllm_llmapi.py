@@ -11,14 +11,14 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from tokenloop.looper.executor import EngineDeadError, Step
-from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
-from tokenloop.looper.trtllm import create_trtllm_executor
-from tokenloop.looper.trtllm_llmapi import TrtllmLlmApi, _logprobs
 
 from tests.conftest import run
 from tests.fakes import scenarios
 from tests.fakes.fixtures import fake_trtllm
+from tokenloop.looper.executor import EngineDeadError, Step
+from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
+from tokenloop.looper.trtllm import create_trtllm_executor
+from tokenloop.looper.trtllm_llmapi import TrtllmLlmApi, _logprobs
 
 THREAD = "tokenloop-trtllm-llmapi"
 
