@@ -16,7 +16,7 @@ $(BIN)/tokenloop: pyproject.toml clients/python/pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" || $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
-	$(BIN)/pip install -q -e ".[dev,convert]" -e "clients/python[plot]"
+	$(BIN)/pip install -q -e ".[dev,convert,otel]" -e "clients/python[plot]"
 	@touch $@
 
 setup: $(BIN)/tokenloop
