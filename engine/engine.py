@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..looper.executor import EngineDeadError, ExecutorStats, Step
+from ..looper.executor import EngineDeadError, ExecutorStats, Step, merge_steps
 from ..looper.request import ValidRequest
 from ..looper.tokenizer import ModelCard
 from . import runner
@@ -25,7 +25,7 @@ from .config import EngineConfig
 from .loader import ModelConfig, load_weights
 from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
-from .postprocess import cancelled_steps, error_steps, merge_steps, steps_for_samples
+from .postprocess import cancelled_steps, error_steps, steps_for_samples
 from .sampler import sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence

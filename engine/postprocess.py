@@ -63,24 +63,3 @@ def error_steps(request_id: int, seqs: list[Sequence], scheduler: Scheduler, mes
         if not seq.is_finished:
             scheduler.finish(seq)
     return [Step(request_id, 0, [], is_final=True, error=message)]
-
-
-def merge_steps(steps: list[Step]) -> list[Step]:
-    """Join consecutive deltas of the same sequence (the looper fell behind): fewer, longer Steps."""
-    merged: list[Step] = []
-    last: dict[tuple[int, int], Step] = {}
-    for step in steps:
-        key = (step.request_id, step.seq_index)
-        prev = last.get(key)
-        if prev is None or prev.is_final or prev.error or step.error:
-            merged.append(step)
-            last[key] = step
-            continue
-        prev.token_ids = prev.token_ids + step.token_ids
-        if prev.logprobs is not None and step.logprobs is not None:
-            prev.logprobs = prev.logprobs + step.logprobs
-        if prev.top_logprobs is not None and step.top_logprobs is not None:
-            prev.top_logprobs = prev.top_logprobs + step.top_logprobs
-        prev.is_final, prev.finish_reason = step.is_final, step.finish_reason
-        prev.matched_stop_token = step.matched_stop_token
-    return merged

@@ -38,6 +38,28 @@ class Step:
     error: str | None = None
 
 
+def merge_steps(steps: list[Step]) -> list[Step]:
+    """One step per sequence per poll: consecutive token steps of a sequence (an executor that returns
+    one response per token, and a looper that fell behind) are joined, so each is detokenized once."""
+    by_seq: dict[tuple[int, int], Step] = {}
+    out: list[Step] = []
+    for step in steps:
+        key = (step.request_id, step.seq_index)
+        prev = by_seq.get(key)
+        if prev is None or prev.is_final or step.error is not None or prev.error is not None:
+            by_seq[key] = step
+            out.append(step)
+            continue
+        prev.token_ids = prev.token_ids + step.token_ids
+        if prev.logprobs is not None and step.logprobs is not None:
+            prev.logprobs = prev.logprobs + step.logprobs
+            if prev.top_logprobs is not None and step.top_logprobs is not None:
+                prev.top_logprobs = prev.top_logprobs + step.top_logprobs
+        prev.is_final, prev.finish_reason = step.is_final, step.finish_reason
+        prev.matched_stop_token = step.matched_stop_token
+    return out if len(out) < len(steps) else steps
+
+
 @dataclass(slots=True)
 class ExecutorStats:
     """A snapshot for GetLoad and metrics."""

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 
 from .detokenizer import Decoder
-from .executor import EngineDeadError, Executor, Step
-from .outputs import RequestState, merge_steps
+from .executor import EngineDeadError, Executor, Step, merge_steps
+from .outputs import RequestState
 from .request import ValidRequest
 from .stream import ErrorKind, Event, RequestFailed, RequestStream
 

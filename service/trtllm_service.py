@@ -124,14 +124,7 @@ def _stopping(validator, request, num_prompt: int) -> StoppingParams:
     min_new = request.sampling_config.min_tokens
     _check(min_new <= max_new, "min_new_tokens",
            f"`sampling_config.min_tokens` ({min_new}) must be <= max_tokens ({max_new})")
-    _check(len(request.stop) <= lim.max_stop_strings, "too_many_stop_strings",
-           f"`stop` may hold at most {lim.max_stop_strings} strings; got {len(request.stop)}")
-    for i, stop in enumerate(request.stop):
-        _check(0 < len(stop) <= lim.max_stop_string_length, "stop_string_length",
-               f"`stop[{i}]` must be 1 to {lim.max_stop_string_length} characters long")
-    bad = next((t for t in request.stop_token_ids if t >= validator.vocab_size), None)
-    _check(bad is None, "stop_token_id_out_of_range",
-           f"`stop_token_ids` must be < the vocabulary size {validator.vocab_size}; got {bad}")
+    validator.stop_lists(request.stop, request.stop_token_ids, "")
     return StoppingParams(max_new_tokens=max_new, min_new_tokens=min_new, stop=tuple(request.stop),
                           stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
 

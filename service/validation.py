@@ -136,17 +136,22 @@ class Validator:
             max_new = min(lim.default_max_new_tokens, room)
         _check(st.min_new_tokens <= max_new, "min_new_tokens",
                f"`stopping.min_new_tokens` ({st.min_new_tokens}) must be <= max_new_tokens ({max_new})")
-        _check(len(st.stop) <= lim.max_stop_strings, "too_many_stop_strings",
-               f"`stopping.stop` may hold at most {lim.max_stop_strings} strings; got {len(st.stop)}")
-        for i, stop in enumerate(st.stop):
-            _check(0 < len(stop) <= lim.max_stop_string_length, "stop_string_length",
-                   f"`stopping.stop[{i}]` must be 1 to {lim.max_stop_string_length} characters long")
-        bad = next((t for t in st.stop_token_ids if t >= self.vocab_size), None)
-        _check(bad is None, "stop_token_id_out_of_range",
-               f"`stopping.stop_token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
+        self.stop_lists(st.stop, st.stop_token_ids, "stopping.")
         return StoppingParams(max_new_tokens=max_new, min_new_tokens=st.min_new_tokens, stop=tuple(st.stop),
                               stop_token_ids=tuple(st.stop_token_ids), ignore_eos=st.ignore_eos,
                               include_stop_str_in_output=st.include_stop_str_in_output)
+
+    def stop_lists(self, stop, stop_token_ids, prefix: str) -> None:
+        """The rules on stop strings and stop token ids; `prefix` names the fields as the client's API does."""
+        lim = self.limits
+        _check(len(stop) <= lim.max_stop_strings, "too_many_stop_strings",
+               f"`{prefix}stop` may hold at most {lim.max_stop_strings} strings; got {len(stop)}")
+        for i, text in enumerate(stop):
+            _check(0 < len(text) <= lim.max_stop_string_length, "stop_string_length",
+                   f"`{prefix}stop[{i}]` must be 1 to {lim.max_stop_string_length} characters long")
+        bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
+        _check(bad is None, "stop_token_id_out_of_range",
+               f"`{prefix}stop_token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
 
     def output(self, request) -> OutputParams:
         o = request.output

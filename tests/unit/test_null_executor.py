@@ -13,9 +13,8 @@ from tests.conftest import run
 from tests.integration.service_harness import serving
 from tests.scripted_executor import ScriptedExecutor
 from tokenloop.looper.detokenizer import IncrementalDetokenizer, is_byte_level
-from tokenloop.looper.executor import Executor, Step
+from tokenloop.looper.executor import Executor, Step, merge_steps
 from tokenloop.looper.looper import Looper
-from tokenloop.looper.outputs import merge_steps
 from tokenloop.looper.request import FinishReason, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, Timing
 from tokenloop.looper.tokenizer import Tokenizer
