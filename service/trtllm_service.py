@@ -22,12 +22,12 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
-from tokenloop.looper.request import FinishReason, OutputParams, SamplingParams, StoppingParams, ValidRequest
+from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed, RequestStream
 
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
 from .servicer import StallWatchdog, deadline_of, metadata_value
-from .validation import MAX_TOP_LOGPROBS, _check, _finite
+from .validation import MAX_TOP_LOGPROBS, _check
 
 log = logging.getLogger("tokenloop.service")
 SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
@@ -87,28 +87,6 @@ def _check_supported(request) -> None:
             _refuse(f"output_config.{name}", "this executor does not return raw logits or encoder outputs")
 
 
-def _sampling(validator, s) -> SamplingParams:
-    card = validator.card
-    temperature = _finite(s.temperature, "sampling_config.temperature") if s.HasField("temperature") else (
-        card.default_temperature if card.default_temperature is not None else 1.0)
-    _check(temperature >= 0, "temperature", "`sampling_config.temperature` must be >= 0")
-    top_p = _finite(s.top_p, "sampling_config.top_p") if s.HasField("top_p") else (card.default_top_p or 1.0)
-    _check(0 < top_p <= 1, "top_p", "`sampling_config.top_p` must be > 0 and <= 1")
-    top_k = s.top_k if s.HasField("top_k") else 0
-    _check(top_k >= 0, "top_k", "`sampling_config.top_k` must be >= 0 (0 disables it)")
-    min_p = _finite(s.min_p, "sampling_config.min_p") if s.HasField("min_p") else 0.0
-    _check(0 <= min_p <= 1, "min_p", "`sampling_config.min_p` must be between 0 and 1")
-    rep = _finite(s.repetition_penalty, "sampling_config.repetition_penalty") \
-        if s.HasField("repetition_penalty") else 1.0
-    _check(rep > 0, "repetition_penalty", "`sampling_config.repetition_penalty` must be > 0 (1 disables it)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        _check(-2 <= _finite(getattr(s, name), f"sampling_config.{name}") <= 2, name,
-               f"`sampling_config.{name}` must be between -2 and 2")
-    seed = s.seed if s.HasField("seed") else int.from_bytes(uuid.uuid4().bytes[:8], "little") >> 1
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=rep,
-                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, seed=seed)
-
-
 def _stopping(validator, request, num_prompt: int) -> StoppingParams:
     lim = validator.limits
     room = lim.max_context_length - num_prompt
@@ -148,7 +126,7 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
            f"`output_config.logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {top}")
     return ValidRequest(
         request_id=validator.request_id(request_id), prompt_token_ids=ids,
-        sampling=_sampling(validator, request.sampling_config), stopping=_stopping(validator, request, len(ids)),
+        sampling=validator.sampling_from(request.sampling_config, "sampling_config."), stopping=_stopping(validator, request, len(ids)),
         output=OutputParams(logprobs=o.HasField("logprobs"), top_logprobs=top), n=n, stream=request.streaming,
         deadline=deadline)
 

@@ -103,20 +103,24 @@ class Validator:
 
     # -- parameters ------------------------------------------------------------------------
     def sampling(self, request) -> SamplingParams:
-        s = request.sampling
+        return self.sampling_from(request.sampling, "sampling.")
+
+    def sampling_from(self, s, prefix: str) -> SamplingParams:
+        """The sampling rules for any message with our field names; `prefix` names the fields as the client's
+        API does. Unset optional fields take the model's defaults (top_k and min_p default to 0 either way)."""
         card = self.card
-        temperature = _finite(s.temperature, "sampling.temperature") if s.HasField("temperature") else (
+        temperature = _finite(s.temperature, f"{prefix}temperature") if s.HasField("temperature") else (
             card.default_temperature if card.default_temperature is not None else 1.0)
-        _check(temperature >= 0, "temperature", "`sampling.temperature` must be >= 0")
-        top_p = _finite(s.top_p, "sampling.top_p") if s.HasField("top_p") else (card.default_top_p or 1.0)
-        _check(0 < top_p <= 1, "top_p", "`sampling.top_p` must be > 0 and <= 1")
-        _check(s.top_k >= 0, "top_k", "`sampling.top_k` must be >= 0 (0 disables it)")
-        _check(0 <= _finite(s.min_p, "sampling.min_p") <= 1, "min_p", "`sampling.min_p` must be between 0 and 1")
-        rep = _finite(s.repetition_penalty, "sampling.repetition_penalty") if s.HasField("repetition_penalty") else 1.0
-        _check(rep > 0, "repetition_penalty", "`sampling.repetition_penalty` must be > 0 (1 disables it)")
+        _check(temperature >= 0, "temperature", f"`{prefix}temperature` must be >= 0")
+        top_p = _finite(s.top_p, f"{prefix}top_p") if s.HasField("top_p") else (card.default_top_p or 1.0)
+        _check(0 < top_p <= 1, "top_p", f"`{prefix}top_p` must be > 0 and <= 1")
+        _check(s.top_k >= 0, "top_k", f"`{prefix}top_k` must be >= 0 (0 disables it)")
+        _check(0 <= _finite(s.min_p, f"{prefix}min_p") <= 1, "min_p", f"`{prefix}min_p` must be between 0 and 1")
+        rep = _finite(s.repetition_penalty, f"{prefix}repetition_penalty") if s.HasField("repetition_penalty") else 1.0
+        _check(rep > 0, "repetition_penalty", f"`{prefix}repetition_penalty` must be > 0 (1 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
-            _check(-2 <= _finite(getattr(s, name), f"sampling.{name}") <= 2, name,
-                   f"`sampling.{name}` must be between -2 and 2")
+            _check(-2 <= _finite(getattr(s, name), f"{prefix}{name}") <= 2, name,
+                   f"`{prefix}{name}` must be between -2 and 2")
         seed = s.seed if s.HasField("seed") else random.getrandbits(63)
         return SamplingParams(temperature=temperature, top_k=s.top_k, top_p=top_p, min_p=s.min_p,
                               repetition_penalty=rep, presence_penalty=s.presence_penalty,
