@@ -9,6 +9,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 MATMUL_BACKENDS = ("auto", "torch", "numpy", "numpy2")
+ATTENTION_BACKENDS = ("auto", "native", "torch")
 DEFAULT_KV_CACHE_TOKENS = 32768
 
 
@@ -26,6 +27,9 @@ class EngineConfig:
     max_model_len: int | None = None  # cap on prompt + output tokens (None: the model's limit)
     enable_prefix_caching: bool = True
     matmul_backend: str = "auto"  # auto: time torch and numpy at start-up and pick per batch size
+    # decode attention: native = the C kernel over the paged cache (kernels.py; float32), torch = gather + SDPA,
+    # auto = native where it builds and the dtype is float32, else torch
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -48,6 +52,11 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.attention_backend == "native" and self.dtype != "float32":
+            raise ValueError(f"attention_backend 'native' needs dtype float32, got {self.dtype!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {', '.join(MATMUL_BACKENDS)}, got {self.matmul_backend!r}")
 

@@ -19,9 +19,10 @@ import torch
 from ..looper.executor import EngineDeadError, ExecutorStats, Step, merge_steps
 from ..looper.request import ValidRequest
 from ..looper.tokenizer import ModelCard
-from . import runner
+from . import kernels, runner
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .kernels import PagedAttention
 from .loader import ModelConfig, load_weights
 from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
@@ -56,7 +57,8 @@ class Engine:
         weights = load_weights(model_dir, self.model_config, dtype)
         num_blocks = self.config.num_kv_blocks(Model.kv_bytes_per_token(self.model_config, dtype))
         self.model = Model(self.model_config, weights, dtype, num_blocks, self.config.block_size,
-                           self._matmul_policy(weights["layers.0.gate_up"]))
+                           self._matmul_policy(weights["layers.0.gate_up"]), self._paged_attention(dtype),
+                           split_attention=(os.cpu_count() or 1) >= 2)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_tokens, self.config.max_batch_size)
         self.eos_token_ids = self.card.eos_token_ids
@@ -74,8 +76,9 @@ class Engine:
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
         self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
         self._thread = threading.Thread(target=self._loop, name="tokenloop-engine", daemon=True)
-        log.info("engine: %s, %d KV blocks of %d tokens, matmul %s", self.model_config.architecture,
-                 num_blocks, self.config.block_size, self.model.matmul.describe())
+        log.info("engine: %s, %d KV blocks of %d tokens, matmul %s, decode attention %s",
+                 self.model_config.architecture, num_blocks, self.config.block_size, self.model.matmul.describe(),
+                 "native" if self.model.paged is not None else "torch")
         if start:
             self._thread.start()
 
@@ -83,6 +86,20 @@ class Engine:
     def from_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
         """Load the checkpoint in `model_dir` and start the engine thread."""
         return cls(model_dir, config)
+
+    def _paged_attention(self, dtype: torch.dtype) -> PagedAttention | None:
+        """The native decode-attention kernel when wanted and usable; `native` insists (start-up error)."""
+        wanted = self.config.attention_backend
+        if wanted == "torch" or dtype != torch.float32:
+            return None
+        paged = kernels.load()
+        c = self.model_config
+        if paged is None or not paged.supports(dtype, c.num_heads, c.num_kv_heads):
+            if wanted == "native":
+                raise RuntimeError("attention_backend 'native' is unavailable here (no C compiler, a failed build, "
+                                   "or more than 16 query heads per kv head); see the log, or use 'torch'")
+            return None
+        return paged
 
     def _matmul_policy(self, sample_weight: torch.Tensor) -> MatmulPolicy:
         if self.config.matmul_backend == "auto":

@@ -46,7 +46,7 @@ def _time(fn, repeats: int = 5) -> float:
 
 
 class _Helper:
-    """A second thread that computes half of a product's output features while the caller does the rest."""
+    """A second thread that runs one half of a job while the caller runs the other (both release the GIL)."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -55,22 +55,30 @@ class _Helper:
 
     def _run(self) -> None:
         while True:
-            x, w, out = self._jobs.get()
+            job = self._jobs.get()
             try:
-                np.matmul(x, w.T, out=out)
+                job()
                 self._done.put(None)
             except BaseException as exc:  # noqa: BLE001 - handed back to the caller
                 self._done.put(exc)
+
+    def split(self, mine, theirs) -> None:
+        """Run `theirs` on the helper thread and `mine` here; returns when both are done."""
+        self._jobs.put(theirs)
+        try:
+            mine()
+        finally:
+            error = self._done.get()
+        if error is not None:
+            raise error
 
     def matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x @ w.T with the rows of w (the output features) halved: each thread reads half the weight."""
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.result_type(x, w))
         half = w.shape[0] // 2
-        self._jobs.put((x, w[half:], out[:, half:]))  # a column block of `out`: BLAS writes it in place
-        np.matmul(x, w[:half].T, out=out[:, :half])
-        error = self._done.get()
-        if error is not None:
-            raise error
+        # each half writes a column block of `out` in place
+        self.split(lambda: np.matmul(x, w[:half].T, out=out[:, :half]),
+                   lambda: np.matmul(x, w[half:].T, out=out[:, half:]))
         return out
 
 
@@ -80,6 +88,12 @@ class MatmulPolicy:
     def __init__(self, buckets: dict[int, Backend], helper: _Helper | None = None):
         self.buckets = buckets
         self._helper = helper or (_Helper() if Backend.NUMPY2 in buckets.values() else None)
+
+    def helper(self) -> _Helper:
+        """The second thread (started on first use when no backend needed it)."""
+        if self._helper is None:
+            self._helper = _Helper()
+        return self._helper
 
     @classmethod
     def fixed(cls, backend: Backend) -> MatmulPolicy:

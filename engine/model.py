@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kernels import PagedAttention
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
 
@@ -29,6 +30,8 @@ class AttentionGroup:
     num_seqs: int
     max_q: int
     fresh: bool = False  # one sequence with nothing cached before these rows: causal over the new K/V
+    lens: torch.Tensor | None = None  # [B] int64 context lengths (decode groups: for the native kernel)
+    split: int = 0  # decode groups: sequences 0..split-1 and split..B-1 hold about half the context each
 
 
 def fresh_group(row_start: int, num_tokens: int) -> AttentionGroup:
@@ -82,10 +85,16 @@ class Model:
     """Weights, rope tables and the KV cache of one model; `forward` runs a ForwardBatch."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 num_blocks: int, block_size: int, matmul: MatmulPolicy):
+                 num_blocks: int, block_size: int, matmul: MatmulPolicy, paged: PagedAttention | None = None,
+                 split_attention: bool = False):
         self.config = config
         self.dtype = dtype
         self.matmul = matmul
+        # decode attention straight from the paged cache (kernels.py); None: gather + SDPA in torch
+        self.paged = paged if paged is not None and paged.supports(dtype, config.num_heads, config.num_kv_heads) \
+            else None
+        self.split_attention = split_attention  # halve each decode batch over the matmul helper thread
+        self.scale = config.head_dim ** -0.5
         self.embed = weights["embed"]  # [V, D]
         self.norm = weights["norm"]
         self.lm_head = weights["lm_head"]  # [V, D], the embedding itself when tied
@@ -154,6 +163,9 @@ class Model:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         for g in groups:
+            if g.max_q == 1 and g.lens is not None and self.paged is not None:
+                self._paged_decode(layer, q, out, g)
+                continue
             if g.fresh:  # prefill from position 0: the chunk's own K/V, causal
                 rows = slice(g.out_start, g.out_start + g.max_q)
                 qg, kg, vg = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, n, E]
@@ -169,3 +181,19 @@ class Model:
                 og = og[g.valid]
             out[g.out_start:g.out_start + og.shape[0]] = og
         return out
+
+    def _paged_decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup) -> None:
+        """One query per sequence, flat rows out_start.. : the native kernel reads the cache in place."""
+        rows = slice(g.out_start, g.out_start + g.num_seqs)
+        qd = q[rows].contiguous()  # [B, H, E]
+        od = out[rows].view(g.num_seqs, q.shape[1], q.shape[2])  # contiguous rows of `out`: written in place
+        k_cache, v_cache, paged = self.k_cache[layer], self.v_cache[layer], self.paged
+        bs, scale = self.block_size, self.scale
+
+        def part(begin: int, end: int):
+            return lambda: paged.decode(qd, od, k_cache, v_cache, g.kv_blocks, g.lens, begin, end, bs, scale)
+
+        if self.split_attention and 0 < g.split < g.num_seqs:
+            self.matmul.helper().split(part(0, g.split), part(g.split, g.num_seqs))
+        else:
+            part(0, g.num_seqs)()

@@ -24,6 +24,15 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
         rows.extend([row] * (max_q - n))  # padding repeats a valid row; its output is dropped
         valid.extend([True] * n + [False] * (max_q - n))
         row += n
+    lens, split = None, 0
+    if max_q == 1:  # decodes: context lengths for the native kernel, and where half the context is reached
+        lens = torch.tensor(contexts, dtype=torch.long)
+        half, total = sum(contexts) / 2, 0
+        for split, n in enumerate(contexts):  # noqa: B007 - `split` is used after the loop
+            if total + n / 2 >= half:
+                break
+            total += n
+        split = max(split, 1) if len(contexts) > 1 else 0
     computed = torch.tensor([s.num_computed_tokens for s in seqs])
     q_pos = computed[:, None] + torch.arange(max_q)[None, :]  # [B, Q] absolute position of each query
     mask = None
@@ -32,7 +41,7 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
     return AttentionGroup(
         query_rows=torch.tensor(rows, dtype=torch.long),
         valid=None if all(valid) else torch.tensor(valid),
-        kv_blocks=tables, mask=mask, out_start=row_start, num_seqs=len(seqs), max_q=max_q)
+        kv_blocks=tables, mask=mask, out_start=row_start, num_seqs=len(seqs), max_q=max_q, lens=lens, split=split)
 
 
 def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[ForwardBatch, list[Sequence]]:

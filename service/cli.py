@@ -12,7 +12,7 @@ from .logs import setup_logging
 
 # flags handed to the executor factory as keyword arguments when given
 ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens", "max_batch_size", "dtype",
-                "num_threads", "block_size", "enable_prefix_caching")
+                "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
                 "max_batch_size", "max_num_tokens")
@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--num-threads", type=int, default=None, help="torch threads")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--attention-backend", choices=("auto", "native", "torch"), default=None,
+                   help="decode attention: native C kernel over the paged KV cache (float32), or torch; "
+                        "auto: native where it compiles")
+    e.add_argument("--matmul-backend", choices=("auto", "torch", "numpy", "numpy2"), default=None,
+                   help="who multiplies the weights; auto: timed at start-up per batch size")
     t = s.add_argument_group("TensorRT-LLM (--backend trtllm)")
     t.add_argument("--trtllm-api", choices=("auto", "llm", "executor"), default=None)
     t.add_argument("--kv-cache-free-gpu-memory-fraction", type=float, default=None)

@@ -74,3 +74,23 @@ def test_batch_of_16_mixed_lengths_float64(checkpoint):
         engine.shutdown()
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"request {i} (prompt of {len(prompts[i])} tokens) differs from transformers"
+
+
+def test_native_decode_attention_equals_the_torch_path_in_a_float32_batch(checkpoint):
+    """The C kernel (reads the paged cache in place, batch split over two threads) against gather + SDPA."""
+    prompts = mixed_prompts(16, 200, seed=11)
+    got = {}
+    for backend in ("native", "torch"):
+        config = EngineConfig(dtype="float32", kv_cache_tokens=8192, max_num_tokens=96, max_batch_size=16,
+                              block_size=8, attention_backend=backend)
+        try:
+            engine = Engine.from_dir(checkpoint, config)
+        except RuntimeError as exc:  # no C compiler on this machine
+            pytest.skip(str(exc))
+        try:
+            assert (engine.model.paged is not None) == (backend == "native")
+            ids, steps = run_all(engine, [greedy_request(p) for p in prompts])
+            got[backend] = [tokens(steps[(i, 0)]) for i in ids]
+        finally:
+            engine.shutdown()
+    assert got["native"] == got["torch"]

@@ -23,6 +23,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"dtype": "float16"}, "dtype must be one of float32, bfloat16, float64"),
     ({"num_threads": 0}, "num_threads must be >= 1"),
     ({"matmul_backend": "cuda"}, "matmul_backend must be one of auto, torch, numpy"),
+    ({"attention_backend": "flash"}, "attention_backend must be one of auto, native, torch"),
+    ({"attention_backend": "native", "dtype": "bfloat16"}, "attention_backend 'native' needs dtype float32"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError) as err:

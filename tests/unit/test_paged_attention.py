@@ -1,0 +1,107 @@
+"""The native decode-attention kernel (engine/paged_attention.c) against SDPA on the gathered context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenloop.engine import kernels
+from tokenloop.engine.matmul import Backend, MatmulPolicy
+from tokenloop.engine.model import AttentionGroup, Model
+
+paged = kernels.load()
+needs_kernel = pytest.mark.skipif(paged is None, reason="no C compiler here: the torch path serves")
+
+
+def reference(q, k_cache, v_cache, tables, lens, block_size):
+    """Gather each sequence's slots in block-table order and run SDPA: what the torch path computes."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        slots = (tables[b][:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        k, v = (c[slots].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))  # [1, K, n, E]
+        out[b] = F.scaled_dot_product_attention(q[b][None, :, None, :], k, v, enable_gqa=True)[0, :, 0]
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 80), (12, 4, 128)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_kernel_matches_sdpa_over_the_gathered_context(num_heads, num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(num_heads * 1000 + head_dim + block_size)
+    lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 300, 511], dtype=torch.long)
+    num_seqs, num_blocks = 7, sum((n + block_size - 1) // block_size for n in lens.tolist()) + 16
+    k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=gen)
+    max_blocks = int((lens.max() + block_size - 1) // block_size)
+    # each sequence gets distinct blocks in a shuffled order; unused table entries stay 0 (padding)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(lens.tolist()):
+        nb = (n + block_size - 1) // block_size
+        tables[b, :nb] = perm[used:used + nb]
+        used += nb
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    paged.decode(q, out, k_cache, v_cache, tables, lens, 0, num_seqs, block_size, head_dim ** -0.5)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, block_size), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_a_range_writes_only_its_rows_so_two_threads_can_split_a_batch():
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(64, 2, 16, generator=gen), torch.randn(64, 2, 16, generator=gen)
+    tables, lens = torch.arange(16).view(4, 4), torch.tensor([5, 16, 9, 1])
+    q = torch.randn(4, 4, 16, generator=gen)
+    out = torch.zeros_like(q)
+    paged.decode(q, out, k_cache, v_cache, tables, lens, 1, 3, 4, 0.25)
+    assert out[0].abs().sum() == 0 and out[3].abs().sum() == 0
+    whole = torch.zeros_like(q)
+    paged.decode(q, whole, k_cache, v_cache, tables, lens, 0, 4, 4, 0.25)
+    torch.testing.assert_close(out[1:3], whole[1:3])
+
+
+@needs_kernel
+def test_model_splits_a_decode_batch_over_two_threads_with_the_same_result():
+    gen = torch.Generator().manual_seed(1)
+    model = Model.__new__(Model)  # only what _paged_decode reads: the cache, the kernel, the helper thread
+    model.k_cache = torch.randn(1, 32 * 8, 2, 16, generator=gen)
+    model.v_cache = torch.randn(1, 32 * 8, 2, 16, generator=gen)
+    model.block_size, model.scale, model.paged = 8, 0.25, paged
+    model.matmul = MatmulPolicy.fixed(Backend.TORCH)
+    lens = torch.tensor([3, 40, 17, 64, 8])
+    tables = torch.arange(40).view(5, 8) % 32
+    q = torch.randn(5, 4, 16, generator=gen)
+    results = []
+    for split in (0, 2):
+        model.split_attention = split > 0
+        group = AttentionGroup(query_rows=torch.arange(5), valid=None, kv_blocks=tables, mask=None, out_start=0,
+                               num_seqs=5, max_q=1, lens=lens, split=split)
+        out = torch.zeros(5, 64)
+        model._paged_decode(0, q, out, group)
+        results.append(out)
+    torch.testing.assert_close(results[0], results[1])
+    expected = reference(q, model.k_cache[0], model.v_cache[0], tables, lens, 8)
+    torch.testing.assert_close(results[0].view(5, 4, 16), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_no_compiler_means_no_kernel_and_no_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    monkeypatch.setenv("TOKENLOOP_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    assert kernels.load() is None
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        kernels.build()
+
+
+@needs_kernel
+def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOKENLOOP_KERNEL_CACHE", str(tmp_path))
+    first = kernels.build()
+    assert first.parent == tmp_path and first.suffix == ".so"
+    assert kernels.build() == first  # not rebuilt
+    other = tmp_path / "other.c"
+    other.write_text(kernels.SOURCE.read_text() + "\n/* changed */\n")
+    assert kernels.build(other) != first
