@@ -180,6 +180,29 @@ async def run_grpc(port: int, scenario: Scenario) -> Result:
     return Result("tokenloop", scenario.name, sum(counts), wall, ttfts)
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of `pid`, summed by thread name (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def machine_busy() -> float:
+    """CPU seconds all processes have used since boot (Linux /proc/stat: everything but idle and iowait)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: list[str]) -> list[Result]:
     port = free_port()
     server = start_server(model_dir, port, engine_flags)
@@ -187,7 +210,18 @@ def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: lis
         asyncio.run(wait_ready(port))
         warm = Scenario("warm-up", [scenarios[0].prompts[0][:16]], [4], 1)
         asyncio.run(run_grpc(port, warm))
-        return [asyncio.run(run_grpc(port, s)) for s in scenarios]
+        results = []
+        for s in scenarios:
+            before, cpu, machine = thread_cpu(server.pid), time.process_time(), machine_busy()
+            results.append(asyncio.run(run_grpc(port, s)))
+            after, cpu, machine = thread_cpu(server.pid), time.process_time() - cpu, machine_busy() - machine
+            used = {name: after[name] - before.get(name, 0.0) for name in after}
+            busiest = sorted(used.items(), key=lambda kv: -kv[1])[:4]
+            others = machine - sum(used.values()) - cpu
+            print(f"{s.name}: server CPU s by thread: " + ", ".join(f"{n} {t:.1f}" for n, t in busiest)
+                  + f"; bench client {cpu:.1f}; everything else on the machine {others:.1f}", file=sys.stderr,
+                  flush=True)
+        return results
     finally:
         server.terminate()
         server.wait(timeout=60)

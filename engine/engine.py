@@ -172,6 +172,7 @@ class Engine:
     # --- the engine thread ---
 
     def _loop(self) -> None:
+        kernels.name_this_thread("tokenloop-eng")
         torch.set_num_threads(self.num_threads)
         try:
             while True:

@@ -108,6 +108,15 @@ class PagedAttention:
             raise RuntimeError(f"paged_decode_f32 failed (code {rc})")
 
 
+def name_this_thread(name: str) -> None:
+    """Best effort: the OS-level name of the calling thread (shown by top -H, ps -L, /proc/*/task/*/comm)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def load() -> PagedAttention | None:
     """The compiled kernel, or None (logged once) when it cannot be built here."""
     key = str(SOURCE)

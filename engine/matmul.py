@@ -54,6 +54,8 @@ class _Helper:
         threading.Thread(target=self._run, name="tokenloop-matmul", daemon=True).start()
 
     def _run(self) -> None:
+        from .kernels import name_this_thread
+        name_this_thread("tokenloop-mm")
         while True:
             job = self._jobs.get()
             try:

@@ -17,6 +17,8 @@ from .kernels import PagedAttention
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
 
+MIN_SPLIT_PREFILL = 64  # prompt chunks at least this long split their attention over two threads
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -167,10 +169,7 @@ class Model:
                 self._paged_decode(layer, q, out, g)
                 continue
             if g.fresh:  # prefill from position 0: the chunk's own K/V, causal
-                rows = slice(g.out_start, g.out_start + g.max_q)
-                qg, kg, vg = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, n, E]
-                og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
-                out[rows] = og[0].transpose(0, 1).reshape(g.max_q, num_heads * head_dim)
+                self._fresh_prefill(q, k, v, out, g)
                 continue
             qg = q[g.query_rows].view(g.num_seqs, g.max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, E]
             kg = self._gather(k_cache, g.kv_blocks)  # [B, K, C, E]
@@ -181,6 +180,30 @@ class Model:
                 og = og[g.valid]
             out[g.out_start:g.out_start + og.shape[0]] = og
         return out
+
+    def _fresh_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       g: AttentionGroup) -> None:
+        """Causal attention of a prompt chunk over itself. Long chunks split their queries over two threads:
+        rows [0, m) attend causally to keys [0, m), rows [m, n) to keys [0, n) with a lower-right causal mask;
+        m = n / sqrt(2) gives both parts the same work."""
+        n, num_heads, head_dim = g.max_q, q.shape[1], q.shape[2]
+        start = g.out_start
+        qg, kg, vg = (x[start:start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, n, E]
+
+        def part(lo: int, hi: int):
+            def run():
+                with torch.inference_mode():  # also on the helper thread: `out` is an inference tensor
+                    mask = None if lo == 0 else (torch.arange(hi)[None, :] <= torch.arange(lo, hi)[:, None])
+                    og = F.scaled_dot_product_attention(qg[:, :, lo:hi], kg[:, :, :hi], vg[:, :, :hi],
+                                                        attn_mask=mask, is_causal=lo == 0, enable_gqa=True)
+                    out[start + lo:start + hi] = og[0].transpose(0, 1).reshape(hi - lo, num_heads * head_dim)
+            return run
+
+        if self.split_attention and n >= MIN_SPLIT_PREFILL:
+            m = int(n / 2 ** 0.5)
+            self.matmul.helper().split(part(0, m), part(m, n))
+        else:
+            part(0, n)()
 
     def _paged_decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup) -> None:
         """One query per sequence, flat rows out_start.. : the native kernel reads the cache in place."""
