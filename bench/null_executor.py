@@ -92,17 +92,26 @@ class NullExecutor:
             self._cancelled.add(request_id)
 
     def await_responses(self, timeout: float) -> list[Step]:
-        """Every token due now; waits (GIL released) until the next one is due, at most `timeout`."""
+        """Every token due now; waits (GIL released) until the next one is due, at most `timeout`, or until
+        `wake()`."""
         if not self._seqs:
-            self._wake.wait(timeout)
+            self._sleep(timeout)
             return []
         if self.rate is None:
             return self._emit(time.monotonic())
         if not self._cancelled:
             wait = min(timeout, self._heap[0][0] - time.monotonic()) if self._heap else timeout
             if wait > 0:
-                time.sleep(wait)
+                self._sleep(wait)
         return self._emit_paced(time.monotonic())
+
+    def wake(self) -> None:
+        """Make a waiting (or the next) `await_responses` return now: the looper has a new command."""
+        self._wake.set()
+
+    def _sleep(self, seconds: float) -> None:
+        if self._wake.wait(seconds):
+            self._wake.clear()
 
     def stats(self) -> ExecutorStats:
         """Running sequences; no KV cache."""

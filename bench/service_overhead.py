@@ -105,28 +105,52 @@ async def _serve_bare(args) -> tuple[object, object]:
 
 
 def _install_trace(ex) -> None:
-    """BENCH_TRACE=1 (diagnosis): at exit, print the median time from a token's emission to the looper's
-    hand-off on the event loop and to the servicer's StreamWriter, i.e. where the added latency goes."""
+    """BENCH_TRACE=1 (diagnosis): at exit, print where the added latency goes, token by token: the time from
+    its emission (due time) to the executor's return of it (the looper thread awake), to the looper's
+    hand-off call, to the hand-off running on the event loop and to the servicer's StreamWriter; each as
+    p50 from emission and p50 / p90 of the hop alone; and how many polls and hand-offs carried them."""
     import atexit
 
     from tokenloop.looper.looper import Looper
     from tokenloop.looper.stream import Chunk
     from tokenloop.service.convert import StreamWriter
-    lags: dict[str, list[float]] = {"hand-off": [], "writer": []}
+    hops = ("executor", "fan-out", "hand-off", "writer")
+    times: dict[tuple[str, int], list[float]] = {}  # (request id, token index) -> time at each hop
     seen: dict[tuple[str, str], int] = {}
 
     def note(where: str, rid: str, events, now: float) -> None:
-        k, stamps = seen.get((where, rid), 0), ex.emitted.get(rid, [])
+        k = seen.get((where, rid), 0)
         for e in events:
             for _ in e.token_ids if type(e) is Chunk else ():
-                if k < len(stamps):
-                    lags[where].append(now - stamps[k])
+                times.setdefault((rid, k), []).append(now)
                 k += 1
         seen[(where, rid)] = k
 
-    deliver, messages = Looper._deliver, StreamWriter.messages
+    deliver, fan_out, messages, advance = Looper._deliver, Looper._fan_out, StreamWriter.messages, ex._advance
+    pull = Looper._pull_steps
+    count = {"polls": 0, "hand-offs": 0}
+
+    def traced_pull(self):
+        count["polls"] += 1
+        return pull(self)
+
+    def traced_advance(seq, num, now):
+        step = advance(seq, num, now)
+        if seq.index == 0:
+            rid, t = ex._names[seq.request_id], time.monotonic()
+            for k in range(seq.pos - num, seq.pos):
+                times[(rid, k)] = [ex.emitted[rid][k], t]
+        return step
+    ex._advance = traced_advance
+
+    def traced_fan_out(self):
+        now = time.monotonic()
+        for stream, entry in list(self._outbox.items()):
+            note("fan-out", stream.request.request_id, entry[0], now)
+        return fan_out(self)
 
     def traced_deliver(self):
+        count["hand-offs"] += 1
         now = time.monotonic()
         for stream, entry in list(self._handoff.items()):
             note("hand-off", stream.request.request_id, entry[0], now)
@@ -135,9 +159,21 @@ def _install_trace(ex) -> None:
     def traced_messages(self, batch):
         note("writer", self.request.request_id, batch, time.monotonic())
         return messages(self, batch)
-    Looper._deliver, StreamWriter.messages = traced_deliver, traced_messages
-    atexit.register(lambda: print("TRACE emission -> " + ", ".join(
-        f"{k} p50 {1e3 * statistics.median(v):.2f} ms" for k, v in lags.items() if v), file=sys.stderr))
+    Looper._deliver, Looper._fan_out, Looper._pull_steps = traced_deliver, traced_fan_out, traced_pull
+    StreamWriter.messages = traced_messages
+
+    def report() -> None:
+        rows = [t for t in times.values() if len(t) == len(hops) + 1]
+        if not rows:
+            return
+        out = []
+        for i, hop in enumerate(hops, 1):
+            total = statistics.median(t[i] - t[0] for t in rows)
+            alone = statistics.quantiles([t[i] - t[i - 1] for t in rows], n=10)
+            out.append(f"{hop} {1e3 * total:.2f} ms (hop p50 {1e3 * alone[4]:.3f} / p90 {1e3 * alone[8]:.3f})")
+        print(f"TRACE {len(rows)} tokens, {count['polls']} polls, {count['hand-offs']} hand-offs; emission -> "
+              + ", ".join(out), file=sys.stderr)
+    atexit.register(report)
 
 
 async def _serve_full(args) -> tuple[object, object]:
@@ -285,7 +321,7 @@ def _best(runs: list[dict]) -> dict:
 
 async def _measure_all(args, servers: dict) -> dict[str, list[dict]]:
     res: dict[str, list[dict]] = {name: [] for name in servers}
-    for n in CONCURRENCY:
+    for n in args.streams:
         runs: dict[str, list[dict]] = {name: [] for name in servers}
         for rep in range(args.repeat):  # interleaved, so background load hits every scenario alike
             for name, srv in servers.items():
@@ -312,6 +348,8 @@ async def measure(args) -> dict:
     servers = {}
     try:
         for name, (mode, kw) in SCENARIOS.items():
+            if name not in args.scenarios:
+                continue
             kw = dict(kw, rate=getattr(args, kw["rate"])) if "rate" in kw else kw
             servers[name] = ServerProcess(mode, args.model, stream_interval=args.stream_interval, **kw)
         res = await _measure_all(args, servers)
@@ -326,13 +364,15 @@ async def measure(args) -> dict:
 
 
 def summary(res: dict) -> dict:
-    bare = {r["streams"]: r for r in res["bare"]}
+    bare = {r["streams"]: r for r in res.get("bare", ())}
     out = {}
-    for key, rows in (("ratio", res["messages"]), ("token_ratio", res["coalesced"])):
+    for key, rows in (("ratio", res.get("messages", ())), ("token_ratio", res.get("coalesced", ()))):
         for r in rows:
+            if r["streams"] not in bare:
+                continue
             out[f"{key}_{r['streams']}"] = round(r["tokens_per_s"] / bare[r["streams"]]["messages_per_s"], 3)
     for name in ("paced", "paced-burst", "bare-paced"):
-        for r in res[name]:
+        for r in res.get(name, ()):
             key = name.replace("-", "_")
             out[f"{key}_p50_ms_{r['streams']}"] = round(r.get("latency_p50_ms", float("nan")), 3)
             out[f"{key}_p99_ms_{r['streams']}"] = round(r.get("latency_p99_ms", float("nan")), 3)
@@ -342,7 +382,7 @@ def summary(res: dict) -> dict:
 
 
 def print_table(res: dict) -> None:
-    bare = {r["streams"]: r for r in res["bare"]}
+    bare = {r["streams"]: r for r in res.get("bare", ())}
     print("| path | streams | tokens/s | messages/s | tokens/s ÷ bare msgs/s | server CPU µs/msg "
           "| server CPU % (main / looper) | client CPU % | latency p50 / p99 ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -350,10 +390,11 @@ def print_table(res: dict) -> None:
         if name == "idle":
             continue
         for r in rows:
-            ratio = r["tokens_per_s"] / bare[r["streams"]]["messages_per_s"]
+            ratio = (f'{r["tokens_per_s"] / bare[r["streams"]]["messages_per_s"]:.2f}'
+                     if r["streams"] in bare else "—")
             lat = (f"{r['latency_p50_ms']:.2f} / {r['latency_p99_ms']:.2f}" if "latency_p50_ms" in r else "—")
             print(f"| {name} | {r['streams']} | {r['tokens_per_s']:,.0f} | {r['messages_per_s']:,.0f} | "
-                  f"{ratio:.2f} | {r['server_cpu_us_per_msg']:.0f} | {r['server_cpu_pct']:.0f} "
+                  f"{ratio} | {r['server_cpu_us_per_msg']:.0f} | {r['server_cpu_pct']:.0f} "
                   f"({r['server_main_cpu_pct']:.0f} / {r['looper_cpu_pct']:.0f}) | {r['client_cpu_pct']:.0f} | {lat} |")
     if "idle" in res:
         i = res["idle"]
@@ -379,9 +420,15 @@ def main(argv=None) -> int:
     p.add_argument("--idle-seconds", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=3, help="interleaved runs per scenario; the best is kept")
     p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--scenarios", type=lambda v: v.split(","), default=list(SCENARIOS),
+                   help=f"comma-separated subset of {','.join(SCENARIOS)} (ratios need bare)")
+    p.add_argument("--streams", type=lambda v: [int(x) for x in v.split(",")], default=list(CONCURRENCY),
+                   help="comma-separated concurrencies (default 1,64,256)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     p.add_argument("--raw", default="", help="also write every figure to this JSON file")
     args = p.parse_args(argv)
+    if args.cmd != "serve" and set(args.scenarios) - set(SCENARIOS):
+        p.error(f"unknown scenario(s): {', '.join(sorted(set(args.scenarios) - set(SCENARIOS)))}")
     import uvloop
     if args.cmd == "serve":
         uvloop.run(serve(args))

@@ -80,7 +80,13 @@ class ExecutorStats:
 
 @runtime_checkable
 class Executor(Protocol):
-    """What the looper drives. Implementations: engine.Engine, looper.trtllm_*."""
+    """What the looper drives. Implementations: engine.Engine, looper.trtllm_*.
+
+    Optional, not part of the checked protocol: `wake() -> None`, thread-safe, makes a blocked (or the
+    next) `await_responses` return early. The looper calls it from the event loop after queueing a new
+    request or a cancel, so that it is taken at once instead of after the executor's wait (up to the
+    looper's `poll_timeout`). Without it, commands wait for the current `await_responses` to return.
+    """
 
     def enqueue(self, request: ValidRequest) -> int:
         """Submit a request; returns the executor's id for it. May raise ValueError for a request it

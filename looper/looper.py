@@ -37,6 +37,8 @@ class Looper:
         self._poll_timeout = poll_timeout
         self._on_death = on_death
         self._channel: queue.SimpleQueue = queue.SimpleQueue()
+        # an executor may offer wake(): a command then interrupts its wait instead of waiting up to poll_timeout
+        self._wake_executor: Callable[[], None] | None = getattr(executor, "wake", None)
         self._in_flight: dict[int, RequestState] = {}  # executor id -> state (looper thread only)
         self._outbox: dict[RequestStream, list] = {}  # stream -> [events, done, error] (looper thread only)
         self._handoff: dict[RequestStream, list] = {}  # the same, awaiting the event loop (under _handoff_lock)
@@ -65,7 +67,7 @@ class Looper:
             stream.push([], True, self._dead_error())
             return stream
         self._streams[request.request_id] = stream
-        self._channel.put((_SUBMIT, stream, arrival if arrival is not None else time.monotonic()))
+        self._command((_SUBMIT, stream, arrival if arrival is not None else time.monotonic()))
         return stream
 
     def find(self, request_id: str) -> RequestStream | None:
@@ -92,19 +94,26 @@ class Looper:
 
     def fail_all(self, kind: ErrorKind, message: str) -> None:
         """End every request (queued or running) with an error, cancelling it in the executor."""
-        self._channel.put((_FAIL_ALL, kind, message))
+        self._command((_FAIL_ALL, kind, message))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread (after failing what is left) and wait for it."""
         if self._thread is None:
             return
         self.fail_all(ErrorKind.UNAVAILABLE, "the server is shutting down")
-        self._channel.put((_STOP,))
+        self._command((_STOP,))
         self._thread.join(timeout)
         self.alive = False
 
     def _request_cancel(self, stream: RequestStream) -> None:
-        self._channel.put((_CANCEL, stream))
+        self._command((_CANCEL, stream))
+
+    def _command(self, cmd: tuple) -> None:
+        """Queue a command for the looper thread; wake the executor's wait when it can be woken, so that a
+        new request is submitted now rather than after up to `poll_timeout`."""
+        self._channel.put(cmd)
+        if self._wake_executor is not None:
+            self._wake_executor()
 
     def _deliver(self) -> None:
         """One hand-off per poll (or fewer, when the event loop is behind): push every stream's events."""

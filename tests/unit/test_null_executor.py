@@ -3,6 +3,8 @@ it measures: steps merged per poll, the byte-level detokenizer, coalescing and -
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import grpc
@@ -174,3 +176,36 @@ def test_stream_interval_end_to_end(tokenizer_dir):
     sizes = [len(m.chunk.token_ids) for m in msgs if m.WhichOneof("response") == "chunk"]
     assert sum(sizes) == 18 and all(n >= 4 for n in sizes[:-1]), sizes
     assert msgs[-1].complete.text == "".join(m.chunk.text for m in msgs[:-1])
+
+
+def test_wake_ends_a_paced_wait_early_and_is_not_lost_when_nobody_waits():
+    ex = NullExecutor([5, 6, 7], rate=0.01)  # the first token is due in 100 s
+    ex.enqueue(request("r", max_new=3))
+    ex.wake()  # set before the wait: the next wait returns at once instead of being lost
+    assert ex.await_responses(60.0) == []
+    threading.Timer(0.05, ex.wake).start()
+    assert ex.await_responses(60.0) == []  # returned when woken, not after 60 s (the test would hang)
+
+
+def test_looper_wakes_a_waiting_executor_for_a_new_request_and_a_cancel(tokenizer):
+    # rate 0.01 tokens/s and poll_timeout 60 s: without wake() the looper would sit in the executor's wait
+    # for a minute before taking the second request or the cancel, and this test would time out.
+    ex = NullExecutor(sample_token_ids(tokenizer), rate=0.01)
+
+    async def body():
+        looper = Looper(ex, tokenizer, poll_timeout=60.0)
+        looper.start()
+        try:
+            first = looper.submit(request("a", max_new=4))
+            await asyncio.sleep(0.05)  # the looper is now waiting in await_responses
+            second = looper.submit(request("b", max_new=4))
+            while second.executor_id is None:  # enqueued: the wait was interrupted
+                await asyncio.sleep(0.01)
+            second.cancel()
+            first.cancel()
+            return [e async for e in second.events()], [e async for e in first.events()]
+        finally:
+            looper.stop()
+
+    for events in run(asyncio.wait_for(body(), 20)):
+        assert isinstance(events[-1], Complete) and events[-1].finish_reason == FinishReason.CANCELLED
