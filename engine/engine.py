@@ -71,6 +71,7 @@ class Engine:
         self._cancels: list[int] = []
         self._outputs: list[Step] = []
         self._stopping = False
+        self._woken = False  # wake() was called: the next (or current) await_responses returns at once
         self._dead: str | None = None
         self._num_failures = 0
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
@@ -141,12 +142,19 @@ class Engine:
     def await_responses(self, timeout: float) -> list[Step]:
         """Block up to `timeout` s for steps (releases the GIL); raises EngineDeadError once dead and drained."""
         with self._lock:
-            if not self._outputs and not self._dead:
+            if not self._outputs and not self._dead and not self._woken:
                 self._has_output.wait(timeout)
+            self._woken = False
             if self._dead and not self._outputs:
                 raise EngineDeadError(self._dead)
             outputs, self._outputs = self._outputs, []
         return merge_steps(outputs)
+
+    def wake(self) -> None:
+        """Make a blocked (or the next) `await_responses` return now (the looper has a new command)."""
+        with self._lock:
+            self._woken = True
+            self._has_output.notify_all()
 
     def cancel(self, request_id: int) -> None:
         """Idempotent; the request's unfinished sequences end with CANCELLED at the next step."""

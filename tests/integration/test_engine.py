@@ -39,6 +39,23 @@ def test_implements_the_executor_protocol(engine):
     assert isinstance(engine, Executor)
 
 
+def test_wake_ends_a_wait_at_once_and_is_not_lost_before_one(engine):
+    import threading
+    import time
+
+    threading.Timer(0.05, engine.wake).start()
+    start = time.monotonic()
+    assert engine.await_responses(10.0) == []  # woken, not timed out
+    assert time.monotonic() - start < 5.0
+    engine.wake()  # before the wait: level-triggered, the next wait returns at once
+    start = time.monotonic()
+    assert engine.await_responses(10.0) == []
+    assert time.monotonic() - start < 5.0
+    start = time.monotonic()
+    assert engine.await_responses(0.2) == []  # consumed: this one waits out its timeout
+    assert time.monotonic() - start >= 0.15
+
+
 def test_length_finish_and_stats_return_to_idle(engine):
     ids, steps = run_all(engine, [greedy_request(PROMPT, 12)])
     got = steps[(ids[0], 0)]
