@@ -164,8 +164,10 @@ class NullExecutor:
         self.num_steps += 1
         steps: list[Step] = []
         done: list[int] = []
+        per_step, cancelled_ids, advance = self.tokens_per_step, self._cancelled, self._advance
         for rid, seqs in self._seqs.items():
-            cancelled = rid in self._cancelled
+            cancelled = rid in cancelled_ids
+            running = False
             for seq in seqs:
                 if seq.final_sent:
                     continue
@@ -173,10 +175,10 @@ class NullExecutor:
                     seq.final_sent = True
                     steps.append(Step(rid, seq.index, [], is_final=True, finish_reason=FinishReason.CANCELLED))
                     continue
-                num = min(self.tokens_per_step, seq.max_tokens - seq.pos)
-                if num > 0:
-                    steps.append(self._advance(seq, num, now))
-            if all(seq.final_sent for seq in seqs):
+                left = seq.max_tokens - seq.pos  # > 0 while the final step is not sent
+                steps.append(advance(seq, per_step if per_step < left else left, now))
+                running = running or not seq.final_sent
+            if not running:
                 done.append(rid)
         with self._lock:
             for rid in done:
@@ -198,5 +200,4 @@ class NullExecutor:
         self.num_tokens += num
         final = seq.pos >= seq.max_tokens
         seq.final_sent = final
-        return Step(seq.request_id, seq.index, new, is_final=final,
-                    finish_reason=FinishReason.LENGTH if final else None)
+        return Step(seq.request_id, seq.index, new, None, None, final, FinishReason.LENGTH if final else None)

@@ -192,13 +192,25 @@ class Looper:
 
     def _pull_steps(self) -> None:
         steps = self.executor.await_responses(self._poll_timeout)
-        if len(steps) > len(self._in_flight):  # some request got several steps (the merge is optional)
+        in_flight = self._in_flight
+        if len(steps) > len(in_flight):  # some request got several steps (the merge is optional)
             steps = merge_steps(steps)
         now = time.monotonic()
+        outbox = self._outbox
         for step in steps:
-            state = self._in_flight.get(step.request_id)
-            if state is not None:
+            state = in_flight.get(step.request_id)
+            if state is None:
+                continue
+            # the common decode step, inline: one chunk queued for the stream's next hand-off
+            chunk = state.decode(step, now) if step.error is None and not state.closed else False
+            if chunk is False:
                 self._apply(state, step, now)
+            elif chunk is not None:
+                entry = outbox.get(state.stream)
+                if entry is None:
+                    outbox[state.stream] = [[chunk], False, None]
+                else:
+                    entry[0].append(chunk)
 
     def _apply(self, state: RequestState, step: Step, now: float) -> None:
         if step.error is not None:  # the executor failed this request (and only it)

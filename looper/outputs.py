@@ -52,7 +52,7 @@ class RequestState:
     """Everything the looper tracks for one submitted request."""
 
     __slots__ = ("stream", "request", "executor_id", "seqs", "arrival", "t_enqueued", "t_first",
-                 "num_open", "num_exec_open", "closed")
+                 "num_open", "num_exec_open", "closed", "streaming")
 
     def __init__(self, stream: RequestStream, tokenizer: Decoder, arrival: float):
         self.stream = stream
@@ -65,11 +65,27 @@ class RequestState:
         self.num_open = self.request.n  # sequences not yet completed for the client
         self.num_exec_open = self.request.n  # sequences the executor has not yet ended
         self.closed = False  # every Complete (or an error) was sent; waiting only for the executor
+        self.streaming = self.request.stream
 
     def timing(self, now: float) -> Timing:
         first = self.t_first or now
         return Timing(queue_s=max(0.0, self.t_enqueued - self.arrival), ttft_s=first - self.arrival,
                       total_s=now - self.arrival)
+
+    def decode(self, step: Step, now: float) -> Chunk | None | bool:
+        """The common decode step (new tokens, not final, no logprobs, no stop strings, sequence open):
+        its chunk, or None when the request does not stream. False: not such a step, use `apply`."""
+        seq = self.seqs[step.seq_index]
+        ids = step.token_ids
+        if seq.per_token or seq.finished or step.is_final or not ids or step.logprobs is not None:
+            return False
+        if not self.t_first:
+            self.t_first = now
+        text = seq.detok.push(ids)  # no stop strings here (per_token is False)
+        seq.token_ids += ids
+        if text:
+            seq.text_parts.append(text)
+        return Chunk(seq.index, text, ids) if self.streaming else None
 
     def apply(self, step: Step, now: float) -> list[Event]:
         """Process one step of one sequence; returns the events for the client."""
@@ -78,13 +94,8 @@ class RequestState:
             return []  # e.g. tokens after a stop string, or the executor's CANCELLED echo
         ids = step.token_ids
         if ids and not step.is_final and step.logprobs is None and not seq.per_token:  # the common decode step
-            if not self.t_first:
-                self.t_first = now
-            text = seq.detok.push(ids)  # no stop strings here (per_token is False)
-            seq.token_ids += ids
-            if text:
-                seq.text_parts.append(text)
-            return [Chunk(seq.index, text, ids)] if self.request.stream else []
+            chunk = self.decode(step, now)
+            return [chunk] if chunk is not None else []
         if step.token_ids and not self.t_first:
             self.t_first = now
         text, used, matched = seq.feed(step.token_ids) if step.token_ids else ("", 0, None)
