@@ -97,8 +97,8 @@ class Engine:
         c = self.model_config
         if paged is None or not paged.supports(dtype, c.num_heads, c.num_kv_heads):
             if wanted == "native":
-                raise RuntimeError("attention_backend 'native' is unavailable here (no C compiler, a failed build, "
-                                   "or more than 16 query heads per kv head); see the log, or use 'torch'")
+                raise RuntimeError("attention_backend 'native' is unavailable here (no C compiler, or a failed "
+                                   "build); see the log, or use 'torch'")
             return None
         return paged
 

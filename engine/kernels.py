@@ -25,7 +25,12 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11")
+# -ffast-math lets the dot products and exp vectorise. It is given to the compile step only: linked with it,
+# the library would pull in crtfastmath.o, which switches the whole process to flush-denormals-to-zero on
+# load (torch's and Python's arithmetic included).
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
+LINK_FLAGS = ("-shared",)
+FLAGS = COMPILE_FLAGS + LINK_FLAGS
 _lock = threading.Lock()
 _loaded: dict[str, PagedAttention | None] = {}
 
@@ -67,15 +72,17 @@ def build(source: Path = SOURCE) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[:-3] + ".o"
     try:
-        result = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
-                                timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {source.name}: {result.stderr.strip()[-2000:]}")
+        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", obj], [cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders race harmlessly
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 

@@ -11,14 +11,15 @@
  *   lens     [B]         int64 context length: keys 0 .. lens[b]-1 (the current token's K/V is written)
  *
  * Only sequences b_begin .. b_end-1 are computed, so a caller can split one batch over threads.
- * Built at run time by tokenloop/engine/kernels.py (cc -O3 -march=native -ffast-math: the exp and the dot
- * products vectorise); the pure-torch path in model.py is the fallback and the reference in the tests.
+ * Built at run time by tokenloop/engine/kernels.py (cc -O3 -march=native -ffast-math at compile time only, so
+ * the exp and the dot products vectorise while loading the library leaves the process's denormal handling
+ * alone); the pure-torch path in model.py is the fallback and the reference in the tests.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MAX_GROUP 16 /* query heads per kv head handled on the stack; larger groups fall back to torch */
+#define MAX_GROUP 1024 /* query heads per kv head: any real model (scores live on the heap) */
 
 int paged_decode_max_group(void) { return MAX_GROUP; }
 
@@ -39,6 +40,11 @@ int paged_decode_f32(const float *q, float *out, const float *k_cache, const flo
     }
     for (int64_t b = b_begin; b < b_end; b++) {
         const int64_t len = lens[b];
+        if (len < 1) {
+            free(scores);
+            free(acc);
+            return -3;
+        }
         const int64_t *table = tables + b * max_blocks;
         const float *qb = q + b * H * E;
         /* scores[h, c] = scale * <q_h, k_c>: each block's rows (all kv heads) are read front to back */
@@ -58,8 +64,8 @@ int paged_decode_f32(const float *q, float *out, const float *k_cache, const flo
         /* softmax over c, per query head */
         for (int64_t h = 0; h < H; h++) {
             float *s = scores + h * len;
-            float m = -INFINITY;
-            for (int64_t c = 0; c < len; c++) m = s[c] > m ? s[c] : m;
+            float m = s[0]; /* len >= 1 (checked above): the current token is always in the context */
+            for (int64_t c = 1; c < len; c++) m = s[c] > m ? s[c] : m;
             float sum = 0.0f;
             for (int64_t c = 0; c < len; c++) {
                 s[c] = expf(s[c] - m);

@@ -105,3 +105,14 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     other = tmp_path / "other.c"
     other.write_text(kernels.SOURCE.read_text() + "\n/* changed */\n")
     assert kernels.build(other) != first
+
+
+@needs_kernel
+def test_loading_the_kernel_leaves_denormals_alone():
+    """Linked with -ffast-math, a shared library turns on flush-to-zero for the whole process when it loads."""
+    import sys
+
+    assert paged is not None
+    tiny = sys.float_info.min
+    assert tiny / 4 != 0.0  # Python floats
+    assert (torch.tensor([1e-40], dtype=torch.float32) * 1.0).item() != 0.0  # torch float32 subnormals
