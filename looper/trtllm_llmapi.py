@@ -47,6 +47,8 @@ _FINISH = {"length": FinishReason.LENGTH, "cancelled": FinishReason.CANCELLED,
            "timeout": FinishReason.CANCELLED}  # "stop" depends on stop_reason
 
 
+_WAKE = object()  # put on the ready queue by wake(): ends a wait, carries no step
+
 class TrtllmLlmApi:
     """`Executor` on `tensorrt_llm.LLM` with its own asyncio loop thread."""
 
@@ -57,7 +59,7 @@ class TrtllmLlmApi:
         self._config = config
         self._eos = tuple(eos_token_ids)
         self._ids = itertools.count(1)
-        self._ready: queue.SimpleQueue[Step] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # Steps, and _WAKE
         self._results: dict[int, object] = {}  # id -> RequestOutput (loop thread only)
         self._aborted: set[int] = set()  # (loop thread only)
         self._stats: ExecutorStats | None = None
@@ -151,17 +153,21 @@ class TrtllmLlmApi:
         """Block up to `timeout` for steps; EngineDeadError once the LLM is gone."""
         self._check_alive()
         try:
-            steps = [self._ready.get(timeout=timeout)]
+            items = [self._ready.get(timeout=timeout)]
         except queue.Empty:
             return []
         while True:
             try:
-                steps.append(self._ready.get_nowait())
+                items.append(self._ready.get_nowait())
             except queue.Empty:
                 break
         if self._dead is not None:  # died while we waited: these steps are the death's echoes
             raise EngineDeadError(self._dead)
-        return steps
+        return [step for step in items if step is not _WAKE]
+
+    def wake(self) -> None:
+        """Make a blocked (or the next) `await_responses` return now: the looper has a new command."""
+        self._ready.put(_WAKE)
 
     def cancel(self, request_id: int) -> None:
         """Idempotent; the request then ends with `cancelled` outputs."""

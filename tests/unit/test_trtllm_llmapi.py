@@ -185,6 +185,19 @@ def test_cancel_aborts_once_and_ends_every_sequence(adapter):
     assert adapter.await_responses(0.05) == []
 
 
+def test_wake_ends_a_wait_at_once_and_is_not_lost_before_one(adapter):
+    import threading
+
+    threading.Timer(0.05, adapter.wake).start()
+    start = time.monotonic()
+    assert adapter.await_responses(10.0) == []  # woken: returns no step, long before its timeout
+    assert time.monotonic() - start < 5.0
+    adapter.wake()  # before the wait: the next one returns at once
+    start = time.monotonic()
+    assert adapter.await_responses(10.0) == []
+    assert time.monotonic() - start < 5.0
+
+
 def test_death_is_reported_by_await_and_enqueue(adapter):
     adapter.enqueue(scenarios.request(prompt=(5, scenarios.DIE_TOKEN)))
     with pytest.raises(EngineDeadError, match="no longer healthy"):
