@@ -28,6 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.procstat import machine_busy_s, thread_names, threads_cpu_s  # noqa: E402
+
 TEXT = (ROOT / "README.md").read_text() if (ROOT / "README.md").is_file() else ""
 TEXT += " ".join([
     "The history of computing is a story of ideas that became machines and machines that changed ideas.",
@@ -180,27 +183,13 @@ async def run_grpc(port: int, scenario: Scenario) -> Result:
     return Result("tokenloop", scenario.name, sum(counts), wall, ttfts)
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of `pid`, summed by thread name (Linux /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+def cpu_by_thread_name(pid: int) -> dict[str, float]:
+    """CPU seconds of the threads of `pid`, summed by thread name."""
+    names, out = thread_names(pid), {}
+    for tid, seconds in threads_cpu_s(pid).items():
+        name = names.get(tid, str(tid))
+        out[name] = out.get(name, 0.0) + seconds
     return out
-
-
-def machine_busy() -> float:
-    """CPU seconds all processes have used since boot (Linux /proc/stat: everything but idle and iowait)."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except OSError:
-        return 0.0
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: list[str]) -> list[Result]:
@@ -212,9 +201,9 @@ def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: lis
         asyncio.run(run_grpc(port, warm))
         results = []
         for s in scenarios:
-            before, cpu, machine = thread_cpu(server.pid), time.process_time(), machine_busy()
+            before, cpu, machine = cpu_by_thread_name(server.pid), time.process_time(), machine_busy_s()
             results.append(asyncio.run(run_grpc(port, s)))
-            after, cpu, machine = thread_cpu(server.pid), time.process_time() - cpu, machine_busy() - machine
+            after, cpu, machine = cpu_by_thread_name(server.pid), time.process_time() - cpu, machine_busy_s() - machine
             used = {name: after[name] - before.get(name, 0.0) for name in after}
             busiest = sorted(used.items(), key=lambda kv: -kv[1])[:4]
             others = machine - sum(used.values()) - cpu
@@ -248,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results-engine.json"))
     args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
-    sys.path.insert(0, str(ROOT))
     from tokenloop.looper.tokenizer import Tokenizer
 
     corpus = Tokenizer.from_dir(args.model).encode(TEXT)

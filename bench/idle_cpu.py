@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,32 +22,11 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from bench.procstat import stat_cpu_s, threads_cpu_s  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(stat_path: str) -> float:
-    """utime + stime from a /proc stat file, in seconds (resolution 1 / CLK_TCK)."""
-    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def run_ns(task_dir: str) -> int:
-    """Nanoseconds on a CPU from a task's schedstat (finer than stat's clock ticks)."""
-    return int(Path(task_dir, "schedstat").read_text().split()[0])
-
-
-def threads_ns() -> dict[int, int]:
-    out = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            out[int(task.name)] = run_ns(str(task))
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return out
 
 
 def executor_factory(kind: str):
@@ -74,16 +52,16 @@ async def measure(model: str, kind: str, seconds: float) -> dict:
         await asyncio.sleep(1.0)  # let the last hand-offs settle
         tid = server.app.looper._thread.native_id
         task = f"/proc/self/task/{tid}"
-        p0, l0, n0, t0 = cpu_s("/proc/self/stat"), cpu_s(f"{task}/stat"), threads_ns(), time.monotonic()
+        p0, l0, n0, t0 = stat_cpu_s("/proc/self/stat"), stat_cpu_s(f"{task}/stat"), threads_cpu_s(), time.monotonic()
         await asyncio.sleep(seconds)
-        p1, l1, n1, t1 = cpu_s("/proc/self/stat"), cpu_s(f"{task}/stat"), threads_ns(), time.monotonic()
+        p1, l1, n1, t1 = stat_cpu_s("/proc/self/stat"), stat_cpu_s(f"{task}/stat"), threads_cpu_s(), time.monotonic()
     finally:
         await server.stop(grace=0)
     wall = t1 - t0
-    proc_ns = sum(n1[t] - n0.get(t, 0) for t in n1)
+    proc_s = sum(n1[t] - n0.get(t, 0.0) for t in n1)
     return {"executor": kind, "seconds": round(wall, 2), "num_threads": len(n1),
-            "process_pct": round(100 * proc_ns / 1e9 / wall, 4),
-            "looper_pct": round(100 * (n1[tid] - n0[tid]) / 1e9 / wall, 4),
+            "process_pct": round(100 * proc_s / wall, 4),
+            "looper_pct": round(100 * (n1[tid] - n0[tid]) / wall, 4),
             "process_ticks_pct": round(100 * (p1 - p0) / wall, 3),
             "looper_ticks_pct": round(100 * (l1 - l0) / wall, 3)}
 

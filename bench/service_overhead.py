@@ -38,34 +38,17 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from bench.procstat import proc_cpu_s, threads_cpu_s  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 PROMPT = "Write a short story about a looper thread that never spins."
 CONCURRENCY = (1, 64, 256)
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def tokens_per_stream(num_streams: int, total: int) -> int:
     return max(128, min(4096, total // num_streams))
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def threads_cpu_s(pid: int) -> dict[int, float]:
-    """CPU seconds of each thread of a process (schedstat)."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return out
 
 
 # -- the server processes ------------------------------------------------------------------
