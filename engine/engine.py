@@ -94,12 +94,9 @@ class Engine:
         if wanted == "torch" or dtype != torch.float32:
             return None
         paged = kernels.load()
-        c = self.model_config
-        if paged is None or not paged.supports(dtype, c.num_heads, c.num_kv_heads):
-            if wanted == "native":
-                raise RuntimeError("attention_backend 'native' is unavailable here (no C compiler, or a failed "
-                                   "build); see the log, or use 'torch'")
-            return None
+        if paged is None and wanted == "native":
+            raise RuntimeError("attention_backend 'native' is unavailable here (no C compiler, or a failed build); "
+                               "see the log, or use 'torch'")
         return paged
 
     def _matmul_policy(self, sample_weight: torch.Tensor) -> MatmulPolicy:

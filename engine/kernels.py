@@ -96,15 +96,11 @@ class PagedAttention:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._decode.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
         self._decode.restype = ctypes.c_int
-        self.max_group = lib.paged_decode_max_group()
-
-    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> bool:
-        return dtype == torch.float32 and num_heads // num_kv_heads <= self.max_group
 
     def decode(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                tables: torch.Tensor, lens: torch.Tensor, begin: int, end: int, block_size: int,
                scale: float) -> None:
-        """Attention of decode queries q [B, H, E] over their cached context into out [B, H, E] (rows
+        """Attention of float32 decode queries q [B, H, E] over their cached context into out [B, H, E] (rows
         begin..end-1 only). k_cache, v_cache: [slots, K, E] of one layer; tables [B, NB], lens [B] int64.
         Releases the GIL while it runs (ctypes does), so two threads can split one batch."""
         num_heads, head_dim = q.shape[1], q.shape[2]

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .kernels import name_this_thread
+
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # tokens per step at which the backends are compared
 MIN_SPLIT_TOKENS = 1
 
@@ -58,7 +60,6 @@ class _Helper:
         threading.Thread(target=self._run, name="tokenloop-matmul", daemon=True).start()
 
     def _run(self) -> None:
-        from .kernels import name_this_thread
         name_this_thread("tokenloop-mm")
         while True:
             job = self._jobs.get()

@@ -93,8 +93,7 @@ class Model:
         self.dtype = dtype
         self.matmul = matmul
         # decode attention straight from the paged cache (kernels.py); None: gather + SDPA in torch
-        self.paged = paged if paged is not None and paged.supports(dtype, config.num_heads, config.num_kv_heads) \
-            else None
+        self.paged = paged if dtype == torch.float32 else None
         self.split_attention = split_attention  # halve each decode batch over the matmul helper thread
         self.scale = config.head_dim ** -0.5
         self.embed = weights["embed"]  # [V, D]

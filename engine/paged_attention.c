@@ -19,16 +19,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MAX_GROUP 1024 /* query heads per kv head: any real model (scores live on the heap) */
-
-int paged_decode_max_group(void) { return MAX_GROUP; }
-
 int paged_decode_f32(const float *q, float *out, const float *k_cache, const float *v_cache,
                      const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
                      int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t block_size, float scale) {
     const int64_t H = num_heads, G = num_heads / num_kv_heads, E = head_dim, KE = num_kv_heads * head_dim;
-    if (G > MAX_GROUP) return -1;
     int64_t longest = 1;
     for (int64_t b = b_begin; b < b_end; b++) longest = lens[b] > longest ? lens[b] : longest;
     float *scores = malloc(sizeof(float) * (size_t)(H * longest)); /* [H, len] */
