@@ -88,20 +88,9 @@ def _check_supported(request) -> None:
 
 
 def _stopping(validator, request, num_prompt: int) -> StoppingParams:
-    lim = validator.limits
-    room = lim.max_context_length - num_prompt
-    max_new = request.max_tokens
-    if max_new:
-        _check(max_new <= lim.max_new_tokens, "max_new_tokens",
-               f"`max_tokens` must be between 1 and {lim.max_new_tokens}; got {max_new}")
-        _check(max_new <= room, "context_exceeded",
-               f"the prompt ({num_prompt} tokens) plus `max_tokens` ({max_new}) exceeds the model's context "
-               f"of {lim.max_context_length} tokens")
-    else:
-        max_new = min(lim.default_max_new_tokens, room)
     min_new = request.sampling_config.min_tokens
-    _check(min_new <= max_new, "min_new_tokens",
-           f"`sampling_config.min_tokens` ({min_new}) must be <= max_tokens ({max_new})")
+    max_new = validator.new_token_limits(request.max_tokens or None, min_new, num_prompt, "max_tokens",
+                                         "sampling_config.min_tokens")  # max_tokens 0: unset
     validator.stop_lists(request.stop, request.stop_token_ids, "")
     return StoppingParams(max_new_tokens=max_new, min_new_tokens=min_new, stop=tuple(request.stop),
                           stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)

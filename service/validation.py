@@ -127,23 +127,32 @@ class Validator:
                               frequency_penalty=s.frequency_penalty, seed=seed)
 
     def stopping(self, request, num_prompt: int) -> StoppingParams:
-        st, lim = request.stopping, self.limits
-        room = lim.max_context_length - num_prompt
-        if st.HasField("max_new_tokens"):
-            max_new = st.max_new_tokens
-            _check(1 <= max_new <= lim.max_new_tokens, "max_new_tokens",
-                   f"`stopping.max_new_tokens` must be between 1 and {lim.max_new_tokens}; got {max_new}")
-            _check(max_new <= room, "context_exceeded",
-                   f"the prompt ({num_prompt} tokens) plus `stopping.max_new_tokens` ({max_new}) exceeds the "
-                   f"model's context of {lim.max_context_length} tokens")
-        else:
-            max_new = min(lim.default_max_new_tokens, room)
-        _check(st.min_new_tokens <= max_new, "min_new_tokens",
-               f"`stopping.min_new_tokens` ({st.min_new_tokens}) must be <= max_new_tokens ({max_new})")
+        st = request.stopping
+        max_new = self.new_token_limits(st.max_new_tokens if st.HasField("max_new_tokens") else None,
+                                        st.min_new_tokens, num_prompt, "stopping.max_new_tokens",
+                                        "stopping.min_new_tokens")
         self.stop_lists(st.stop, st.stop_token_ids, "stopping.")
         return StoppingParams(max_new_tokens=max_new, min_new_tokens=st.min_new_tokens, stop=tuple(st.stop),
                               stop_token_ids=tuple(st.stop_token_ids), ignore_eos=st.ignore_eos,
                               include_stop_str_in_output=st.include_stop_str_in_output)
+
+    def new_token_limits(self, max_new: int | None, min_new: int, num_prompt: int, max_field: str,
+                         min_field: str) -> int:
+        """The checked max_new_tokens of either API (None: unset, so the default capped by the context left);
+        errors name that API's fields."""
+        lim = self.limits
+        room = lim.max_context_length - num_prompt
+        if max_new is not None:
+            _check(1 <= max_new <= lim.max_new_tokens, "max_new_tokens",
+                   f"`{max_field}` must be between 1 and {lim.max_new_tokens}; got {max_new}")
+            _check(max_new <= room, "context_exceeded",
+                   f"the prompt ({num_prompt} tokens) plus `{max_field}` ({max_new}) exceeds the "
+                   f"model's context of {lim.max_context_length} tokens")
+        else:
+            max_new = min(lim.default_max_new_tokens, room)
+        _check(min_new <= max_new, "min_new_tokens",
+               f"`{min_field}` ({min_new}) must be <= {max_field.rsplit('.', 1)[-1]} ({max_new})")
+        return max_new
 
     def stop_lists(self, stop, stop_token_ids, prefix: str) -> None:
         """The rules on stop strings and stop token ids; `prefix` names the fields as the client's API does."""

@@ -144,6 +144,7 @@ def test_stop_token_and_eos_are_left_out_of_output_ids_unless_asked(tokenizer_di
     ("sampling_config.no_repeat_ngram_size", {"sampling_config": tpb.SamplingConfig(no_repeat_ngram_size=3)}),
     ("output_config.prompt_logprobs", {"output_config": tpb.OutputConfig(prompt_logprobs=1)}),
     ("max_tokens", {"max_tokens": 5000}),
+    ("sampling_config.min_tokens", {"sampling_config": tpb.SamplingConfig(min_tokens=9)}),  # > max_tokens 8
     ("sampling_config.temperature", {"sampling_config": tpb.SamplingConfig(temperature=-1.0)}),
     ("tokenized.input_token_ids", {"tokenized": tpb.TokenizedInput(input_token_ids=[10**6])}),
 ])
