@@ -34,15 +34,17 @@ def sample_token_ids(tokenizer) -> list[int]:
 
 
 class _Seq:
-    __slots__ = ("request_id", "index", "max_tokens", "pos", "start", "final_sent")
+    __slots__ = ("request_id", "index", "max_tokens", "pos", "start", "final_sent", "stamps")
 
-    def __init__(self, request_id: int, index: int, max_tokens: int, start: float):
+    def __init__(self, request_id: int, index: int, max_tokens: int, start: float,
+                 stamps: list[float] | None = None):
         self.request_id = request_id
         self.index = index
         self.max_tokens = max_tokens
         self.pos = 0
         self.start = start
         self.final_sent = False
+        self.stamps = stamps  # emission times of this sequence's tokens (recorded for sequence 0 only)
 
 
 class NullExecutor:
@@ -75,15 +77,15 @@ class NullExecutor:
     def enqueue(self, request: ValidRequest) -> int:
         """Start every sequence of `request` now."""
         now = time.monotonic()
+        stamps = self.emitted.setdefault(request.request_id, []) if self.record else None
         with self._lock:
             rid, self._next_id = self._next_id, self._next_id + 1
-            self._seqs[rid] = [_Seq(rid, i, request.stopping.max_new_tokens, now) for i in range(request.n)]
+            self._seqs[rid] = [_Seq(rid, i, request.stopping.max_new_tokens, now, stamps if i == 0 else None)
+                               for i in range(request.n)]
             self._names[rid] = request.request_id
         if self.rate is not None:
             for i in range(request.n):
                 heapq.heappush(self._heap, (now + 1.0 / self.rate, rid, i))
-        if self.record:
-            self.emitted.setdefault(request.request_id, [])
         return rid
 
     def cancel(self, request_id: int) -> None:
@@ -165,6 +167,7 @@ class NullExecutor:
         steps: list[Step] = []
         done: list[int] = []
         per_step, cancelled_ids, advance = self.tokens_per_step, self._cancelled, self._advance
+        ids, num_ids, append, inline = self.token_ids, len(self.token_ids), steps.append, 0
         for rid, seqs in self._seqs.items():
             cancelled = rid in cancelled_ids
             running = False
@@ -173,13 +176,23 @@ class NullExecutor:
                     continue
                 if cancelled:
                     seq.final_sent = True
-                    steps.append(Step(rid, seq.index, [], is_final=True, finish_reason=FinishReason.CANCELLED))
+                    append(Step(rid, seq.index, [], is_final=True, finish_reason=FinishReason.CANCELLED))
                     continue
-                left = seq.max_tokens - seq.pos  # > 0 while the final step is not sent
-                steps.append(advance(seq, per_step if per_step < left else left, now))
+                pos = seq.pos
+                left = seq.max_tokens - pos  # > 0 while the final step is not sent
+                if per_step == 1 and left > 1:  # the common step, inline: one token, not the last
+                    seq.pos = pos + 1
+                    if seq.stamps is not None:
+                        seq.stamps.append(now)
+                    append(Step(rid, seq.index, [ids[pos % num_ids]]))
+                    running = True
+                    inline += 1
+                    continue
+                append(advance(seq, per_step if per_step < left else left, now))
                 running = running or not seq.final_sent
             if not running:
                 done.append(rid)
+        self.num_tokens += inline  # advance() counts its own
         with self._lock:
             for rid in done:
                 del self._seqs[rid]
@@ -190,8 +203,8 @@ class NullExecutor:
     def _advance(self, seq: _Seq, num: int, now: float) -> Step:
         ids, n, pos = self.token_ids, len(self.token_ids), seq.pos
         new = [ids[pos % n]] if num == 1 else [ids[(pos + k) % n] for k in range(num)]
-        if self.record and seq.index == 0:
-            stamps = self.emitted[self._names[seq.request_id]]
+        stamps = seq.stamps
+        if stamps is not None:
             if self.rate is None:
                 stamps.append(now) if num == 1 else stamps.extend([now] * num)
             else:

@@ -9,6 +9,8 @@ U+FFFD (an incomplete UTF-8 sequence) is held until the next token completes it.
 Byte-level BPE tokenizers (GPT-2 style, SmolLM2, Llama 3) decode by concatenating bytes, so once
 the ids read so far decoded cleanly, the new text is just the decoding of the new ids: those
 take a fast path that decodes only the unread ids, once per push, with no context re-decoded.
+The commonest push, one token after a clean read, does not decode at all: the text of each single
+token that decodes to whole characters is kept in a table shared by every sequence on the tokenizer.
 """
 
 from __future__ import annotations
@@ -42,10 +44,27 @@ def is_byte_level(tokenizer: Decoder) -> bool:
     return result
 
 
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {skip: {id: text}}
+_MAX_TOKEN_TEXTS = 1 << 18  # ids remembered per tokenizer (a vocabulary is usually smaller)
+
+
+def token_texts(tokenizer: Decoder, skip_special_tokens: bool) -> dict[int, str]:
+    """The texts of single byte-level tokens that decode to whole characters, filled as tokens are seen. Shared
+    by every sequence on one tokenizer; a racing second writer stores the same text."""
+    try:
+        per_skip = _TOKEN_TEXTS[tokenizer]
+    except KeyError:
+        per_skip = _TOKEN_TEXTS[tokenizer] = {}
+    except TypeError:  # not weak-referenceable: a private table
+        return {}
+    return per_skip.setdefault(bool(skip_special_tokens), {})
+
+
 class IncrementalDetokenizer:
     """Turns appended token ids into text deltas."""
 
-    __slots__ = ("_tok", "_skip", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_fast", "_raw")
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_fast", "_raw",
+                 "_texts")
 
     def __init__(self, tokenizer: Decoder, prompt_ids, skip_special_tokens: bool = True):
         self._tok = tokenizer
@@ -58,24 +77,39 @@ class IncrementalDetokenizer:
         # the `tokenizers` object itself when wrapped by looper.tokenizer.Tokenizer: one call less per push
         raw = getattr(tokenizer, "_tok", None)
         self._raw = raw.decode if self._fast and hasattr(raw, "decode") else None
+        self._texts = token_texts(tokenizer, skip_special_tokens) if self._fast else None
 
     def _decode(self, ids) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
     def push(self, token_ids) -> str:
         """Append ids; return the text they complete (possibly empty)."""
-        self._ids.extend(token_ids)
+        ids = self._ids
+        texts = self._texts
+        if texts is not None and len(token_ids) == 1 and self._read_offset == len(ids):
+            # the common step: one token after a clean read. Byte-level decoding concatenates, so its text
+            # is the token's own decoding, kept per tokenizer once seen (whole characters only)
+            text = texts.get(token_ids[0])
+            if text is not None:
+                ids.append(token_ids[0])
+                self._prefix_offset = self._read_offset
+                self._read_offset += 1
+                self._prefix_text = text
+                return text
+        ids.extend(token_ids)
         if self._fast:  # byte-level: decode only what was not read yet
-            unread = self._ids[self._read_offset:]
+            unread = ids[self._read_offset:]
             if self._raw is not None:
-                text = self._raw(unread, skip_special_tokens=self._skip) if unread else ""
+                text = self._raw(unread, self._skip) if unread else ""
             else:
                 text = self._decode(unread)
             if text.endswith("\ufffd"):
                 return ""  # an incomplete UTF-8 sequence: wait for the next token
             if "\ufffd" not in text:
+                if len(unread) == 1 and len(texts) < _MAX_TOKEN_TEXTS:
+                    texts[unread[0]] = text
                 self._prefix_offset = self._read_offset
-                self._read_offset = len(self._ids)
+                self._read_offset = len(ids)
                 self._prefix_text = text
                 return text
         text = self._decode(self._ids[self._prefix_offset:])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from tokenloop.looper.request import ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, Event, TokenLogprob
 from tokenloop.v1 import tokenloop_pb2 as pb
@@ -42,22 +44,54 @@ class StreamWriter:
     Every batch the looper handed over since the reader last asked is merged per sequence (a reader
     that fell behind gets all ready tokens at once); with `interval` N > 1 a sequence's chunks are
     held until N tokens are ready or it completes. `coalesce=False` sends one message per chunk.
+
+    `stream(batch)` is the servicer's path: it yields one message at a time and refills a single
+    chunk message per call, so each yielded chunk is valid only until the next one is asked for;
+    grpc.aio serializes a yielded message before it resumes the handler, so that holds there, and
+    nothing is allocated per token. `messages(batch)` returns independent messages.
     """
 
-    __slots__ = ("request", "interval", "coalesce", "_held")
+    __slots__ = ("request", "interval", "coalesce", "_held", "_msg")
 
     def __init__(self, request: ValidRequest, interval: int = 1, coalesce: bool = True):
         self.request = request
         self.interval = interval
         self.coalesce = coalesce
         self._held: dict[int, list[Chunk]] = {}  # sequence index -> chunks not yet sent
+        self._msg: pb.GenerateResponse | None = None  # the chunk message that stream() refills
 
     def messages(self, batch: list[Event]) -> list[pb.GenerateResponse]:
         """The messages to send for one batch of events, in order per sequence."""
-        rid = self.request.request_id
+        rid, request = self.request.request_id, self.request
+        return [chunk_message(rid, e) if type(e) is Chunk else complete_message(rid, e, request)
+                for e in self._plan(batch)]
+
+    def stream(self, batch: list[Event]) -> Iterator[pb.GenerateResponse]:
+        """The same messages, one at a time; each chunk message is the previous one refilled."""
+        msg = self._msg
+        if msg is None:
+            msg = self._msg = pb.GenerateResponse(request_id=self.request.request_id)
+            msg.chunk.SetInParent()
+        out = msg.chunk
+        ids = out.token_ids
+        for event in self._plan(batch):
+            if type(event) is not Chunk:
+                yield complete_message(self.request.request_id, event, self.request)
+                continue
+            if out.index != event.index:
+                out.index = event.index
+            out.text = event.text
+            del ids[:]
+            ids.extend(event.token_ids)
+            if event.logprobs or out.logprobs:
+                del out.logprobs[:]
+                out.logprobs.extend(_logprobs(event.logprobs))
+            yield msg
+
+    def _plan(self, batch: list[Event]) -> list[Event]:
+        """The events to send for one batch: chunks merged per sequence (when coalescing) or held."""
         if not self.coalesce:
-            return [chunk_message(rid, e) if type(e) is Chunk else complete_message(rid, e, self.request)
-                    for e in batch]
+            return batch
         held, out = self._held, []
         for event in batch:
             if type(event) is Chunk:
@@ -65,10 +99,10 @@ class StreamWriter:
                 continue
             chunks = held.pop(event.index, None)
             if chunks:
-                out.append(chunk_message(rid, _merge(chunks)))
-            out.append(complete_message(rid, event, self.request))
+                out.append(_merge(chunks))
+            out.append(event)
         for index in [i for i, chunks in held.items() if sum(len(c.token_ids) for c in chunks) >= self.interval]:
-            out.append(chunk_message(rid, _merge(held.pop(index))))
+            out.append(_merge(held.pop(index)))
         return out
 
 

@@ -15,8 +15,10 @@ from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 from . import convert
 from .errors import AlreadyExists, ServiceError, ValidationError, abort_with, status_of
+from .logs import end_record, hide_unexpected, logs_itself, start_record
 
 log = logging.getLogger("tokenloop.service")
+GENERATE = "/tokenloop.v1.TextGeneration/Generate"
 
 
 def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
@@ -27,31 +29,36 @@ def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
 
 
 class StallWatchdog:
-    """Cancels the handler's task when one write waits longer than `timeout` (a reader that stopped reading).
+    """Cancels the handler's task when its writes make no progress for `timeout` (a reader that stopped reading).
 
     grpc.aio resumes a streaming handler only after its yielded message was accepted, so a reader
     that stops reading (and HTTP/2 flow control filling up) parks the handler at `yield`; the
     cancellation then runs its cleanup, which cancels the request and frees its KV blocks.
-    One timer per stream, re-armed lazily: `arm()` / `disarm()` around each write only note the time.
+    The handler marks a batch of writes with `arm()` / `disarm()` and counts each accepted message in
+    `sent` (an attribute increment: nothing else runs per message). One timer per stream, started by
+    an `arm()` and re-armed only while writing; it cancels when `sent` did not move between two looks
+    one `timeout` apart, so a write that stopped is cut off after `timeout` to twice that.
     """
 
-    __slots__ = ("timeout", "task", "timer", "loop", "since")
+    __slots__ = ("timeout", "task", "timer", "loop", "writing", "sent", "seen")
 
     def __init__(self, timeout: float):
         self.timeout = timeout
         self.task = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
         self.timer = None
-        self.since = 0.0  # loop time the current write started; 0: not writing
+        self.writing = False  # between arm() and disarm(): the handler is writing a batch
+        self.sent = 0  # messages grpc accepted (the handler counts them)
+        self.seen = 0  # `sent` when the timer last looked
 
     def arm(self) -> None:
-        if self.timeout > 0:
-            self.since = self.loop.time()
-            if self.timer is None:
-                self.timer = self.loop.call_at(self.since + self.timeout, self._check)
+        self.writing = True
+        if self.timer is None and self.timeout > 0:
+            self.seen = self.sent
+            self.timer = self.loop.call_later(self.timeout, self._check)
 
     def disarm(self) -> None:
-        self.since = 0.0
+        self.writing = False
 
     def close(self) -> None:
         if self.timer is not None:
@@ -60,10 +67,11 @@ class StallWatchdog:
 
     def _check(self) -> None:
         self.timer = None
-        if not self.since or self.task.done():
-            return  # not writing (the next arm() starts a timer), or the handler is gone
-        if self.loop.time() - self.since < self.timeout:
-            self.timer = self.loop.call_at(self.since + self.timeout, self._check)
+        if not self.writing or self.task.done():
+            return  # waiting for tokens, not writing (the next arm() starts a timer), or the handler is gone
+        if self.sent != self.seen:  # progress since the last look: look again one timeout later
+            self.seen = self.sent
+            self.timer = self.loop.call_later(self.timeout, self._check)
             return
         log.warning("a reader stopped reading for %.1fs: aborting its stream", self.timeout)
         self.task.cancel()
@@ -80,7 +88,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     def __init__(self, app):
         self.app = app  # service.app.App
 
+    @logs_itself  # no interceptor generator around this one: see service.logs.logs_itself
     async def Generate(self, request, context):
+        rec, failure = await start_record(GENERATE, request, context), None
         app, arrival = self.app, time.monotonic()
         rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
         completes: list[Complete] = []
@@ -95,10 +105,11 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 writer = convert.StreamWriter(valid, app.config.stream_interval, app.config.coalesce)
                 try:
                     while (batch := await stream.next_batch()) is not None:
-                        for msg in writer.messages(batch):
-                            watchdog.arm()
+                        watchdog.arm()
+                        for msg in writer.stream(batch):
                             yield msg  # returns once grpc took the message: a stalled reader blocks here
-                            watchdog.disarm()
+                            watchdog.sent += 1
+                        watchdog.disarm()
                         completes += [e for e in batch if type(e) is Complete]
                 finally:
                     watchdog.close()
@@ -107,7 +118,14 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     app.observe_end(valid, completes, grpc.StatusCode.OK if stream.finished else None)
         except (ServiceError, RequestFailed) as exc:
             app.observe_error(status_of(exc)[0])
+            failure = exc
             await abort_with(context, exc)
+        except BaseException as exc:
+            failure = exc
+            await hide_unexpected(exc, context)
+            raise
+        finally:
+            end_record(rec, failure, context)
 
     async def Tokenize(self, request, context):
         try:

@@ -240,10 +240,11 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
         watchdog = StallWatchdog(app.config.stall_timeout)
         try:
             async for batch in stream.batches():
+                watchdog.arm()
                 for msg in writer.messages(batch):
-                    watchdog.arm()
                     yield msg  # a stalled reader blocks here; the watchdog cancels us
-                    watchdog.disarm()
+                    watchdog.sent += 1
+                watchdog.disarm()
                 completes += [e for e in batch if isinstance(e, Complete)]
         finally:
             watchdog.close()

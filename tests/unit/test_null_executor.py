@@ -14,11 +14,11 @@ from bench.null_executor import NullExecutor, sample_token_ids
 from tests.conftest import run
 from tests.integration.service_harness import serving
 from tests.scripted_executor import ScriptedExecutor
-from tokenloop.looper.detokenizer import IncrementalDetokenizer, is_byte_level
+from tokenloop.looper.detokenizer import IncrementalDetokenizer, is_byte_level, token_texts
 from tokenloop.looper.executor import Executor, Step, merge_steps
 from tokenloop.looper.looper import Looper
 from tokenloop.looper.request import FinishReason, StoppingParams, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, Timing
+from tokenloop.looper.stream import Chunk, Complete, Timing, TokenLogprob
 from tokenloop.looper.tokenizer import Tokenizer
 from tokenloop.service.convert import StreamWriter
 from tokenloop.v1 import tokenloop_pb2 as pb
@@ -142,6 +142,23 @@ def test_byte_level_fast_path_matches_the_offset_algorithm(tokenizer, metaspace_
     assert fast.flush() == slow.flush()
 
 
+def test_token_table_fast_path_matches_the_offset_algorithm(tokenizer):
+    """One token per push (the common step) is served from the per-tokenizer table of whole-character tokens;
+    emoji and CJK split across byte-level tokens still go through decoding and match the offset algorithm."""
+    ids = sample_token_ids(tokenizer)
+    slow = IncrementalDetokenizer(tokenizer, [1, 2])
+    slow._fast, slow._texts = False, None
+    expected = [slow.push([t]) for t in ids] + [slow.flush()]
+    table = token_texts(tokenizer, True)
+    for _ in range(2):  # the first pass fills the table, the second reads it
+        fast = IncrementalDetokenizer(tokenizer, [1, 2])
+        assert [fast.push([t]) for t in ids] + [fast.flush()] == expected
+    assert table and all("\ufffd" not in text for text in table.values())
+    partial = {t for t in ids if "\ufffd" in tokenizer.decode([t])}
+    assert partial and not partial & table.keys()  # tokens of part of an emoji or CJK character are never kept
+    assert token_texts(tokenizer, False) is not table  # skip_special_tokens=False keeps its own texts
+
+
 def _done(index=0, ids=()):
     return Complete(index, "", list(ids), FinishReason.LENGTH, 3, 0, Timing())
 
@@ -160,6 +177,26 @@ def test_stream_writer_coalesces_a_batch_and_honours_the_interval():
     msgs = w.messages([_done(ids=range(1, 7))])  # the end flushes what is held, then completes
     assert [m.WhichOneof("response") for m in msgs] == ["chunk", "complete"]
     assert msgs[0].chunk.text == "f"
+
+
+def test_stream_writer_stream_refills_one_message_and_sends_what_messages_sends():
+    """stream() (the servicer's path) yields one chunk message refilled per chunk; serialized as each is yielded,
+    as grpc.aio does, the bytes equal those of messages(), for every mode and across sequences and logprobs."""
+    lp = [TokenLogprob(3, -0.5, [(3, -0.5), (4, -1.0)])]
+    batches = [[Chunk(0, "a", [1]), Chunk(1, "b", [2]), Chunk(0, "", [])],
+               [Chunk(0, "c", [3], lp), Chunk(0, "d", [4]), _done(0, [1, 3, 4])],
+               [Chunk(1, "e", [5]), _done(1, [2, 5])]]
+    for kw in ({}, {"coalesce": False}, {"interval": 2}):
+        req = request("w")
+        a, b = StreamWriter(req, **kw), StreamWriter(req, **kw)
+        for batch in batches:
+            seen, wire = set(), []
+            for m in b.stream(batch):
+                wire.append(m.SerializeToString())
+                if m.WhichOneof("response") == "chunk":
+                    seen.add(id(m))
+            assert wire == [m.SerializeToString() for m in a.messages(batch)], kw
+            assert len(seen) <= 1  # one chunk message object per writer
 
 
 def test_stream_interval_end_to_end(tokenizer_dir):
