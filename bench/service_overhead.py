@@ -109,22 +109,30 @@ def _install_trace(ex) -> None:
                 k += 1
         seen[(where, rid)] = k
 
-    deliver, fan_out, stream, advance = Looper._deliver, Looper._fan_out, StreamWriter.stream, ex._advance
-    pull = Looper._pull_steps
+    deliver, fan_out, stream = Looper._deliver, Looper._fan_out, StreamWriter.stream
+    pull, enqueue, await_responses = Looper._pull_steps, ex.enqueue, ex.await_responses
     count = {"polls": 0, "hand-offs": 0}
+    names: dict[int, str] = {}  # executor id -> request id (the executor forgets it at the final step)
 
     def traced_pull(self):
         count["polls"] += 1
         return pull(self)
 
-    def traced_advance(seq, num, now):
-        step = advance(seq, num, now)
-        if seq.index == 0:
-            rid, t = ex._names[seq.request_id], time.monotonic()
-            for k in range(seq.pos - num, seq.pos):
-                times[(rid, k)] = [ex.emitted[rid][k], t]
-        return step
-    ex._advance = traced_advance
+    def traced_enqueue(request):
+        names[eid := enqueue(request)] = request.request_id
+        return eid
+
+    def traced_await(timeout):
+        steps, t = await_responses(timeout), time.monotonic()
+        for step in steps:
+            if step.seq_index == 0 and step.token_ids:
+                rid = names[step.request_id]
+                first = seen.get(("executor", rid), 0)
+                for k in range(first, first + len(step.token_ids)):
+                    times[(rid, k)] = [ex.emitted[rid][k], t]
+                seen[("executor", rid)] = first + len(step.token_ids)
+        return steps
+    ex.enqueue, ex.await_responses = traced_enqueue, traced_await
 
     def traced_fan_out(self):
         now = time.monotonic()

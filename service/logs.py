@@ -81,8 +81,16 @@ class RequestLogObserver:
         pass
 
 
-def _metadata(details) -> dict[str, str]:
-    return {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+def _metadata(pairs) -> dict[str, str]:
+    return {k: v for k, v in (pairs or ()) if isinstance(v, str)}
+
+
+async def _open_record(method: str, meta: dict[str, str], request, context) -> dict:
+    """Start a streaming RPC's record and echo its `x-request-id` in the initial metadata."""
+    rec = RequestLogInterceptor._start(method, meta, request, context)
+    if "x-request-id" in meta:
+        await context.send_initial_metadata((("x-request-id", meta["x-request-id"]),))
+    return rec
 
 
 def _outcome(exc: BaseException | None, context) -> str:
@@ -113,11 +121,7 @@ def logs_itself(fn):
 
 async def start_record(method: str, request, context) -> dict:
     """What the interceptor does before a handler, for one marked with `logs_itself`."""
-    meta = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-    rec = RequestLogInterceptor._start(method, meta, request, context)
-    if "x-request-id" in meta:
-        await context.send_initial_metadata((("x-request-id", meta["x-request-id"]),))
-    return rec
+    return await _open_record(method, _metadata(context.invocation_metadata()), request, context)
 
 
 def end_record(rec: dict, exc: BaseException | None, context) -> None:
@@ -135,7 +139,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if getattr(handler.unary_stream, "logs_itself", False):
             return handler
-        meta = _metadata(details)
+        meta = _metadata(details.invocation_metadata)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream, details.method, meta),
@@ -163,9 +167,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, fn, method: str, meta: dict):
         async def handler(request, context):
-            rec, exc = self._start(method, meta, request, context), None
-            if "x-request-id" in meta:
-                await context.send_initial_metadata((("x-request-id", meta["x-request-id"]),))
+            rec, exc = await _open_record(method, meta, request, context), None
             try:
                 async for msg in fn(request, context):
                     yield msg

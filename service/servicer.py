@@ -18,7 +18,7 @@ from .errors import AlreadyExists, ServiceError, ValidationError, abort_with, st
 from .logs import end_record, hide_unexpected, logs_itself, start_record
 
 log = logging.getLogger("tokenloop.service")
-GENERATE = "/tokenloop.v1.TextGeneration/Generate"
+GENERATE = f"/{pb.DESCRIPTOR.services_by_name['TextGeneration'].full_name}/Generate"  # the RPC's gRPC path
 
 
 def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
