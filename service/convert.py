@@ -51,7 +51,7 @@ class StreamWriter:
     nothing is allocated per token. `messages(batch)` returns independent messages.
     """
 
-    __slots__ = ("request", "interval", "coalesce", "_held", "_msg")
+    __slots__ = ("request", "interval", "coalesce", "_held", "_msg", "_msg_lps")
 
     def __init__(self, request: ValidRequest, interval: int = 1, coalesce: bool = True):
         self.request = request
@@ -59,6 +59,7 @@ class StreamWriter:
         self.coalesce = coalesce
         self._held: dict[int, list[Chunk]] = {}  # sequence index -> chunks not yet sent
         self._msg: pb.GenerateResponse | None = None  # the chunk message that stream() refills
+        self._msg_lps = False  # whether that message holds logprobs (reading the field costs more than this)
 
     def messages(self, batch: list[Event]) -> list[pb.GenerateResponse]:
         """The messages to send for one batch of events, in order per sequence."""
@@ -74,18 +75,23 @@ class StreamWriter:
             msg.chunk.SetInParent()
         out = msg.chunk
         ids = out.token_ids
+        index = out.index
         for event in self._plan(batch):
             if type(event) is not Chunk:
                 yield complete_message(self.request.request_id, event, self.request)
                 continue
-            if out.index != event.index:
-                out.index = event.index
+            if event.index != index:
+                out.index = index = event.index
             out.text = event.text
-            del ids[:]
-            ids.extend(event.token_ids)
-            if event.logprobs or out.logprobs:
+            new = event.token_ids
+            if len(new) == 1 and len(ids) == 1:  # the common refill: one token after one token
+                ids[0] = new[0]
+            else:
+                ids[:] = new
+            if event.logprobs or self._msg_lps:
                 del out.logprobs[:]
                 out.logprobs.extend(_logprobs(event.logprobs))
+                self._msg_lps = bool(event.logprobs)
             yield msg
 
     def _plan(self, batch: list[Event]) -> list[Event]:

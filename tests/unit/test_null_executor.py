@@ -184,8 +184,9 @@ def test_stream_writer_stream_refills_one_message_and_sends_what_messages_sends(
     as grpc.aio does, the bytes equal those of messages(), for every mode and across sequences and logprobs."""
     lp = [TokenLogprob(3, -0.5, [(3, -0.5), (4, -1.0)])]
     batches = [[Chunk(0, "a", [1]), Chunk(1, "b", [2]), Chunk(0, "", [])],
+               [Chunk(1, "x", [9, 10], lp), Chunk(1, "y", [11]), Chunk(1, "z", [12, 13, 14])],
                [Chunk(0, "c", [3], lp), Chunk(0, "d", [4]), _done(0, [1, 3, 4])],
-               [Chunk(1, "e", [5]), _done(1, [2, 5])]]
+               [Chunk(1, "e", [5]), _done(1, [2, 9, 10, 11, 12, 13, 14, 5])]]
     for kw in ({}, {"coalesce": False}, {"interval": 2}):
         req = request("w")
         a, b = StreamWriter(req, **kw), StreamWriter(req, **kw)
@@ -197,6 +198,20 @@ def test_stream_writer_stream_refills_one_message_and_sends_what_messages_sends(
                     seen.add(id(m))
             assert wire == [m.SerializeToString() for m in a.messages(batch)], kw
             assert len(seen) <= 1  # one chunk message object per writer
+
+
+def test_stream_writer_stream_abandoned_mid_batch_leaves_the_next_messages_right():
+    """A handler cancelled at a `yield` drops stream()'s generator mid-batch; the refilled message must not carry
+    that batch's token ids or logprobs into the next one."""
+    lp = [TokenLogprob(3, -0.5, [(3, -0.5)])]
+    req = request("w")
+    w = StreamWriter(req, coalesce=False)
+    gen = w.stream([Chunk(0, "a", [1, 2], lp), Chunk(0, "b", [3])])
+    next(gen)
+    gen.close()  # abandoned after the first message, which had two ids and logprobs
+    wire = [m.SerializeToString() for m in w.stream([Chunk(0, "c", [4]), Chunk(1, "d", [5])])]
+    assert wire == [m.SerializeToString() for m in StreamWriter(req, coalesce=False).messages(
+        [Chunk(0, "c", [4]), Chunk(1, "d", [5])])]
 
 
 def test_stream_interval_end_to_end(tokenizer_dir):
