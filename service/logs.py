@@ -2,8 +2,8 @@
 
 `RequestLogInterceptor` wraps every handler: it keeps the RPC's record in a context variable,
 echoes `x-request-id` in the initial metadata, and logs the record when the handler ends. A
-streaming handler marked `@logs_itself` (Generate) does the same itself with `start_record` /
-`hide_unexpected` / `end_record`, and the interceptor leaves it unwrapped.
+streaming handler marked `@logs_itself` (Generate) does the same itself, in `async with
+RequestRecord(...)`, and the interceptor leaves it unwrapped.
 `RequestLogObserver` (one of `app.observers`) fills in what the looper measured.
 """
 
@@ -85,14 +85,6 @@ def _metadata(pairs) -> dict[str, str]:
     return {k: v for k, v in (pairs or ()) if isinstance(v, str)}
 
 
-async def _open_record(method: str, meta: dict[str, str], request, context) -> dict:
-    """Start a streaming RPC's record and echo its `x-request-id` in the initial metadata."""
-    rec = RequestLogInterceptor._start(method, meta, request, context)
-    if "x-request-id" in meta:
-        await context.send_initial_metadata((("x-request-id", meta["x-request-id"]),))
-    return rec
-
-
 def _outcome(exc: BaseException | None, context) -> str:
     if exc is None:
         return "OK"
@@ -104,7 +96,7 @@ def _outcome(exc: BaseException | None, context) -> str:
     return status_of(exc)[0].name
 
 
-async def hide_unexpected(exc: BaseException, context) -> None:
+async def _hide_unexpected(exc: BaseException, context) -> None:
     """A bug's exception: log it here, tell the client only its type (grpc would send its text)."""
     if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
         log.error("unexpected error in an RPC", exc_info=exc)
@@ -112,22 +104,39 @@ async def hide_unexpected(exc: BaseException, context) -> None:
 
 
 def logs_itself(fn):
-    """Marks a streaming handler that opens and closes its own log record (`start_record` / `end_record`), so
-    that the interceptor leaves it unwrapped: a wrapping async generator is one more frame to resume for
-    every message, which shows at hundreds of streams of one token per message."""
+    """Marks a streaming handler that keeps its own log record (`RequestRecord`), so that the interceptor leaves
+    it unwrapped: a wrapping async generator is one more frame to resume for every message, which shows at
+    hundreds of streams of one token per message."""
     fn.logs_itself = True
     return fn
 
 
-async def start_record(method: str, request, context) -> dict:
-    """What the interceptor does before a handler, for one marked with `logs_itself`."""
-    return await _open_record(method, _metadata(context.invocation_metadata()), request, context)
+class RequestRecord:
+    """One streaming RPC's log record, around its handler's body: `async with` opens it and echoes
+    `x-request-id` in the initial metadata; on the way out a bug's exception is hidden from the client
+    (`_hide_unexpected`) and the record is logged. The interceptor's stream wrapper and handlers marked
+    `logs_itself` both use it. `meta`: the call's metadata (None: read it from `context`)."""
 
+    __slots__ = ("method", "meta", "request", "context", "rec")
 
-def end_record(rec: dict, exc: BaseException | None, context) -> None:
-    """What the interceptor does after a handler marked with `logs_itself` (which calls `hide_unexpected` on
-    an exception first, as the interceptor does)."""
-    RequestLogInterceptor._end(rec, exc, context)
+    def __init__(self, method: str, request, context, meta: dict[str, str] | None = None):
+        self.method, self.request, self.context = method, request, context
+        self.meta = meta if meta is not None else _metadata(context.invocation_metadata())
+        self.rec: dict = {}
+
+    async def __aenter__(self) -> dict:
+        self.rec = RequestLogInterceptor._start(self.method, self.meta, self.request, self.context)
+        if "x-request-id" in self.meta:
+            await self.context.send_initial_metadata((("x-request-id", self.meta["x-request-id"]),))
+        return self.rec
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc is not None:
+                await _hide_unexpected(exc, self.context)
+        finally:
+            RequestLogInterceptor._end(self.rec, exc, self.context)
+        return False
 
 
 class RequestLogInterceptor(grpc.aio.ServerInterceptor):
@@ -167,16 +176,9 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, fn, method: str, meta: dict):
         async def handler(request, context):
-            rec, exc = await _open_record(method, meta, request, context), None
-            try:
+            async with RequestRecord(method, request, context, meta):
                 async for msg in fn(request, context):
                     yield msg
-            except BaseException as e:
-                exc = e
-                await hide_unexpected(e, context)
-                raise
-            finally:
-                self._end(rec, exc, context)
         return handler
 
     def _wrap_unary(self, fn, method: str, meta: dict):
@@ -186,7 +188,7 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
                 return await fn(request, context)
             except BaseException as e:
                 exc = e
-                await hide_unexpected(e, context)
+                await _hide_unexpected(e, context)
                 raise
             finally:
                 self._end(rec, exc, context)

@@ -15,7 +15,7 @@ from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 from . import convert
 from .errors import AlreadyExists, ServiceError, ValidationError, abort_with, status_of
-from .logs import end_record, hide_unexpected, logs_itself, start_record
+from .logs import RequestRecord, logs_itself
 
 log = logging.getLogger("tokenloop.service")
 GENERATE = f"/{pb.DESCRIPTOR.services_by_name['TextGeneration'].full_name}/Generate"  # the RPC's gRPC path
@@ -90,42 +90,35 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
     @logs_itself  # no interceptor generator around this one: see service.logs.logs_itself
     async def Generate(self, request, context):
-        rec, failure = await start_record(GENERATE, request, context), None
-        app, arrival = self.app, time.monotonic()
-        rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
-        completes: list[Complete] = []
-        try:
-            app.require_ready()
-            async with app.admission.slot():
-                valid = app.validator.generate(request, rid, deadline_of(context))
-                if app.looper.find(rid) is not None:
-                    raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
-                stream = app.looper.submit(valid, arrival)
-                watchdog = StallWatchdog(app.config.stall_timeout)
-                writer = convert.StreamWriter(valid, app.config.stream_interval, app.config.coalesce)
-                try:
-                    while (batch := await stream.next_batch()) is not None:
-                        watchdog.arm()
-                        for msg in writer.stream(batch):
-                            yield msg  # returns once grpc took the message: a stalled reader blocks here
-                            watchdog.sent += 1
-                        watchdog.disarm()
-                        completes += [e for e in batch if type(e) is Complete]
-                finally:
-                    watchdog.close()
-                    if not stream.finished:
-                        stream.cancel()  # client gone, deadline, stalled reader, or server abort
-                    app.observe_end(valid, completes, grpc.StatusCode.OK if stream.finished else None)
-        except (ServiceError, RequestFailed) as exc:
-            app.observe_error(status_of(exc)[0])
-            failure = exc
-            await abort_with(context, exc)
-        except BaseException as exc:
-            failure = exc
-            await hide_unexpected(exc, context)
-            raise
-        finally:
-            end_record(rec, failure, context)
+        async with RequestRecord(GENERATE, request, context):
+            app, arrival = self.app, time.monotonic()
+            rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
+            completes: list[Complete] = []
+            try:
+                app.require_ready()
+                async with app.admission.slot():
+                    valid = app.validator.generate(request, rid, deadline_of(context))
+                    if app.looper.find(rid) is not None:
+                        raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
+                    stream = app.looper.submit(valid, arrival)
+                    watchdog = StallWatchdog(app.config.stall_timeout)
+                    writer = convert.StreamWriter(valid, app.config.stream_interval, app.config.coalesce)
+                    try:
+                        while (batch := await stream.next_batch()) is not None:
+                            watchdog.arm()
+                            for msg in writer.stream(batch):
+                                yield msg  # returns once grpc took the message: a stalled reader blocks here
+                                watchdog.sent += 1
+                            watchdog.disarm()
+                            completes += [e for e in batch if type(e) is Complete]
+                    finally:
+                        watchdog.close()
+                        if not stream.finished:
+                            stream.cancel()  # client gone, deadline, stalled reader, or server abort
+                        app.observe_end(valid, completes, grpc.StatusCode.OK if stream.finished else None)
+            except (ServiceError, RequestFailed) as exc:
+                app.observe_error(status_of(exc)[0])
+                await abort_with(context, exc)
 
     async def Tokenize(self, request, context):
         try:
