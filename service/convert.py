@@ -38,6 +38,39 @@ def _merge(chunks: list[Chunk]) -> Chunk:
     return Chunk(first.index, "".join(c.text for c in chunks), ids, lps)
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(message, field: str) -> bytes:
+    """The key of a length-delimited field (wire type 2), from the message's descriptor."""
+    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+
+
+# Serialized pieces of GenerateResponse (StreamWriter.encode)
+_REQUEST_ID_TAG = _tag(pb.GenerateResponse, "request_id")
+_CHUNK_TAG = _tag(pb.GenerateResponse, "chunk")
+_MAX_CHUNK_FIELDS = 1 << 18  # token ids whose one-token chunk field is kept (a vocabulary is usually smaller)
+_CHUNK_FIELDS: dict[int, tuple[str, bytes]] = {}  # token id -> (its text, the chunk field of that one token)
+
+
+def _string_field(tag: bytes, text: str) -> bytes:
+    """A length-delimited field; empty when `text` is (proto3 leaves a default scalar out)."""
+    data = text.encode()
+    return tag + _varint(len(data)) + data if data else b""
+
+
+def _chunk_field(text: str, token_id: int) -> bytes:
+    """The serialized `chunk` field of a GenerateResponse holding one token of sequence 0."""
+    body = pb.Chunk(text=text, token_ids=(token_id,)).SerializeToString()
+    return _CHUNK_TAG + _varint(len(body)) + body
+
+
 class StreamWriter:
     """Events -> messages for one Generate call: ready chunks of a sequence go out as one message.
 
@@ -45,13 +78,19 @@ class StreamWriter:
     that fell behind gets all ready tokens at once); with `interval` N > 1 a sequence's chunks are
     held until N tokens are ready or it completes. `coalesce=False` sends one message per chunk.
 
-    `stream(batch)` is the servicer's path: it yields one message at a time and refills a single
-    chunk message per call, so each yielded chunk is valid only until the next one is asked for;
-    grpc.aio serializes a yielded message before it resumes the handler, so that holds there, and
-    nothing is allocated per token. `messages(batch)` returns independent messages.
+    `encode(batch)` is the servicer's path: the same messages already serialized, one `bytes` each (the
+    Generate method is registered without a response serializer, see `service.server`). The commonest
+    message, one token of sequence 0 with no logprobs, is the request's id field followed by a chunk
+    field that depends only on the token and its text: that field is built once per token id and kept in
+    a table shared by every stream (`_CHUNK_FIELDS`), so such a message costs one bytes concatenation.
+    Anything else is serialized from the refilled message of `stream()`.
+
+    `stream(batch)` yields one message at a time and refills a single chunk message per call, so each
+    yielded chunk is valid only until the next one is asked for. `messages(batch)` returns independent
+    messages.
     """
 
-    __slots__ = ("request", "interval", "coalesce", "_held", "_msg", "_msg_lps")
+    __slots__ = ("request", "interval", "coalesce", "_held", "_msg", "_msg_lps", "_prefix")
 
     def __init__(self, request: ValidRequest, interval: int = 1, coalesce: bool = True):
         self.request = request
@@ -60,6 +99,7 @@ class StreamWriter:
         self._held: dict[int, list[Chunk]] = {}  # sequence index -> chunks not yet sent
         self._msg: pb.GenerateResponse | None = None  # the chunk message that stream() refills
         self._msg_lps = False  # whether that message holds logprobs (reading the field costs more than this)
+        self._prefix: bytes | None = None  # the serialized request_id field that starts every message
 
     def messages(self, batch: list[Event]) -> list[pb.GenerateResponse]:
         """The messages to send for one batch of events, in order per sequence."""
@@ -67,32 +107,53 @@ class StreamWriter:
         return [chunk_message(rid, e) if type(e) is Chunk else complete_message(rid, e, request)
                 for e in self._plan(batch)]
 
+    def encode(self, batch: list[Event]) -> Iterator[bytes]:
+        """The messages of `stream(batch)`, serialized: byte for byte what protobuf would write."""
+        prefix = self._prefix
+        if prefix is None:
+            prefix = self._prefix = _string_field(_REQUEST_ID_TAG, self.request.request_id)
+        fields = _CHUNK_FIELDS
+        for event in self._plan(batch):
+            if type(event) is Chunk and not event.index and not event.logprobs and len(event.token_ids) == 1:
+                token_id = event.token_ids[0]
+                known = fields.get(token_id)
+                if known is not None and known[0] == event.text:  # the common message: no protobuf at all
+                    yield prefix + known[1]
+                    continue
+                field = _chunk_field(event.text, token_id)
+                if known is None and len(fields) < _MAX_CHUNK_FIELDS:
+                    fields[token_id] = (event.text, field)
+                yield prefix + field
+                continue
+            yield self._one(event).SerializeToString()
+
     def stream(self, batch: list[Event]) -> Iterator[pb.GenerateResponse]:
         """The same messages, one at a time; each chunk message is the previous one refilled."""
+        for event in self._plan(batch):
+            yield self._one(event)
+
+    def _one(self, event: Event) -> pb.GenerateResponse:
+        """The message of one planned event: a Complete's own, or this writer's chunk message refilled."""
+        if type(event) is not Chunk:
+            return complete_message(self.request.request_id, event, self.request)
         msg = self._msg
         if msg is None:
             msg = self._msg = pb.GenerateResponse(request_id=self.request.request_id)
             msg.chunk.SetInParent()
         out = msg.chunk
-        ids = out.token_ids
-        index = out.index
-        for event in self._plan(batch):
-            if type(event) is not Chunk:
-                yield complete_message(self.request.request_id, event, self.request)
-                continue
-            if event.index != index:
-                out.index = index = event.index
-            out.text = event.text
-            new = event.token_ids
-            if len(new) == 1 and len(ids) == 1:  # the common refill: one token after one token
-                ids[0] = new[0]
-            else:
-                ids[:] = new
-            if event.logprobs or self._msg_lps:
-                del out.logprobs[:]
-                out.logprobs.extend(_logprobs(event.logprobs))
-                self._msg_lps = bool(event.logprobs)
-            yield msg
+        if event.index != out.index:
+            out.index = event.index
+        out.text = event.text
+        ids, new = out.token_ids, event.token_ids
+        if len(new) == 1 and len(ids) == 1:  # one token after one token: set in place
+            ids[0] = new[0]
+        else:
+            ids[:] = new
+        if event.logprobs or self._msg_lps:
+            del out.logprobs[:]
+            out.logprobs.extend(_logprobs(event.logprobs))
+            self._msg_lps = bool(event.logprobs)
+        return msg
 
     def _plan(self, batch: list[Event]) -> list[Event]:
         """The events to send for one batch: chunks merged per sequence (when coalescing) or held."""

@@ -13,13 +13,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tokenloop.looper.executor import Executor
-from tokenloop.v1 import tokenloop_pb2, tokenloop_pb2_grpc
+from tokenloop.v1 import tokenloop_pb2
 
 from .app import App
 from .config import ServerConfig
 from .logs import RequestLogInterceptor, RequestLogObserver
 from .security import ApiKeyInterceptor, load_api_keys, server_credentials
-from .servicer import TextGenerationServicer
+from .servicer import TextGenerationServicer, add_text_generation
 from .tracing import tracing_interceptor
 
 log = logging.getLogger("tokenloop.service")
@@ -84,7 +84,7 @@ class Server:
         self._stop = asyncio.Event()
 
     def _add_services(self) -> None:
-        tokenloop_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(self.app), self.grpc)
+        add_text_generation(TextGenerationServicer(self.app), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.app.health, self.grpc)
         names = [tokenloop_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]

@@ -82,6 +82,27 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return time.monotonic() + remaining if remaining is not None else None
 
 
+def add_text_generation(servicer: TextGenerationServicer, server) -> None:
+    """`add_TextGenerationServicer_to_server`, except that Generate yields its messages already serialized
+    (`StreamWriter.encode`): its handler has no response serializer, so grpc sends those bytes as they are.
+    The generated function stays the one source of the method table; only that one handler is changed."""
+    class Capture:
+        generic, registered = None, None
+
+        def add_generic_rpc_handlers(self, handlers):
+            self.generic = handlers
+
+        def add_registered_method_handlers(self, name, handlers):
+            self.registered = (name, handlers)
+
+    capture = Capture()
+    pb_grpc.add_TextGenerationServicer_to_server(servicer, capture)
+    name, handlers = capture.registered
+    handlers = dict(handlers, Generate=handlers["Generate"]._replace(response_serializer=None))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     """Validates at the door, admits, submits to the looper, streams events back."""
 
@@ -106,7 +127,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     try:
                         while (batch := await stream.next_batch()) is not None:
                             watchdog.arm()
-                            for msg in writer.stream(batch):
+                            for msg in writer.encode(batch):  # serialized: see add_text_generation
                                 yield msg  # returns once grpc took the message: a stalled reader blocks here
                                 watchdog.sent += 1
                             watchdog.disarm()

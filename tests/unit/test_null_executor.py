@@ -212,6 +212,40 @@ def test_stream_writer_stream_abandoned_mid_batch_leaves_the_next_messages_right
     wire = [m.SerializeToString() for m in w.stream([Chunk(0, "c", [4]), Chunk(1, "d", [5])])]
     assert wire == [m.SerializeToString() for m in StreamWriter(req, coalesce=False).messages(
         [Chunk(0, "c", [4]), Chunk(1, "d", [5])])]
+    w = StreamWriter(req, coalesce=False)  # the same through encode(), whose other messages refill that message
+    gen = w.encode([Chunk(1, "a", [1, 2], lp), Chunk(0, "b", [3])])
+    next(gen)
+    gen.close()
+    assert list(w.encode([Chunk(1, "c", [4]), Chunk(1, "d", [5, 6])])) == [
+        m.SerializeToString() for m in StreamWriter(req, coalesce=False).messages(
+            [Chunk(1, "c", [4]), Chunk(1, "d", [5, 6])])]
+
+
+def test_stream_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
+    """encode() (the servicer's path) yields each message serialized, with one-token chunks of sequence 0 built from
+    a table shared by every stream: byte for byte what protobuf writes for messages(), for every mode, on a first
+    pass (the table filling) and a second (hits), for a token seen again with another text (held-back UTF-8),
+    ids that take several varint bytes, logprobs, sequences other than 0, and request ids empty, non-ASCII and
+    longer than 127 bytes."""
+    lp = [TokenLogprob(3, -0.5, [(3, -0.5), (4, -1.0)])]
+    batches = [[Chunk(0, " the", [1000]), Chunk(0, "é", [1001]), Chunk(0, "", [1002]), Chunk(0, "\U0001f680", [1002])],
+               [Chunk(0, " the", [1000]), Chunk(1, " the", [1000]), Chunk(0, "x", [16384]), Chunk(0, "y", [2 ** 31])],
+               [Chunk(0, "a", [5], lp), Chunk(0, "bc", [6, 7]), Chunk(0, "", []), Chunk(0, " the", [1000])],
+               [Chunk(0, "d", [8]), _done(0, [1000, 8]), Chunk(1, "e", [9]), _done(1, [1000, 9])]]
+    for rid in ("w", "", "ré-1", "r" * 200):
+        for kw in ({}, {"coalesce": False}, {"interval": 2}):
+            for _ in range(2):
+                a, b = StreamWriter(request(rid), **kw), StreamWriter(request(rid), **kw)
+                for batch in batches:
+                    wire = list(b.encode(batch))
+                    assert all(type(m) is bytes for m in wire)
+                    assert wire == [m.SerializeToString() for m in a.messages(batch)], (rid, kw)
+    from tokenloop.service import convert
+    monkeypatch.setattr(convert, "_MAX_CHUNK_FIELDS", len(convert._CHUNK_FIELDS))  # the table is full
+    a, b = StreamWriter(request("w"), coalesce=False), StreamWriter(request("w"), coalesce=False)
+    batch = [Chunk(0, "new", [424242]), Chunk(0, "new", [424242])]
+    assert list(b.encode(batch)) == [m.SerializeToString() for m in a.messages(batch)]
+    assert 424242 not in convert._CHUNK_FIELDS
 
 
 def test_stream_interval_end_to_end(tokenizer_dir):
