@@ -61,6 +61,7 @@ bench: setup model
 	$(BIN)/python bench/idle_cpu.py
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/service_overhead.py
+	$(BIN)/python bench/engine_gil.py
 
 # TensorRT-LLM on a GPU host (not CI): run inside NVIDIA's image or an environment with tensorrt_llm.
 gpu-smoke:
