@@ -23,14 +23,16 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, RequestFailed, RequestStream
+from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
+from .logs import RequestRecord, logs_itself
 from .servicer import StallWatchdog, deadline_of, metadata_value
 from .validation import MAX_TOP_LOGPROBS, _check
 
 log = logging.getLogger("tokenloop.service")
 SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
+GENERATE = f"/{SERVICE_NAME}/Generate"  # the RPC's gRPC path (the request log's `rpc`)
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop",
                   FinishReason.STOP_TOKEN: "stop", FinishReason.CANCELLED: "abort"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -172,9 +174,15 @@ class _Writer:
         if not ids:
             return []
         sent = self.num_sent[index] = self.num_sent.get(index, 0) + len(ids)
-        return [tpb.GenerateResponse(request_id=self.valid.request_id, chunk=tpb.GenerateStreamChunk(
-            token_ids=ids, sequence_index=index, prompt_tokens=len(self.valid.prompt_token_ids),
-            completion_tokens=sent, logprobs=_logprobs(lps[:len(ids)])))]
+        msg = tpb.GenerateResponse(request_id=self.valid.request_id)  # set field by field: cheaper in upb
+        out = msg.chunk
+        out.token_ids.extend(ids)
+        out.sequence_index = index
+        out.prompt_tokens = len(self.valid.prompt_token_ids)
+        out.completion_tokens = sent
+        if lps:
+            out.logprobs.extend(_logprobs(lps[:len(ids)]))
+        return [msg]
 
     def _complete(self, done: Complete, strip: bool) -> tpb.GenerateResponse:
         ids = done.token_ids[:-1] if strip else done.token_ids
@@ -213,44 +221,41 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
         self.app = app  # service.app.App
         self._bundle: bytes | None = None
 
+    @logs_itself  # keeps its own request-log record: no interceptor generator around it (see service.logs)
     async def Generate(self, request, context):
-        app, arrival, arrival_wall = self.app, time.monotonic(), time.time()
-        rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
-        completes: list[Complete] = []
-        try:
-            app.require_ready()
-            async with app.admission.slot():
-                valid = to_valid_request(app.validator, request, rid, deadline_of(context))
-                if app.looper.find(rid) is not None:
-                    raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
-                writer = _Writer(valid, request.include_stop_token_in_output,
-                                 request.output_config.return_perf_metrics, arrival_wall,
-                                 getattr(app.config, "stream_interval", 1))
-                stream = app.looper.submit(valid, arrival)
-                async for msg in self._relay(stream, writer, completes):
-                    yield msg
-        except Exception as exc:  # ServiceError, RequestFailed, anything unexpected: one status, no traceback
-            if not isinstance(exc, (ServiceError, RequestFailed)):
-                log.exception("trtllm Generate %s failed", rid)
-            app.observe_error(status_of(exc)[0])
-            await abort_with(context, exc)
-
-    async def _relay(self, stream: RequestStream, writer: _Writer, completes: list[Complete]):
-        app = self.app
-        watchdog = StallWatchdog(app.config.stall_timeout)
-        try:
-            async for batch in stream.batches():
-                watchdog.arm()
-                for msg in writer.messages(batch):
-                    yield msg  # a stalled reader blocks here; the watchdog cancels us
-                    watchdog.sent += 1
-                watchdog.disarm()
-                completes += [e for e in batch if isinstance(e, Complete)]
-        finally:
-            watchdog.close()
-            if not stream.finished:
-                stream.cancel()  # client gone (SMG dropped the stream), deadline, stalled reader
-            app.observe_end(writer.valid, completes, grpc.StatusCode.OK if stream.finished else None)
+        async with RequestRecord(GENERATE, request, context):
+            app, arrival, arrival_wall = self.app, time.monotonic(), time.time()
+            rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
+            completes: list[Complete] = []
+            try:
+                app.require_ready()
+                async with app.admission.slot():
+                    valid = to_valid_request(app.validator, request, rid, deadline_of(context))
+                    if app.looper.find(rid) is not None:
+                        raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
+                    writer = _Writer(valid, request.include_stop_token_in_output,
+                                     request.output_config.return_perf_metrics, arrival_wall,
+                                     getattr(app.config, "stream_interval", 1))
+                    stream = app.looper.submit(valid, arrival)
+                    watchdog = StallWatchdog(app.config.stall_timeout)
+                    try:
+                        while (batch := await stream.next_batch()) is not None:
+                            watchdog.arm()
+                            for msg in writer.messages(batch):
+                                yield msg  # a stalled reader blocks here; the watchdog cancels us
+                                watchdog.sent += 1
+                            watchdog.disarm()
+                            completes += [e for e in batch if type(e) is Complete]
+                    finally:
+                        watchdog.close()
+                        if not stream.finished:
+                            stream.cancel()  # client gone (SMG dropped the stream), deadline, stalled reader
+                        app.observe_end(valid, completes, grpc.StatusCode.OK if stream.finished else None)
+            except Exception as exc:  # ServiceError, RequestFailed, anything unexpected: one status, no traceback
+                if not isinstance(exc, (ServiceError, RequestFailed)):
+                    log.exception("trtllm Generate %s failed", rid)
+                app.observe_error(status_of(exc)[0])
+                await abort_with(context, exc)
 
     async def Embed(self, request, context):
         await abort_with(context, Unimplemented(

@@ -307,3 +307,32 @@ def test_stalled_reader_is_aborted_and_freed(tokenizer_dir, ids):
             call.cancel()
             await channel.close()
     run(body())
+
+
+def test_generate_logs_one_request_end_line_and_echoes_the_request_id(tokenizer_dir, caplog):
+    """Generate keeps its own request-log record (no interceptor generator around it): exactly one "request end"
+    line per call, with the RPC's path, the outcome and the id from `x-request-id`, which is echoed back."""
+    import json
+    import logging
+
+    from tokenloop.service.logs import JsonFormatter
+
+    async def body():
+        async with trtllm(tokenizer_dir) as (_, stub, _):
+            call = stub.Generate(gen([5, 6, 7], max_tokens=3), metadata=(("x-request-id", "smg-42"),))
+            msgs = await read_all(call)
+            assert ("x-request-id", "smg-42") in tuple(await call.initial_metadata())
+            assert {m.request_id for m in msgs} == {"smg-42"} and msgs[-1].HasField("complete")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_all(stub.Generate(gen([5], max_tokens=5000, request_id="bad-1")))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    with caplog.at_level(logging.INFO, logger="tokenloop.requests"):
+        run(body())
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.message == "request end"]
+    ok = [line for line in lines if line["request_id"] == "smg-42"]
+    assert len(ok) == 1, lines
+    assert ok[0]["rpc"] == "/trtllm.TrtllmService/Generate" and ok[0]["status"] == "OK"
+    assert ok[0]["output_tokens"] == 3 and ok[0]["finish_reason"] == "length"
+    bad = [line for line in lines if line["request_id"] == "bad-1"]
+    assert len(bad) == 1 and bad[0]["status"] == "INVALID_ARGUMENT", lines
