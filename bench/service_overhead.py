@@ -17,7 +17,9 @@ client (grpc.aio on uvloop, one channel). Scenarios, each at 1, 64 and 256 concu
   emission in the executor (CLOCK_MONOTONIC, shared by both processes) to its receipt here;
 - bare-paced: the bare method sending at the same pace; the latency of each message from its send
   (the gRPC hop alone) and, "from due", from when its timer was due (the hop plus the server's
-  own timer wake-up, which the full path's figure includes through the executor's wait).
+  own timer wake-up, which the full path's figure includes through the executor's wait);
+- router, router-paced: coalesced and paced through `trtllm.TrtllmService` Generate, the API the
+  Shepherd Model Gateway routes to (token ids in; it always coalesces what is ready per read).
 
 Throughput scenarios keep the best of `--repeat` interleaved runs; paced ones run `--paced-repeat`
 times, interleaved, and keep the run with the median p50 (a VM's wake-up latency drifts).
@@ -50,6 +52,7 @@ from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 PROMPT = "Write a short story about a looper thread that never spins."
+ROUTER_PROMPT_IDS = list(range(100, 112))  # the router API takes token ids: 12 of them, valid in any vocabulary
 CONCURRENCY = (1, 64, 256)
 
 
@@ -260,15 +263,41 @@ async def _one_stream(stub, rid: str, num_tokens: int, receipts: list, rate: flo
             receipts.append((mono(), n) if not rate else (mono(), n, msg.chunk.text))
 
 
+async def _one_router_stream(stub, rid: str, num_tokens: int, receipts: list, rate: float = 0.0,
+                             delay: float = 0.0) -> tuple[int, int]:
+    """The same through `trtllm.TrtllmService` Generate, the router API (token ids in, chunks of ids out)."""
+    from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
+    if delay:
+        await asyncio.sleep(delay)
+    call = stub.Generate(tpb.GenerateRequest(tokenized=tpb.TokenizedInput(input_token_ids=ROUTER_PROMPT_IDS),
+                                             max_tokens=num_tokens, streaming=True, request_id=rid))
+    num_tok = num_msg = 0
+    mono = time.monotonic
+    while True:
+        msg = await call.read()
+        if msg is grpc.aio.EOF:
+            return num_tok, num_msg
+        n = len(msg.chunk.token_ids)
+        if n:
+            num_tok += n
+            num_msg += 1
+            receipts.append((mono(), n))
+
+
 async def run_load(port: int, num_streams: int, num_tokens: int, tag: str, server_pid: int,
-                   looper_tid: int = 0, rate: float = 0.0, stagger: float = 0.0) -> dict:
-    """`num_streams` concurrent streams of `num_tokens` tokens; throughput, CPU and receipt times."""
+                   looper_tid: int = 0, rate: float = 0.0, stagger: float = 0.0, router: bool = False) -> dict:
+    """`num_streams` concurrent streams of `num_tokens` tokens; throughput, CPU and receipt times. `router`: through
+    `trtllm.TrtllmService` Generate instead of `tokenloop.v1`'s."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = pb_grpc.TextGenerationStub(channel)
-        await asyncio.gather(*(_one_stream(stub, f"warm-{tag}-{i}", 8, []) for i in range(8)))
+        if router:
+            from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
+            stub, one = tpb_grpc.TrtllmServiceStub(channel), _one_router_stream
+        else:
+            stub, one = pb_grpc.TextGenerationStub(channel), _one_stream
+        await asyncio.gather(*(one(stub, f"warm-{tag}-{i}", 8, []) for i in range(8)))
         receipts = {f"{tag}-{i}": [] for i in range(num_streams)}
         th0, cpu0, ccpu0, t0 = threads_cpu_s(server_pid), proc_cpu_s(server_pid), time.process_time(), time.monotonic()
-        counts = await asyncio.gather(*(_one_stream(stub, rid, num_tokens, r, rate, i * stagger / num_streams)
+        counts = await asyncio.gather(*(one(stub, rid, num_tokens, r, rate, i * stagger / num_streams)
                                         for i, (rid, r) in enumerate(receipts.items())))
         wall = time.monotonic() - t0
         cpu, ccpu = proc_cpu_s(server_pid) - cpu0, time.process_time() - ccpu0
@@ -319,7 +348,10 @@ SCENARIOS = {  # name: (server mode, server options); "rate" names the argument 
     "coalesced": ("full", {"rate": "flood_rate"}),
     "paced": ("full", {"rate": "rate"}),  # streams start spread over one token period
     "paced-burst": ("full", {"rate": "rate"}),  # streams start together: every token of a period at once
+    "router": ("full", {"rate": "flood_rate"}),  # as coalesced, through trtllm.TrtllmService (always coalesces)
+    "router-paced": ("full", {"rate": "rate"}),  # as paced, through trtllm.TrtllmService
 }
+ROUTER = ("router", "router-paced")  # scenarios whose client uses the router API
 
 
 def _pick(name: str, runs: list[dict]) -> dict:
@@ -348,11 +380,11 @@ async def _measure_all(args, servers: dict) -> dict[str, list[list[dict]]]:
                 if rep >= (args.paced_repeat if paced else args.repeat):
                     continue
                 num = int(3 * args.rate) if paced else tokens_per_stream(
-                    n, args.tokens * (8 if name == "coalesced" else 1))
-                stagger = 1.0 / args.rate if name in ("paced", "bare-paced") else 0.0
+                    n, args.tokens * (8 if name in ("coalesced", "router") else 1))
+                stagger = 1.0 / args.rate if name in ("paced", "bare-paced", "router-paced") else 0.0
                 runs[name].append(await run_load(srv.port, n, num, f"{name}{n}.{rep}", srv.proc.pid,
                                                  srv.looper_tid, args.rate if name == "bare-paced" else 0.0,
-                                                 stagger))
+                                                 stagger, router=name in ROUTER))
         for name in servers:
             res[name].append(runs[name])
     return res
@@ -389,12 +421,13 @@ async def measure(args) -> dict:
 def summary(res: dict) -> dict:
     bare = {r["streams"]: r for r in res.get("bare", ())}
     out = {}
-    for key, rows in (("ratio", res.get("messages", ())), ("token_ratio", res.get("coalesced", ()))):
+    for key, rows in (("ratio", res.get("messages", ())), ("token_ratio", res.get("coalesced", ())),
+                      ("router_token_ratio", res.get("router", ()))):
         for r in rows:
             if r["streams"] not in bare:
                 continue
             out[f"{key}_{r['streams']}"] = round(r["tokens_per_s"] / bare[r["streams"]]["messages_per_s"], 3)
-    for name in ("paced", "paced-burst", "bare-paced"):
+    for name in ("paced", "paced-burst", "bare-paced", "router-paced"):
         for r in res.get(name, ()):
             key = name.replace("-", "_")
             out[f"{key}_p50_ms_{r['streams']}"] = round(r.get("latency_p50_ms", float("nan")), 3)
