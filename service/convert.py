@@ -38,7 +38,8 @@ def _merge(chunks: list[Chunk]) -> Chunk:
     return Chunk(first.index, "".join(c.text for c in chunks), ids, lps)
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """Protobuf's base-128 varint of a non-negative int."""
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
@@ -47,28 +48,28 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _tag(message, field: str) -> bytes:
-    """The key of a length-delimited field (wire type 2), from the message's descriptor."""
-    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+def field_key(message, field: str, wire_type: int = 2) -> bytes:
+    """A field's serialized key (2: length-delimited, 0: varint), its number from the message's descriptor."""
+    return varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | wire_type)
 
 
 # Serialized pieces of GenerateResponse (StreamWriter.encode)
-_REQUEST_ID_TAG = _tag(pb.GenerateResponse, "request_id")
-_CHUNK_TAG = _tag(pb.GenerateResponse, "chunk")
+_REQUEST_ID_TAG = field_key(pb.GenerateResponse, "request_id")
+_CHUNK_TAG = field_key(pb.GenerateResponse, "chunk")
 _MAX_CHUNK_FIELDS = 1 << 18  # token ids whose one-token chunk field is kept (a vocabulary is usually smaller)
 _CHUNK_FIELDS: dict[int, tuple[str, bytes]] = {}  # token id -> (its text, the chunk field of that one token)
 
 
-def _string_field(tag: bytes, text: str) -> bytes:
+def string_field(tag: bytes, text: str) -> bytes:
     """A length-delimited field; empty when `text` is (proto3 leaves a default scalar out)."""
     data = text.encode()
-    return tag + _varint(len(data)) + data if data else b""
+    return tag + varint(len(data)) + data if data else b""
 
 
 def _chunk_field(text: str, token_id: int) -> bytes:
     """The serialized `chunk` field of a GenerateResponse holding one token of sequence 0."""
     body = pb.Chunk(text=text, token_ids=(token_id,)).SerializeToString()
-    return _CHUNK_TAG + _varint(len(body)) + body
+    return _CHUNK_TAG + varint(len(body)) + body
 
 
 class StreamWriter:
@@ -111,7 +112,7 @@ class StreamWriter:
         """The messages of `stream(batch)`, serialized: byte for byte what protobuf would write."""
         prefix = self._prefix
         if prefix is None:
-            prefix = self._prefix = _string_field(_REQUEST_ID_TAG, self.request.request_id)
+            prefix = self._prefix = string_field(_REQUEST_ID_TAG, self.request.request_id)
         fields = _CHUNK_FIELDS
         for event in self._plan(batch):
             if type(event) is Chunk and not event.index and not event.logprobs and len(event.token_ids) == 1:

@@ -82,25 +82,32 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return time.monotonic() + remaining if remaining is not None else None
 
 
-def add_text_generation(servicer: TextGenerationServicer, server) -> None:
-    """`add_TextGenerationServicer_to_server`, except that Generate yields its messages already serialized
-    (`StreamWriter.encode`): its handler has no response serializer, so grpc sends those bytes as they are.
+def add_with_raw_responses(add_to_server, servicer, server, method: str) -> None:
+    """Register `servicer` with its generated `add_..._to_server` function, except that `method` yields its
+    messages already serialized: its handler has no response serializer, so grpc sends those bytes as they are.
     The generated function stays the one source of the method table; only that one handler is changed."""
     class Capture:
-        generic, registered = None, None
+        registered = None
 
         def add_generic_rpc_handlers(self, handlers):
-            self.generic = handlers
+            pass
 
         def add_registered_method_handlers(self, name, handlers):
             self.registered = (name, handlers)
 
     capture = Capture()
-    pb_grpc.add_TextGenerationServicer_to_server(servicer, capture)
+    add_to_server(servicer, capture)
+    if capture.registered is None:
+        raise RuntimeError(f"{add_to_server.__name__} did not register its methods (generated code too old?)")
     name, handlers = capture.registered
-    handlers = dict(handlers, Generate=handlers["Generate"]._replace(response_serializer=None))
+    handlers = dict(handlers, **{method: handlers[method]._replace(response_serializer=None)})
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
+
+
+def add_text_generation(servicer: TextGenerationServicer, server) -> None:
+    """tokenloop.v1.TextGeneration, with Generate yielding serialized messages (`StreamWriter.encode`)."""
+    add_with_raw_responses(pb_grpc.add_TextGenerationServicer_to_server, servicer, server, "Generate")
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):

@@ -25,9 +25,10 @@ from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
+from .convert import field_key, string_field, varint
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
 from .logs import RequestRecord, logs_itself
-from .servicer import StallWatchdog, deadline_of, metadata_value
+from .servicer import StallWatchdog, add_with_raw_responses, deadline_of, metadata_value
 from .validation import MAX_TOP_LOGPROBS, _check
 
 log = logging.getLogger("tokenloop.service")
@@ -122,6 +123,25 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
         deadline=deadline)
 
 
+# Serialized pieces of GenerateResponse / GenerateStreamChunk (_Writer.encode)
+_REQUEST_ID_KEY = field_key(tpb.GenerateResponse, "request_id", 2)
+_CHUNK_KEY = field_key(tpb.GenerateResponse, "chunk", 2)
+_TOKEN_IDS_KEY = field_key(tpb.GenerateStreamChunk, "token_ids", 2)  # packed
+_SEQUENCE_INDEX_KEY = field_key(tpb.GenerateStreamChunk, "sequence_index", 0)
+_PROMPT_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "prompt_tokens", 0)
+_COMPLETION_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "completion_tokens", 0)
+_MAX_TOKEN_ID_FIELDS = 1 << 18  # token ids whose packed one-id field is kept (a vocabulary is usually smaller)
+_TOKEN_ID_FIELDS: dict[int, bytes] = {}  # token id -> the serialized `token_ids` field holding only it
+
+
+def _same(message):
+    return message
+
+
+def _serialize(message) -> bytes:
+    return message.SerializeToString()
+
+
 def _logprobs(items) -> list[tpb.TokenLogprob]:
     return [tpb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                              top_logprobs=[tpb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
@@ -142,6 +162,8 @@ class _Writer:
         self.perf, self.arrival_wall, self.interval = perf, arrival_wall, max(1, interval)
         self.num_sent: dict[int, int] = {}
         self.held: dict[int, list[Chunk]] = {}  # sequence index -> chunks not yet sent
+        self._prefix: bytes | None = None  # the serialized request_id field (encode)
+        self._middle: dict[int, bytes] = {}  # sequence index -> its chunks' serialized index and prompt_tokens
 
     def _strip(self, done: Complete) -> bool:
         """Whether the last output token is a stop / EOS token TensorRT-LLM leaves out of output ids."""
@@ -152,6 +174,16 @@ class _Writer:
         return done.finish_reason == FinishReason.EOS  # the executor's EOS rule ended it on this token
 
     def messages(self, batch: list) -> list[tpb.GenerateResponse]:
+        """The messages for one batch of events."""
+        return self._out(batch, self._chunk, _same)
+
+    def encode(self, batch: list) -> list[bytes]:
+        """The same messages serialized, byte for byte what protobuf writes (Generate is registered without a
+        response serializer). A chunk of one token without logprobs, the commonest message, is put together from
+        bytes kept per token id and per sequence; anything else goes through protobuf."""
+        return self._out(batch, self._chunk_bytes, _serialize)
+
+    def _out(self, batch: list, chunk, finish) -> list:
         out = []
         for event in batch:
             if isinstance(event, Chunk):
@@ -160,11 +192,32 @@ class _Writer:
             strip = self._strip(event)
             chunks = self.held.pop(event.index, [])
             if chunks:  # the final token arrives with the complete: drop it here too
-                out += self._chunk(event.index, chunks, drop_last=strip)
-            out.append(self._complete(event, strip))
+                out += chunk(event.index, chunks, strip)
+            out.append(finish(self._complete(event, strip)))
         for index in [i for i, cs in self.held.items() if sum(len(c.token_ids) for c in cs) >= self.interval]:
-            out += self._chunk(index, self.held.pop(index))
+            out += chunk(index, self.held.pop(index), False)
         return out
+
+    def _chunk_bytes(self, index: int, chunks: list[Chunk], drop_last: bool) -> list[bytes]:
+        first = chunks[0]
+        if len(chunks) > 1 or len(first.token_ids) != 1 or first.logprobs or drop_last:
+            return [m.SerializeToString() for m in self._chunk(index, chunks, drop_last)]
+        sent = self.num_sent[index] = self.num_sent.get(index, 0) + 1
+        middle = self._middle.get(index)
+        if middle is None:  # sequence_index and prompt_tokens: fixed for the sequence (0 is left out, as proto3 does)
+            prompt = len(self.valid.prompt_token_ids)
+            middle = self._middle[index] = ((_SEQUENCE_INDEX_KEY + varint(index) if index else b"")
+                                            + (_PROMPT_TOKENS_KEY + varint(prompt) if prompt else b""))
+        token_id = first.token_ids[0]
+        ids = _TOKEN_ID_FIELDS.get(token_id)
+        if ids is None:
+            ids = _TOKEN_IDS_KEY + varint(len(varint(token_id))) + varint(token_id)
+            if len(_TOKEN_ID_FIELDS) < _MAX_TOKEN_ID_FIELDS:
+                _TOKEN_ID_FIELDS[token_id] = ids
+        body = ids + middle + _COMPLETION_TOKENS_KEY + varint(sent)
+        if self._prefix is None:
+            self._prefix = string_field(_REQUEST_ID_KEY, self.valid.request_id)
+        return [self._prefix + _CHUNK_KEY + varint(len(body)) + body]
 
     def _chunk(self, index: int, chunks: list[Chunk], drop_last: bool = False) -> list[tpb.GenerateResponse]:
         ids = [t for c in chunks for t in c.token_ids]
@@ -241,7 +294,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                     try:
                         while (batch := await stream.next_batch()) is not None:
                             watchdog.arm()
-                            for msg in writer.messages(batch):
+                            for msg in writer.encode(batch):  # serialized: see add_trtllm_service
                                 yield msg  # a stalled reader blocks here; the watchdog cancels us
                                 watchdog.sent += 1
                             watchdog.disarm()
@@ -336,6 +389,7 @@ def _version() -> str:
 
 
 def add_trtllm_service(app, grpc_server) -> str:
-    """Register trtllm.TrtllmService on `grpc_server`; returns its full name (for reflection)."""
-    tpb_grpc.add_TrtllmServiceServicer_to_server(TrtllmServicer(app), grpc_server)
+    """Register trtllm.TrtllmService on `grpc_server`, Generate yielding serialized messages (`_Writer.encode`);
+    returns its full name (for reflection)."""
+    add_with_raw_responses(tpb_grpc.add_TrtllmServiceServicer_to_server, TrtllmServicer(app), grpc_server, "Generate")
     return SERVICE_NAME

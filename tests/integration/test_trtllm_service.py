@@ -292,6 +292,41 @@ def test_writer_holds_chunks_until_the_stream_interval():
     assert list(complete.complete.output_token_ids) == [1, 2, 3, 4, 5] and complete.complete.matched_token_id == 9
 
 
+def test_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
+    """encode() (what Generate sends) equals messages() serialized, byte for byte: one-token chunks put together
+    from kept bytes (sequences 0 and 1, ids of one to five varint bytes, completion counts past 127 and 16383),
+    multi-token and logprob chunks, a stripped EOS, the stream interval, perf metrics, empty and long request
+    ids, prompts of 1 and 300 tokens, and a full table of token ids."""
+    from tokenloop.looper.request import FinishReason, ValidRequest
+    from tokenloop.looper.stream import Chunk, Complete, Timing, TokenLogprob
+    from tokenloop.service import trtllm_service
+    from tokenloop.service.trtllm_service import _Writer
+
+    lp = [TokenLogprob(7, -0.25, [(7, -0.25), (8, -2.0)])]
+    ids = [1, 127, 128, 16383, 16384, 2 ** 21, 2 ** 31]
+    batches = ([[Chunk(0, "x", [t]), Chunk(1, "y", [t])] for t in ids]  # one chunk per sequence: kept bytes
+               + [[Chunk(0, "a", [3, 4]), Chunk(1, "b", [5], lp), Chunk(0, "c", [6])]]  # through protobuf
+               + [[Chunk(0, "t", [9])] for _ in range(16400)]  # completion_tokens reaches 3 varint bytes
+               + [[Chunk(1, "e", [10]), Complete(1, "", [10, 11], FinishReason.EOS, 3, 0, Timing(0.1, 0.2, 0.3))],
+                  [Chunk(0, "f", [12]), Complete(0, "f", [12], FinishReason.LENGTH, 3, 0, Timing(), logprobs=lp)]])
+    for rid, prompt in (("w", (5,)), ("", (5,) * 300), ("r" * 300, (1, 2, 3))):
+        for kw in ({}, {"interval": 2}):
+            for keep, perf in ((False, True), (True, False)):
+                a = _Writer(ValidRequest(request_id=rid, prompt_token_ids=prompt, n=2, stream=True), keep, perf,
+                            1000.0, **kw)
+                b = _Writer(ValidRequest(request_id=rid, prompt_token_ids=prompt, n=2, stream=True), keep, perf,
+                            1000.0, **kw)
+                for batch in batches:
+                    wire = b.encode(batch)
+                    assert all(type(m) is bytes for m in wire)
+                    assert wire == [m.SerializeToString() for m in a.messages(batch)], (rid, kw, keep)
+    monkeypatch.setattr(trtllm_service, "_MAX_TOKEN_ID_FIELDS", len(trtllm_service._TOKEN_ID_FIELDS))
+    a, b = (_Writer(ValidRequest(request_id="w", prompt_token_ids=(5,), stream=True), False, False, 0.0)
+            for _ in range(2))
+    assert b.encode([Chunk(0, "z", [777777])]) == [m.SerializeToString() for m in a.messages([Chunk(0, "z", [777777])])]
+    assert 777777 not in trtllm_service._TOKEN_ID_FIELDS
+
+
 def test_stalled_reader_is_aborted_and_freed(tokenizer_dir, ids):
     async def body():
         ex = ScriptedExecutor(tick=0.001)
