@@ -250,6 +250,12 @@ async def _one_stream(stub, rid: str, num_tokens: int, receipts: list, rate: flo
         request_id=rid, text=PROMPT, stream=True,
         stopping=pb.StoppingCriteria(max_new_tokens=num_tokens, ignore_eos=True)),
         metadata=(("x-bench-rate", str(rate)),) if rate else None)
+    return await _read(call, receipts, with_text=bool(rate))
+
+
+async def _read(call, receipts: list, with_text: bool = False) -> tuple[int, int]:
+    """Read a Generate stream of either API to its end: (tokens, messages); a receipt per message with tokens,
+    `(time, n)`, or `(time, n, text)` with `with_text` (the bare paced server's send and due times)."""
     num_tok = num_msg = 0
     mono = time.monotonic
     while True:
@@ -260,7 +266,7 @@ async def _one_stream(stub, rid: str, num_tokens: int, receipts: list, rate: flo
         if n:
             num_tok += n
             num_msg += 1
-            receipts.append((mono(), n) if not rate else (mono(), n, msg.chunk.text))
+            receipts.append((mono(), n, msg.chunk.text) if with_text else (mono(), n))
 
 
 async def _one_router_stream(stub, rid: str, num_tokens: int, receipts: list, rate: float = 0.0,
@@ -271,17 +277,7 @@ async def _one_router_stream(stub, rid: str, num_tokens: int, receipts: list, ra
         await asyncio.sleep(delay)
     call = stub.Generate(tpb.GenerateRequest(tokenized=tpb.TokenizedInput(input_token_ids=ROUTER_PROMPT_IDS),
                                              max_tokens=num_tokens, streaming=True, request_id=rid))
-    num_tok = num_msg = 0
-    mono = time.monotonic
-    while True:
-        msg = await call.read()
-        if msg is grpc.aio.EOF:
-            return num_tok, num_msg
-        n = len(msg.chunk.token_ids)
-        if n:
-            num_tok += n
-            num_msg += 1
-            receipts.append((mono(), n))
+    return await _read(call, receipts)
 
 
 async def run_load(port: int, num_streams: int, num_tokens: int, tag: str, server_pid: int,
