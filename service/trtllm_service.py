@@ -28,7 +28,7 @@ from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 from .convert import field_key, string_field, varint
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
 from .logs import RequestRecord, logs_itself
-from .servicer import StallWatchdog, add_with_raw_responses, deadline_of, metadata_value
+from .servicer import Delivery, add_with_raw_responses, deadline_of, metadata_value
 from .validation import MAX_TOP_LOGPROBS, _check
 
 log = logging.getLogger("tokenloop.service")
@@ -279,7 +279,6 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
         async with RequestRecord(GENERATE, request, context):
             app, arrival, arrival_wall = self.app, time.monotonic(), time.time()
             rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
-            completes: list[Complete] = []
             try:
                 app.require_ready()
                 async with app.admission.slot():
@@ -290,20 +289,14 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                                      request.output_config.return_perf_metrics, arrival_wall,
                                      getattr(app.config, "stream_interval", 1))
                     stream = app.looper.submit(valid, arrival)
-                    watchdog = StallWatchdog(app.config.stall_timeout)
-                    try:
+                    with Delivery(app, valid, stream) as delivery:  # SMG dropping the stream cancels the request
+                        watchdog = delivery.watchdog
                         while (batch := await stream.next_batch()) is not None:
                             watchdog.arm()
                             for msg in writer.encode(batch):  # serialized: see add_trtllm_service
                                 yield msg  # a stalled reader blocks here; the watchdog cancels us
                                 watchdog.sent += 1
-                            watchdog.disarm()
-                            completes += [e for e in batch if type(e) is Complete]
-                    finally:
-                        watchdog.close()
-                        if not stream.finished:
-                            stream.cancel()  # client gone (SMG dropped the stream), deadline, stalled reader
-                        app.observe_end(valid, completes, grpc.StatusCode.OK if stream.finished else None)
+                            delivery.delivered(batch)
             except Exception as exc:  # ServiceError, RequestFailed, anything unexpected: one status, no traceback
                 if not isinstance(exc, (ServiceError, RequestFailed)):
                     log.exception("trtllm Generate %s failed", rid)
