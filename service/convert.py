@@ -80,7 +80,7 @@ class StreamWriter:
     held until N tokens are ready or it completes. `coalesce=False` sends one message per chunk.
 
     `encode(batch)` is the servicer's path: the same messages already serialized, one `bytes` each (the
-    Generate method is registered without a response serializer, see `service.server`). The commonest
+    Generate method is registered without one: `servicer.add_text_generation`). The commonest
     message, one token of sequence 0 with no logprobs, is the request's id field followed by a chunk
     field that depends only on the token and its text: that field is built once per token id and kept in
     a table shared by every stream (`_CHUNK_FIELDS`), so such a message costs one bytes concatenation.

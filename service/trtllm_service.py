@@ -211,7 +211,8 @@ class _Writer:
         token_id = first.token_ids[0]
         ids = _TOKEN_ID_FIELDS.get(token_id)
         if ids is None:
-            ids = _TOKEN_IDS_KEY + varint(len(varint(token_id))) + varint(token_id)
+            packed = varint(token_id)
+            ids = _TOKEN_IDS_KEY + varint(len(packed)) + packed
             if len(_TOKEN_ID_FIELDS) < _MAX_TOKEN_ID_FIELDS:
                 _TOKEN_ID_FIELDS[token_id] = ids
         body = ids + middle + _COMPLETION_TOKENS_KEY + varint(sent)
