@@ -29,7 +29,6 @@ import asyncio
 import collections
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,18 +41,13 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.engine_bench import free_port, wait_ready  # noqa: E402
 from bench.procstat import threads_cpu_s  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
 
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 PROMPT = "Write a short story about a looper thread that never spins."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def role(tid: int, pid: int, name: str) -> str:
@@ -124,16 +118,6 @@ async def serve_control(port: int) -> None:
     await server.wait_for_termination()
 
 
-async def _wait_ready(stub) -> None:
-    for _ in range(600):  # the model loads after the port opens: wait until Generate is served
-        try:
-            await stub.Generate(pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_new_tokens=2))).read()
-            return
-        except grpc.aio.AioRpcError:
-            await asyncio.sleep(0.2)
-    raise RuntimeError("the server did not start serving")
-
-
 async def _probe_both(stubs: dict, seconds: float) -> dict[str, dict]:
     stop = asyncio.Event()
     tasks = {name: asyncio.ensure_future(probe(stub, stop)) for name, stub in stubs.items()}
@@ -154,7 +138,8 @@ async def measure(args) -> dict:
             stub = pb_grpc.TextGenerationStub(channel)
             stubs = {"tokenloop": stub, "control": pb_grpc.TextGenerationStub(control_channel)}
             await asyncio.wait_for(asyncio.gather(channel.channel_ready(), control_channel.channel_ready()), 120)
-            await _wait_ready(stub)
+            await wait_ready(port)  # health SERVING: the model is loaded
+            await stub.Generate(pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_new_tokens=2))).read()
             out: dict = {"streams": args.streams, "tokens": args.tokens, "seconds": args.seconds}
             out["idle"] = await _probe_both(stubs, args.seconds)
 
