@@ -62,6 +62,7 @@ bench: setup model
 	$(BIN)/python bench/engine_bench.py
 	$(BIN)/python bench/service_overhead.py
 	$(BIN)/python bench/engine_gil.py
+	$(BIN)/python bench/prompt_stall.py
 
 # TensorRT-LLM on a GPU host (not CI): run inside NVIDIA's image or an environment with tensorrt_llm.
 gpu-smoke:

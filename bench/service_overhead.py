@@ -99,7 +99,7 @@ async def _serve_bare(args) -> tuple[object, object]:
 def _install_trace(ex) -> None:
     """BENCH_TRACE=1 (diagnosis): at exit, print where the added latency goes, token by token: the time from
     its emission (due time) to the executor's return of it (the looper thread awake), to the looper's
-    hand-off call, to the hand-off running on the event loop and to the servicer's `StreamWriter.stream`; each as
+    hand-off call, to the hand-off running on the event loop and to the servicer's `StreamWriter.encode`; each as
     p50 from emission and p50 / p90 of the hop alone; and how many polls and hand-offs carried them."""
     import atexit
 
@@ -118,7 +118,7 @@ def _install_trace(ex) -> None:
                 k += 1
         seen[(where, rid)] = k
 
-    deliver, fan_out, stream = Looper._deliver, Looper._fan_out, StreamWriter.stream
+    deliver, fan_out, encode = Looper._deliver, Looper._fan_out, StreamWriter.encode
     pull, enqueue, await_responses = Looper._pull_steps, ex.enqueue, ex.await_responses
     count = {"polls": 0, "hand-offs": 0}
     names: dict[int, str] = {}  # executor id -> request id (the executor forgets it at the final step)
@@ -156,11 +156,11 @@ def _install_trace(ex) -> None:
             note("hand-off", stream.request.request_id, entry[0], now)
         return deliver(self)
 
-    def traced_stream(self, batch):
+    def traced_encode(self, batch):
         note("writer", self.request.request_id, batch, time.monotonic())
-        return stream(self, batch)
+        return encode(self, batch)
     Looper._deliver, Looper._fan_out, Looper._pull_steps = traced_deliver, traced_fan_out, traced_pull
-    StreamWriter.stream = traced_stream
+    StreamWriter.encode = traced_encode
 
     def report() -> None:
         rows = [t for t in times.values() if len(t) == len(hops) + 1]
@@ -190,6 +190,8 @@ async def _serve_full(args) -> tuple[object, object]:
         fields["coalesce"] = not args.no_coalesce
     elif args.no_coalesce:  # the code before --stream-interval: the servicer coalesced in convert.coalesce
         convert.coalesce = list
+    if args.tokenize_inline_chars is not None:
+        fields["tokenize_inline_chars"] = args.tokenize_inline_chars
     if os.environ.get("BENCH_TRACE"):
         _install_trace(ex)
     server = Server(ServerConfig(**fields), executor_factory=lambda cfg: ex)
@@ -216,12 +218,13 @@ class ServerProcess:
     """A `serve` child process; `stop()` returns the executor's emission stamps (full mode)."""
 
     def __init__(self, mode: str, model: str, rate: float | None = None, no_coalesce: bool = False,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, tokenize_inline_chars: int | None = None):
         self.record = tempfile.mktemp(suffix=".json")
         cmd = [sys.executable, __file__, "serve", mode, "--model", model, "--record", self.record,
                "--stream-interval", str(stream_interval)]
         cmd += ["--rate", str(rate)] if rate else []
         cmd += ["--no-coalesce"] if no_coalesce else []
+        cmd += ["--tokenize-inline-chars", str(tokenize_inline_chars)] if tokenize_inline_chars is not None else []
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         line = self.proc.stdout.readline()
         looper = int(line.split()[1]) if line.startswith("LOOPER") else 0
@@ -333,6 +336,7 @@ def add_latency(result: dict, stamps: dict[str, list[float]]) -> None:
             pos += n
     if lat:
         result["latency_p50_ms"], result["latency_p99_ms"] = _quantiles(lat)
+        result["latency_max_ms"] = 1e3 * max(lat)
     if due_lat:
         result["due_latency_p50_ms"], result["due_latency_p99_ms"] = _quantiles(due_lat)
 
@@ -468,6 +472,7 @@ def main(argv=None) -> int:
     s.add_argument("--rate", type=float, default=None)
     s.add_argument("--stream-interval", type=int, default=1)
     s.add_argument("--no-coalesce", action="store_true")
+    s.add_argument("--tokenize-inline-chars", type=int, default=None)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="its tokenizer picks the null executor's ids")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per scenario and concurrency (×8 coalesced)")
     p.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream in the paced scenario")

@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -26,6 +27,7 @@ from .validation import Limits, Validator
 log = logging.getLogger("tokenloop.service")
 
 SERVICE_NAMES = ("tokenloop.v1.TextGeneration", "trtllm.TrtllmService")
+TOKENIZE_THREADS = 2  # threads that tokenize long inputs (App.tokenizing); more would only share the same cores
 # Objects allocated between two young-generation collections of the cyclic GC (CPython's default is 700).
 GC_GEN0_THRESHOLD = 20_000
 
@@ -59,6 +61,7 @@ class App:
         self.not_ready_reason = "the model is loading"
         self.dead = asyncio.Event()
         self.observers: list = []  # objects with on_request_end(valid, completes, code) / on_error(code)
+        self._tokenize_pool: ThreadPoolExecutor | None = None  # started on the first long input
 
     # -- lifecycle -------------------------------------------------------------------------
     async def set_serving(self, serving: bool) -> None:
@@ -118,6 +121,20 @@ class App:
             self.looper.stop()
         if self.executor is not None:
             self.executor.shutdown()
+        if self._tokenize_pool is not None:
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def tokenizing(self, size: int, fn: Callable, *args):
+        """`fn(*args)`, a call that tokenizes (validation, Tokenize, Detokenize) an input of `size` characters
+        (or ids): here when `size` is at most `--tokenize-inline-chars`, else on a tokenizer thread. `tokenizers`
+        releases the GIL while it works (looper.tokenizer), so the event loop keeps writing every other stream and the
+        looper keeps polling while a long prompt is tokenized; done here, a prompt of 8k tokens would stop both for
+        ~15 ms. Short inputs stay here: the hop to a thread and back (two wake-ups) costs more than they do."""
+        if size <= self.config.tokenize_inline_chars:
+            return fn(*args)
+        if self._tokenize_pool is None:
+            self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenloop-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def require_ready(self) -> None:
         if self.not_ready_reason:

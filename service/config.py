@@ -31,6 +31,7 @@ class ServerConfig:
     stall_timeout: float = 60.0  # a stream whose reader stops reading this long is aborted (0: never)
     stream_interval: int = 1  # send a sequence's tokens at most every N tokens while the reader keeps up
     coalesce: bool = True  # a reader that fell behind gets all ready tokens of a sequence in one message
+    tokenize_inline_chars: int = 2048  # longer texts and chats are tokenized on a worker thread (the GIL released)
     exit_on_engine_death: bool = True
     model_id: str = ""  # default: the model directory's name
     log_level: str = "INFO"
@@ -55,6 +56,8 @@ class ServerConfig:
             raise ValueError("--shutdown-grace must be >= 0")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
+        if self.tokenize_inline_chars < 0:
+            raise ValueError("--tokenize-inline-chars must be >= 0")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"--log-format must be 'text' or 'json'; got {self.log_format!r}")
         if bool(self.tls_cert) != bool(self.tls_key):

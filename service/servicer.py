@@ -16,6 +16,7 @@ from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 from . import convert
 from .errors import AlreadyExists, ServiceError, ValidationError, abort_with, status_of
 from .logs import RequestRecord, logs_itself
+from .validation import text_size
 
 log = logging.getLogger("tokenloop.service")
 GENERATE = f"/{pb.DESCRIPTOR.services_by_name['TextGeneration'].full_name}/Generate"  # the RPC's gRPC path
@@ -154,7 +155,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             try:
                 app.require_ready()
                 async with app.admission.slot():
-                    valid = app.validator.generate(request, rid, deadline_of(context))
+                    valid = await app.tokenizing(text_size(request), app.validator.generate, request, rid,
+                                                 deadline_of(context))
                     if app.looper.find(rid) is not None:
                         raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
                     stream = app.looper.submit(valid, arrival)
@@ -174,15 +176,16 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Tokenize(self, request, context):
         try:
             self.app.require_ready()
-            validator = self.app.validator
-            which = request.WhichOneof("input")
-            text = validator.render_chat(request.chat) if which == "chat" else request.text
-            tok = self.app.tokenizer
-            ids = tok.encode(text, add_special_tokens=tok.add_bos)
-            return pb.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids],
-                                       text=text if which == "chat" else "")
+            return await self.app.tokenizing(text_size(request), self._tokenize, request)
         except ServiceError as exc:
             await abort_with(context, exc)
+
+    def _tokenize(self, request) -> pb.TokenizeResponse:
+        which = request.WhichOneof("input")
+        text = self.app.validator.render_chat(request.chat) if which == "chat" else request.text
+        tok = self.app.tokenizer
+        ids, tokens = tok.encode_with_tokens(text, add_special_tokens=tok.add_bos)
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens, text=text if which == "chat" else "")
 
     async def Detokenize(self, request, context):
         try:
@@ -193,7 +196,9 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 raise ValidationError("token_id_out_of_range",
                                       f"`token_ids` must be < the vocabulary size {vocab}; got {bad}")
             skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-            return pb.DetokenizeResponse(text=self.app.tokenizer.decode(request.token_ids, skip))
+            text = await self.app.tokenizing(len(request.token_ids), self.app.tokenizer.decode_long, request.token_ids,
+                                             skip)
+            return pb.DetokenizeResponse(text=text)
         except ServiceError as exc:
             await abort_with(context, exc)
 

@@ -107,11 +107,11 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
     _check(n <= lim.max_n, "n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")
     ids = tuple(request.tokenized.input_token_ids)
     _check(len(ids) > 0, "empty_token_ids", "`tokenized.input_token_ids` must not be empty")
+    _check(len(ids) <= lim.max_prompt_tokens, "prompt_too_long",  # before looking at every id
+           f"the prompt has {len(ids)} tokens; the limit is {lim.max_prompt_tokens}")
     bad = next((t for t in ids if t >= validator.vocab_size), None)
     _check(bad is None, "token_id_out_of_range",
            f"`tokenized.input_token_ids` must be < the vocabulary size {validator.vocab_size}; got {bad}")
-    _check(len(ids) <= lim.max_prompt_tokens, "prompt_too_long",
-           f"the prompt has {len(ids)} tokens; the limit is {lim.max_prompt_tokens}")
     o = request.output_config
     top = o.logprobs if o.HasField("logprobs") else 0
     _check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",

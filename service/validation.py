@@ -43,6 +43,17 @@ class Limits:
             raise ValueError("max_n must be >= 1")
 
 
+def text_size(request) -> int:
+    """Characters to tokenize in a request with a `text` / `chat` / `token_ids` input (0 for ids): what
+    `App.tokenizing` weighs."""
+    which = request.WhichOneof("input")
+    if which == "text":
+        return len(request.text)
+    if which == "chat":
+        return sum(len(m.content) for m in request.chat.messages)
+    return 0
+
+
 def _check(ok: bool, rule: str, message: str) -> None:
     if not ok:
         raise ValidationError(rule, message)
@@ -93,13 +104,33 @@ class Validator:
         else:
             ids = tuple(request.token_ids.ids)
             _check(len(ids) > 0, "empty_token_ids", "`token_ids.ids` must not be empty")
+            self._check_prompt_length(len(ids))  # before looking at every id
             bad = next((t for t in ids if t >= self.vocab_size), None)
             _check(bad is None, "token_id_out_of_range",
                    f"`token_ids.ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
             return ids, ""
+        self.check_text_length(text, which)
         ids = tuple(self.tokenizer.encode(text, add_special_tokens=self.tokenizer.add_bos))
         _check(len(ids) > 0, "empty_prompt", "the prompt encodes to no tokens")
         return ids, text
+
+    def check_text_length(self, text: str, field: str) -> None:
+        """Refuse, without tokenizing it, a text too long for the prompt limit whatever its tokens: where the
+        tokenizer bounds the characters one token stands for (`Tokenizer.max_chars_per_token`), a text longer
+        than the limit times that bound needs more tokens than the limit. Tokenizing it would cost about a
+        microsecond per byte (16 s for a 16 MiB message) only to refuse it."""
+        per_token = self.tokenizer.max_chars_per_token
+        limit = self.limits.max_prompt_tokens
+        if per_token is not None and len(text) > limit * per_token:
+            what = "`text`" if field == "text" else f"the rendered `{field}`"
+            raise ValidationError("prompt_too_long",
+                                  f"{what} has {len(text)} characters, more than a prompt of at most {limit} tokens "
+                                  f"can hold ({limit * per_token}: no token of this tokenizer stands for more than "
+                                  f"{per_token})")
+
+    def _check_prompt_length(self, num: int) -> None:
+        _check(num <= self.limits.max_prompt_tokens, "prompt_too_long",
+               f"the prompt has {num} tokens; the limit is {self.limits.max_prompt_tokens}")
 
     # -- parameters ------------------------------------------------------------------------
     def sampling(self, request) -> SamplingParams:
@@ -186,8 +217,7 @@ class Validator:
         n = request.n or 1
         _check(1 <= n <= self.limits.max_n, "n", f"`n` must be between 1 and {self.limits.max_n}; got {n}")
         ids, text = self.prompt(request)
-        _check(len(ids) <= self.limits.max_prompt_tokens, "prompt_too_long",
-               f"the prompt has {len(ids)} tokens; the limit is {self.limits.max_prompt_tokens}")
+        self._check_prompt_length(len(ids))
         return ValidRequest(
             request_id=self.request_id(request_id), prompt_token_ids=ids, sampling=self.sampling(request),
             stopping=self.stopping(request, len(ids)), output=self.output(request), n=n,

@@ -43,6 +43,12 @@ def default_model_dir() -> Path:
     return DEFAULT_MODEL
 
 
+@pytest.fixture(scope="session")
+def default_model_or_none() -> Path | None:
+    """The default model's directory when `make model` made it, else None (for tests that use it only if there)."""
+    return DEFAULT_MODEL if (DEFAULT_MODEL / "config.json").is_file() else None
+
+
 _LOOP: asyncio.AbstractEventLoop | None = None
 
 

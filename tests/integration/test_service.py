@@ -247,3 +247,74 @@ def test_stalled_reader_is_aborted_and_freed(tokenizer_dir):
             call.cancel()
             await channel.close()
     run(body())
+
+
+def test_long_prompt_is_tokenized_off_the_event_loop_which_keeps_serving(tokenizer_dir, tokenizer):
+    """A text longer than --tokenize-inline-chars is tokenized on a tokenizer thread: while its tokenization is held
+    up, another Generate and GetLoad complete. Inline, the held-up call would stop the event loop until it timed out
+    (and the test would fail on `timed_out`)."""
+    import threading
+
+    long_text = (HELLO + " ") * 100  # 3,300 characters, over the default 2,048
+    entered, release, seen = threading.Event(), threading.Event(), {}
+
+    async def body():
+        async with serving(tokenizer_dir) as (server, stub, ex):
+            tok = server.app.tokenizer
+            encode = tok.encode
+
+            def held_encode(text, add_special_tokens=False):
+                seen.setdefault(len(text), threading.current_thread().name)
+                if len(text) == len(long_text):
+                    entered.set()
+                    seen["timed_out"] = not release.wait(10)
+                return encode(text, add_special_tokens)
+            tok.encode = held_encode
+            slow = asyncio.ensure_future(read_all(stub.Generate(gen(text=long_text, max_new=3, request_id="long"))))
+            assert await wait_for(entered.is_set, timeout=10)
+            quick = await asyncio.wait_for(read_all(stub.Generate(gen(max_new=3, request_id="quick"))), 10)
+            load = await asyncio.wait_for(stub.GetLoad(pb.GetLoadRequest()), 10)
+            assert not release.is_set() and not slow.done()  # all of that while the long prompt was being tokenized
+            release.set()
+            msgs = await asyncio.wait_for(slow, 10)
+            assert quick[-1].complete.usage.completion_tokens == 3 and load.max_concurrent_requests > 0
+            assert msgs[-1].complete.usage.prompt_tokens == len(tokenizer.encode(long_text))
+    run(body())
+    assert seen["timed_out"] is False
+    assert seen[len(long_text)].startswith("tokenloop-tokenize") and seen[len(HELLO)] == "MainThread"
+
+
+def test_long_tokenize_and_detokenize_match_inline_results(tokenizer_dir, tokenizer):
+    """Tokenize / Detokenize of long inputs run on a tokenizer thread and answer what the inline calls answer."""
+    text = "Emoji time: 😀 🚀 and 東京は日本の首都です。 " * 120
+
+    async def body():
+        async with serving(tokenizer_dir) as (server, stub, ex):
+            inline = await stub.Tokenize(pb.TokenizeRequest(text=text[:1000]))
+            assert list(inline.token_ids) == tokenizer.encode(text[:1000])
+            resp = await stub.Tokenize(pb.TokenizeRequest(text=text))
+            ids = tokenizer.encode(text)
+            assert list(resp.token_ids) == ids and list(resp.tokens) == [tokenizer.id_to_token(i) for i in ids]
+            back = await stub.Detokenize(pb.DetokenizeRequest(token_ids=ids * 2))
+            assert back.text == text * 2
+            assert server.app._tokenize_pool is not None  # the long ones went to the tokenizer threads
+    run(body())
+
+
+def test_text_that_cannot_fit_the_prompt_limit_is_refused_untokenized(tokenizer_dir, tokenizer):
+    per = tokenizer.max_chars_per_token
+    text = "a" * (8191 * per + 1)  # the tiny model's context is 8192
+
+    async def body():
+        async with serving(tokenizer_dir) as (server, stub, ex):
+            calls = []
+            encode = server.app.tokenizer.encode
+            server.app.tokenizer.encode = lambda t, add_special_tokens=False: calls.append(len(t)) or encode(t, add_special_tokens)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await read_all(stub.Generate(gen(text=text)))
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"`text` has {len(text)} characters, more than a prompt of at most 8191 tokens" in exc.value.details()
+            assert calls == []
+            msgs = await read_all(stub.Generate(gen(max_new=2)))  # and the server keeps serving
+            assert msgs[-1].complete.usage.completion_tokens == 2
+    run(body())

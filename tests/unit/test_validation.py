@@ -108,3 +108,71 @@ def test_chat_is_rendered_with_template(validator):
 def test_default_max_new_tokens_capped_by_context(validator):
     v = validator.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 99)), "rid")
     assert v.stopping.max_new_tokens == min(validator.limits.default_max_new_tokens, 256 - 99)
+
+
+# -- tokenizing long inputs: the GIL-free entry points, and texts refused before tokenizing -------------
+TEXTS = ["Hello world", "  leading and   inner   spaces  ", "<|im_start|>user\nHi<|im_end|>", "東京は日本の首都です。🚀👩‍💻",
+         "x" * 500, " " * 300, "-" * 257 + "\n" * 40, "def main():\n    return 42\n" * 30]
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+def test_tokenizer_entry_points_match_the_plain_ones(kind, tokenizer_dir, metaspace_dir):
+    tok = Tokenizer.from_dir(tokenizer_dir if kind == "byte_level" else metaspace_dir)
+    hf = tok._tok
+    for text in TEXTS:
+        for special in (False, True):
+            ids = hf.encode(text, add_special_tokens=special).ids
+            assert tok.encode(text, add_special_tokens=special) == ids
+            assert tok.encode_with_tokens(text, add_special_tokens=special) == (ids, [hf.id_to_token(i) for i in ids])
+        for skip in (False, True):
+            assert tok.decode_long(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_max_chars_per_token_bounds_every_text(tokenizer_dir, metaspace_dir, default_model_or_none):
+    assert Tokenizer.from_dir(metaspace_dir).max_chars_per_token is None  # an unknown token can stand for anything
+    for model_dir in filter(None, (tokenizer_dir, default_model_or_none)):
+        tok = Tokenizer.from_dir(model_dir)
+        bound = tok.max_chars_per_token
+        assert bound == max(len(t) for t in tok._tok.get_vocab(with_added_tokens=True))
+        for text in TEXTS + ["".join(chr(c) for c in range(32, 2000)), "<|endoftext|>" * 20]:
+            assert len(text) <= len(tok.encode(text)) * bound, text[:40]
+
+
+class CountingTokenizer:
+    """Delegates to a real tokenizer and counts `encode` calls."""
+
+    def __init__(self, tok):
+        self._inner, self.calls = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def encode(self, text, add_special_tokens=False):
+        self.calls += 1
+        return self._inner.encode(text, add_special_tokens)
+
+
+def test_text_too_long_for_any_tokenization_is_refused_untokenized(tokenizer_dir):
+    inner = Tokenizer.from_dir(tokenizer_dir)
+    tok = CountingTokenizer(inner)
+    v = Validator(tok, ModelCard.from_dir(tokenizer_dir), Limits(max_context_length=256, max_prompt_tokens=100))
+    per = inner.max_chars_per_token
+    with pytest.raises(ValidationError) as exc:
+        v.generate(req(text="a" * (100 * per + 1)), "rid")
+    assert (exc.value.rule, exc.value.message) == (
+        "prompt_too_long", f"`text` has {100 * per + 1} characters, more than a prompt of at most 100 tokens can "
+                           f"hold ({100 * per}: no token of this tokenizer stands for more than {per})")
+    assert tok.calls == 0
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="b" * (100 * per))])
+    with pytest.raises(ValidationError) as exc:
+        v.generate(pb.GenerateRequest(chat=chat), "rid")
+    assert exc.value.message.startswith("the rendered `chat` has ") and tok.calls == 0
+    # at the bound the text is tokenized, then judged by its token count
+    with pytest.raises(ValidationError) as exc:
+        v.generate(req(text="a" * (100 * per)), "rid")
+    assert exc.value.message.startswith("the prompt has ") and tok.calls == 1
+
+
+def test_prompt_length_is_checked_before_every_id(validator):
+    rule, message = error_of(validator, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 150 + [99999])))
+    assert (rule, message) == ("prompt_too_long", "the prompt has 151 tokens; the limit is 100")
