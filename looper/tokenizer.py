@@ -72,6 +72,10 @@ class ModelCard:
         )
 
 
+# Inputs longer than this (characters, or ids) are (de)tokenized with the GIL released; shorter ones hold it.
+RELEASE_GIL_OVER = 2048
+
+
 class ChatTemplateError(ValueError):
     """The chat template could not render the conversation."""
 
@@ -117,23 +121,30 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """The ids of `text`. Through the batch entry point without offsets: the same ids as `encode`, ~25 %
-        faster, and with the GIL released, so a long text tokenized on a worker thread does not stop the event
-        loop or the looper (`HFTokenizer.encode` holds the GIL throughout: ~15 ms for a prompt of 8k tokens)."""
+        """The ids of `text`. Up to `RELEASE_GIL_OVER` characters through `tokenizers`' `encode`, which holds the GIL:
+        a release would cost more than tokenizing a short text, since a caller that lets a busy thread (the looper)
+        take the GIL waits up to the switch interval (5 ms) to get it back; every prompt of the flooded bench doing
+        that cut its tokens/s by a third. Longer texts through the batch entry point without offsets: the same ids,
+        ~25 % faster, with the GIL released, so that while a tokenizer thread works on one (`App.tokenizing`) the
+        event loop and the looper run (`encode` holds the GIL for its whole run: ~20 ms for 7,000 tokens)."""
+        if len(text) <= RELEASE_GIL_OVER:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_with_tokens(self, text: str, add_special_tokens: bool = False) -> tuple[list[int], list[str]]:
-        """The ids of `text` and each one's vocabulary string (Tokenize), the GIL released like `encode`."""
-        encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        """The ids of `text` and each one's vocabulary string (Tokenize); the GIL released past `RELEASE_GIL_OVER`."""
+        if len(text) <= RELEASE_GIL_OVER:
+            encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         return encoding.ids, encoding.tokens
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        """The text of a few ids (the detokenizer's calls): the plain entry point, cheapest for short input."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def decode_long(self, ids, skip_special_tokens: bool = True) -> str:
-        """The same for many ids, with the GIL released while `tokenizers` decodes (the batch entry point)."""
-        return self._tok.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+        """The text of `ids`; the GIL released (the batch entry point) past `RELEASE_GIL_OVER` ids."""
+        ids = list(ids)
+        if len(ids) <= RELEASE_GIL_OVER:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     @functools.cached_property
     def max_chars_per_token(self) -> int | None:

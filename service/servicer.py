@@ -196,7 +196,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 raise ValidationError("token_id_out_of_range",
                                       f"`token_ids` must be < the vocabulary size {vocab}; got {bad}")
             skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-            text = await self.app.tokenizing(len(request.token_ids), self.app.tokenizer.decode_long, request.token_ids,
+            text = await self.app.tokenizing(len(request.token_ids), self.app.tokenizer.decode, request.token_ids,
                                              skip)
             return pb.DetokenizeResponse(text=text)
         except ServiceError as exc:

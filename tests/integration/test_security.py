@@ -206,7 +206,7 @@ def test_unexpected_errors_reach_the_client_without_paths_or_text(tokenizer_dir)
             server.app.validator.generate = broken
             err = await refused(stub.Generate(GEN).read())
             assert err.code() == grpc.StatusCode.INTERNAL and err.details() == "internal error (OSError)"
-            server.app.tokenizer.decode_long = broken
+            server.app.tokenizer.decode = broken
             err = await refused(stub.Detokenize(pb.DetokenizeRequest(token_ids=[5])))
             assert err.code() == grpc.StatusCode.INTERNAL and err.details() == "internal error (OSError)"
     run(body())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+from tokenloop.looper.tokenizer import RELEASE_GIL_OVER, ModelCard, Tokenizer
 from tokenloop.service.errors import ValidationError
 from tokenloop.service.validation import Limits, Validator
 from tokenloop.v1 import tokenloop_pb2 as pb
@@ -112,12 +112,16 @@ def test_default_max_new_tokens_capped_by_context(validator):
 
 # -- tokenizing long inputs: the GIL-free entry points, and texts refused before tokenizing -------------
 TEXTS = ["Hello world", "  leading and   inner   spaces  ", "<|im_start|>user\nHi<|im_end|>", "東京は日本の首都です。🚀👩‍💻",
-         "x" * 500, " " * 300, "-" * 257 + "\n" * 40, "def main():\n    return 42\n" * 30]
+         "x" * 500, " " * 300, "-" * 257 + "\n" * 40, "def main():\n    return 42\n" * 30,
+         "Emoji 😀 東京 <|im_end|> text " * 120]  # the last one past RELEASE_GIL_OVER: the batch entry points
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
 def test_tokenizer_entry_points_match_the_plain_ones(kind, tokenizer_dir, metaspace_dir):
+    """Short inputs go through `tokenizers`' plain calls, long ones through the batch calls that release the GIL:
+    both give what the plain calls give."""
     tok = Tokenizer.from_dir(tokenizer_dir if kind == "byte_level" else metaspace_dir)
+    assert max(map(len, TEXTS)) > RELEASE_GIL_OVER
     hf = tok._tok
     for text in TEXTS:
         for special in (False, True):
@@ -125,7 +129,8 @@ def test_tokenizer_entry_points_match_the_plain_ones(kind, tokenizer_dir, metasp
             assert tok.encode(text, add_special_tokens=special) == ids
             assert tok.encode_with_tokens(text, add_special_tokens=special) == (ids, [hf.id_to_token(i) for i in ids])
         for skip in (False, True):
-            assert tok.decode_long(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
+            assert tok.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
+            assert tok.decode(ids * 400, skip) == hf.decode(ids * 400, skip_special_tokens=skip)  # past 2048 ids
 
 
 def test_max_chars_per_token_bounds_every_text(tokenizer_dir, metaspace_dir, default_model_or_none):
@@ -176,3 +181,39 @@ def test_text_too_long_for_any_tokenization_is_refused_untokenized(tokenizer_dir
 def test_prompt_length_is_checked_before_every_id(validator):
     rule, message = error_of(validator, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 150 + [99999])))
     assert (rule, message) == ("prompt_too_long", "the prompt has 151 tokens; the limit is 100")
+
+
+def _releases_gil(call) -> bool:
+    """Whether `call()` lets another thread run Python while it works. With forced GIL switches made impossible
+    (a huge switch interval), this thread can only take the GIL back while `call` is in progress if `call`
+    released it; otherwise it next runs when the other thread has finished."""
+    import sys
+    import threading
+    started, state = threading.Event(), {"in_call": False}
+
+    def other():
+        started.set()
+        state["in_call"] = True
+        call()
+        state["in_call"] = False
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        thread = threading.Thread(target=other)
+        thread.start()
+        started.wait()
+        seen = state["in_call"]
+        thread.join()
+    finally:
+        sys.setswitchinterval(before)
+    return seen
+
+
+def test_long_inputs_are_tokenized_with_the_gil_released_and_short_ones_with_it_held(tokenizer):
+    long_text = "Emoji 😀 東京 text and more text " * 4000
+    ids = tokenizer.encode(long_text)
+    assert _releases_gil(lambda: tokenizer.encode(long_text))
+    assert _releases_gil(lambda: tokenizer.encode_with_tokens(long_text))
+    assert _releases_gil(lambda: tokenizer.decode(ids))
+    assert not _releases_gil(lambda: [tokenizer.encode("Hello world") for _ in range(200)])
+    assert not _releases_gil(lambda: [tokenizer.decode(ids[:50]) for _ in range(200)])
