@@ -217,3 +217,12 @@ def test_long_inputs_are_tokenized_with_the_gil_released_and_short_ones_with_it_
     assert _releases_gil(lambda: tokenizer.decode(ids))
     assert not _releases_gil(lambda: [tokenizer.encode("Hello world") for _ in range(200)])
     assert not _releases_gil(lambda: [tokenizer.decode(ids[:50]) for _ in range(200)])
+
+
+def test_chat_with_more_messages_than_prompt_tokens_is_refused_before_rendering(validator):
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")] * 101)  # the limit is 100 prompt tokens
+    rule, message = error_of(validator, pb.GenerateRequest(chat=chat))
+    assert (rule, message) == ("too_many_chat_messages",
+                               "`chat.messages` may hold at most 100 messages (the prompt limit in tokens); got 101")
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")] * 100)
+    assert error_of(validator, pb.GenerateRequest(chat=chat))[0] == "prompt_too_long"  # rendered, then counted
