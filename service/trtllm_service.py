@@ -107,8 +107,7 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
     _check(n <= lim.max_n, "n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")
     ids = tuple(request.tokenized.input_token_ids)
     _check(len(ids) > 0, "empty_token_ids", "`tokenized.input_token_ids` must not be empty")
-    _check(len(ids) <= lim.max_prompt_tokens, "prompt_too_long",  # before looking at every id
-           f"the prompt has {len(ids)} tokens; the limit is {lim.max_prompt_tokens}")
+    validator.check_prompt_length(len(ids))  # before looking at every id
     bad = next((t for t in ids if t >= validator.vocab_size), None)
     _check(bad is None, "token_id_out_of_range",
            f"`tokenized.input_token_ids` must be < the vocabulary size {validator.vocab_size}; got {bad}")

@@ -98,7 +98,8 @@ class Validator:
             raise ValidationError("chat_template_failed", f"`chat` could not be rendered: {exc}") from None
 
     def prompt(self, request) -> tuple[tuple[int, ...], str]:
-        """(prompt token ids, prompt text) of a request with a `text` / `token_ids` / `chat` input."""
+        """(prompt token ids, prompt text) of a request with a `text` / `token_ids` / `chat` input, within the
+        prompt limit."""
         which = request.WhichOneof("input")
         _check(which is not None, "empty_input", "`input` must be set: one of `text`, `token_ids`, `chat`")
         if which == "text":
@@ -109,7 +110,7 @@ class Validator:
         else:
             ids = tuple(request.token_ids.ids)
             _check(len(ids) > 0, "empty_token_ids", "`token_ids.ids` must not be empty")
-            self._check_prompt_length(len(ids))  # before looking at every id
+            self.check_prompt_length(len(ids))  # before looking at every id
             bad = next((t for t in ids if t >= self.vocab_size), None)
             _check(bad is None, "token_id_out_of_range",
                    f"`token_ids.ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
@@ -117,6 +118,7 @@ class Validator:
         self.check_text_length(text, which)
         ids = tuple(self.tokenizer.encode(text, add_special_tokens=self.tokenizer.add_bos))
         _check(len(ids) > 0, "empty_prompt", "the prompt encodes to no tokens")
+        self.check_prompt_length(len(ids))
         return ids, text
 
     def check_text_length(self, text: str, field: str) -> None:
@@ -133,7 +135,8 @@ class Validator:
                                   f"can hold ({limit * per_token}: no token of this tokenizer stands for more than "
                                   f"{per_token})")
 
-    def _check_prompt_length(self, num: int) -> None:
+    def check_prompt_length(self, num: int) -> None:
+        """The prompt limit, for a prompt of `num` tokens (either API)."""
         _check(num <= self.limits.max_prompt_tokens, "prompt_too_long",
                f"the prompt has {num} tokens; the limit is {self.limits.max_prompt_tokens}")
 
@@ -222,7 +225,6 @@ class Validator:
         n = request.n or 1
         _check(1 <= n <= self.limits.max_n, "n", f"`n` must be between 1 and {self.limits.max_n}; got {n}")
         ids, text = self.prompt(request)
-        self._check_prompt_length(len(ids))
         return ValidRequest(
             request_id=self.request_id(request_id), prompt_token_ids=ids, sampling=self.sampling(request),
             stopping=self.stopping(request, len(ids)), output=self.output(request), n=n,

@@ -36,17 +36,17 @@ def tokenizer(tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    """The real default model made by `make model`; tests that need it skip when it is absent."""
-    if not (DEFAULT_MODEL / "config.json").is_file():
-        pytest.skip("the default model is not prepared: run `make model`")
-    return DEFAULT_MODEL
-
-
-@pytest.fixture(scope="session")
 def default_model_or_none() -> Path | None:
     """The default model's directory when `make model` made it, else None (for tests that use it only if there)."""
     return DEFAULT_MODEL if (DEFAULT_MODEL / "config.json").is_file() else None
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(default_model_or_none) -> Path:
+    """The real default model made by `make model`; tests that need it skip when it is absent."""
+    if default_model_or_none is None:
+        pytest.skip("the default model is not prepared: run `make model`")
+    return default_model_or_none
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None
