@@ -129,7 +129,8 @@ async def _probe_both(stubs: dict, seconds: float) -> dict[str, dict]:
 async def measure(args) -> dict:
     port, control_port = free_port(), free_port()
     server = subprocess.Popen([sys.executable, "-m", "tokenloop.service.cli", "serve", "--model", str(args.model),
-                               "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"],
+                               "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+                              + (["--front-cpu", args.front_cpu] if args.front_cpu else []),
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     control = subprocess.Popen([sys.executable, __file__, "serve-control", str(control_port)], cwd=ROOT)
     try:
@@ -189,6 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--seconds", type=float, default=15.0, help="length of each phase")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the loaded phase is measured")
+    p.add_argument("--front-cpu", default=None, help="the server's --front-cpu (default: its own, auto)")
     p.add_argument("--no-py-spy", action="store_true", help="skip the GIL sampling even when py-spy is found")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     if argv is None and sys.argv[1:2] == ["serve-control"]:  # (internal) the control probe target

@@ -192,6 +192,8 @@ async def _serve_full(args) -> tuple[object, object]:
         convert.coalesce = list
     if args.tokenize_inline_chars is not None:
         fields["tokenize_inline_chars"] = args.tokenize_inline_chars
+    if args.front_cpu is not None:
+        fields["front_cpu"] = args.front_cpu
     if os.environ.get("BENCH_TRACE"):
         _install_trace(ex)
     server = Server(ServerConfig(**fields), executor_factory=lambda cfg: ex)
@@ -218,13 +220,14 @@ class ServerProcess:
     """A `serve` child process; `stop()` returns the executor's emission stamps (full mode)."""
 
     def __init__(self, mode: str, model: str, rate: float | None = None, no_coalesce: bool = False,
-                 stream_interval: int = 1, tokenize_inline_chars: int | None = None):
+                 stream_interval: int = 1, tokenize_inline_chars: int | None = None, front_cpu: str | None = None):
         self.record = tempfile.mktemp(suffix=".json")
         cmd = [sys.executable, __file__, "serve", mode, "--model", model, "--record", self.record,
                "--stream-interval", str(stream_interval)]
         cmd += ["--rate", str(rate)] if rate else []
         cmd += ["--no-coalesce"] if no_coalesce else []
         cmd += ["--tokenize-inline-chars", str(tokenize_inline_chars)] if tokenize_inline_chars is not None else []
+        cmd += ["--front-cpu", front_cpu] if front_cpu is not None and mode == "full" else []
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         line = self.proc.stdout.readline()
         looper = int(line.split()[1]) if line.startswith("LOOPER") else 0
@@ -404,7 +407,8 @@ async def measure(args) -> dict:
             if name not in args.scenarios:
                 continue
             kw = dict(kw, rate=getattr(args, kw["rate"])) if "rate" in kw else kw
-            servers[name] = ServerProcess(mode, args.model, stream_interval=args.stream_interval, **kw)
+            servers[name] = ServerProcess(mode, args.model, stream_interval=args.stream_interval,
+                                          front_cpu=args.front_cpu, **kw)
         res = await _measure_all(args, servers)
     finally:
         stamps = {name: srv.stop() for name, srv in servers.items()}
@@ -473,6 +477,7 @@ def main(argv=None) -> int:
     s.add_argument("--stream-interval", type=int, default=1)
     s.add_argument("--no-coalesce", action="store_true")
     s.add_argument("--tokenize-inline-chars", type=int, default=None)
+    s.add_argument("--front-cpu", default=None)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="its tokenizer picks the null executor's ids")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per scenario and concurrency (×8 coalesced)")
     p.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream in the paced scenario")
@@ -484,6 +489,7 @@ def main(argv=None) -> int:
     p.add_argument("--paced-repeat", type=int, default=3,
                    help="interleaved runs per paced scenario; the one with the median p50 is kept")
     p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--front-cpu", default=None, help="the full servers' --front-cpu (default: the server's, auto)")
     p.add_argument("--scenarios", type=lambda v: v.split(","), default=list(SCENARIOS),
                    help=f"comma-separated subset of {','.join(SCENARIOS)} (ratios need bare)")
     p.add_argument("--streams", type=lambda v: [int(x) for x in v.split(",")], default=list(CONCURRENCY),

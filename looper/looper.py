@@ -60,6 +60,11 @@ class Looper:
         self._thread = threading.Thread(target=self._run, name="tokenloop-looper", daemon=True)
         self._thread.start()
 
+    @property
+    def thread_id(self) -> int | None:
+        """The looper thread's OS id (for placement and per-thread CPU accounting), once started."""
+        return self._thread.native_id if self._thread is not None else None
+
     def submit(self, request: ValidRequest, arrival: float | None = None) -> RequestStream:
         """Queue a validated request; returns its stream (already failed if the looper is dead)."""
         stream = RequestStream(request, self._request_cancel)

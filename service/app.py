@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +23,7 @@ from tokenloop.v1 import tokenloop_pb2 as pb
 from .admission import Admission
 from .config import ServerConfig
 from .errors import Unavailable
+from .placement import FrontPlacement
 from .validation import Limits, Validator
 
 log = logging.getLogger("tokenloop.service")
@@ -62,6 +64,7 @@ class App:
         self.dead = asyncio.Event()
         self.observers: list = []  # objects with on_request_end(valid, completes, code) / on_error(code)
         self._tokenize_pool: ThreadPoolExecutor | None = None  # started on the first long input
+        self.placement = FrontPlacement(config.front_cpu)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def set_serving(self, serving: bool) -> None:
@@ -87,11 +90,16 @@ class App:
     async def start(self) -> None:
         """Load the model (health NOT_SERVING meanwhile), start the looper, then serve."""
         await self.set_serving(False)
+        self.placement.choose()  # a --front-cpu outside the process's CPUs fails here, before the model loads
         await asyncio.to_thread(self.load_model)
         loop = asyncio.get_running_loop()
         self.looper = Looper(self.executor, self.tokenizer, poll_timeout=self.config.poll_timeout,
                              on_death=self._on_death)
         self.looper.start(loop)
+        if self.placement.pin(threading.get_native_id(), self.looper.thread_id) is not None:
+            # threads started from now on by the event loop would inherit its one CPU
+            loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="tokenloop-worker",
+                                                         initializer=self.placement.release_this_thread))
         tune_gc()
         self.not_ready_reason = ""
         await self.set_serving(True)
@@ -123,6 +131,7 @@ class App:
             self.executor.shutdown()
         if self._tokenize_pool is not None:
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.placement.restore()
 
     async def tokenizing(self, size: int, fn: Callable, *args):
         """`fn(*args)`, a call that tokenizes (validation, Tokenize, Detokenize) an input of `size` characters
@@ -133,7 +142,8 @@ class App:
         if size <= self.config.tokenize_inline_chars:
             return fn(*args)
         if self._tokenize_pool is None:
-            self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenloop-tokenize")
+            self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenloop-tokenize",
+                                                     initializer=self.placement.release_this_thread)
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def require_ready(self) -> None:

@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenize-inline-chars", type=int, default=d.tokenize_inline_chars,
                    help="tokenize longer texts (and chats) on a worker thread, so that the event loop keeps serving "
                         "(0: every one)")
+    s.add_argument("--front-cpu", default=d.front_cpu, metavar="{auto,off,N}",
+                   help="the CPU that the event-loop thread and the looper thread share (they take turns on the GIL); "
+                        "auto: the one the server starts on, given two CPUs or more; off: the OS places them")
     s.add_argument("--model-id", default="", help="name reported by GetModelInfo (default: the directory's name)")
     s.add_argument("--log-level", default=d.log_level, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     s.add_argument("--log-format", default=d.log_format, choices=("text", "json"),
@@ -95,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         default_max_new_tokens=args.default_max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
-        model_id=args.model_id, log_level=args.log_level, executor_options=options,
+        front_cpu=args.front_cpu,        model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,
         max_stop_string_length=args.max_stop_string_length, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file, otel_endpoint=args.otel_endpoint)

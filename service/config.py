@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .placement import check_spec
+
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 
 
@@ -32,6 +34,7 @@ class ServerConfig:
     stream_interval: int = 1  # send a sequence's tokens at most every N tokens while the reader keeps up
     coalesce: bool = True  # a reader that fell behind gets all ready tokens of a sequence in one message
     tokenize_inline_chars: int = 2048  # longer texts and chats are tokenized on a worker thread (the GIL released)
+    front_cpu: str = "auto"  # the event-loop and looper threads share one CPU: auto | off | a CPU number
     exit_on_engine_death: bool = True
     model_id: str = ""  # default: the model directory's name
     log_level: str = "INFO"
@@ -58,6 +61,7 @@ class ServerConfig:
             raise ValueError("--stream-interval must be >= 1")
         if self.tokenize_inline_chars < 0:
             raise ValueError("--tokenize-inline-chars must be >= 0")
+        check_spec(self.front_cpu)
         if self.log_format not in ("text", "json"):
             raise ValueError(f"--log-format must be 'text' or 'json'; got {self.log_format!r}")
         if bool(self.tls_cert) != bool(self.tls_key):

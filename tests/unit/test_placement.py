@@ -1,0 +1,100 @@
+"""--front-cpu: the spec's rules, the CPU chosen, and pinning real threads of this process (and undoing it)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from tokenloop.service import placement
+from tokenloop.service.cli import _parser, config_from_args
+from tokenloop.service.config import ServerConfig
+from tokenloop.service.placement import FrontPlacement, cpu_list
+
+CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+needs_two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="needs a process that may use two CPUs or more")
+
+
+@pytest.mark.parametrize("spec", ["auto", "off", "0", "17"])
+def test_accepted_specs(spec):
+    assert ServerConfig(front_cpu=spec).front_cpu == spec
+
+
+@pytest.mark.parametrize("spec", ["", "on", "-1", "1.5", "0-1", "٣"])
+def test_refused_specs_name_the_flag_and_the_rule(spec):
+    with pytest.raises(ValueError, match=r"--front-cpu must be 'auto', 'off' or a CPU number"):
+        ServerConfig(front_cpu=spec)
+
+
+def test_the_flag_reaches_the_config():
+    assert config_from_args(_parser().parse_args(["serve"])).front_cpu == "auto"
+    assert config_from_args(_parser().parse_args(["serve", "--front-cpu", "off"])).front_cpu == "off"
+
+
+def test_cpu_list_uses_the_kernels_notation():
+    assert cpu_list({0}) == "0"
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+
+
+def test_off_and_a_single_cpu_pin_nothing(monkeypatch):
+    assert FrontPlacement("off").choose() is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert FrontPlacement("auto").choose() is None  # the two threads share the one CPU already
+    assert FrontPlacement("3").choose() == 3
+
+
+def test_a_cpu_outside_the_process_set_is_refused(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 5})
+    with pytest.raises(ValueError, match=r"--front-cpu 4 is not one of the CPUs this process may use \(0-2,5\)"):
+        FrontPlacement("4").choose()
+
+
+def test_auto_takes_the_current_cpu_or_else_one_of_the_set(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3})
+    monkeypatch.setattr(placement, "_current_cpu", lambda: 3)
+    assert FrontPlacement("auto").choose() == 3
+    monkeypatch.setattr(placement, "_current_cpu", lambda: 7)  # outside the set (it changed meanwhile)
+    assert FrontPlacement("auto").choose() == 2
+
+
+def _mask(tid: int) -> set[int]:
+    return os.sched_getaffinity(tid)
+
+
+@needs_two_cpus
+def test_pin_puts_both_threads_on_one_cpu_and_restore_gives_every_cpu_back():
+    """Real threads: the two pinned threads get one CPU (the same one); a thread started by a pinned thread
+    inherits its CPU unless it calls `release_this_thread` first; `restore` undoes the pinning."""
+    release, started = threading.Event(), threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def other():
+        started.set()
+        release.wait(10)
+
+    looper = threading.Thread(target=other, name="tokenloop-looper")
+    looper.start()
+    started.wait(10)
+    front = FrontPlacement(str(max(CPUS)))
+    try:
+        assert front.pin(threading.get_native_id(), looper.native_id) == max(CPUS)
+        assert _mask(0) == _mask(looper.native_id) == {max(CPUS)}
+        with open(f"/proc/self/task/{looper.native_id}/comm") as f:
+            assert f.read().strip() == "tokenloop-loopr"
+
+        def child(key, widen):
+            if widen:
+                front.release_this_thread()
+            seen[key] = _mask(0)
+        for key, widen in (("inherits", False), ("released", True)):
+            t = threading.Thread(target=child, args=(key, widen))
+            t.start()
+            t.join(10)
+        assert seen == {"inherits": {max(CPUS)}, "released": CPUS}
+    finally:
+        front.restore()
+        release.set()
+        looper.join(10)
+    assert _mask(0) == CPUS
+    assert front.cpu is None
