@@ -100,9 +100,17 @@ class FrontPlacement:
         if cpu is None:
             return None
         self._wide = os.sched_getaffinity(0)
-        for tid in (event_loop_tid, looper_tid):
-            os.sched_setaffinity(tid, {cpu})
-            self._pinned.append(tid)
+        try:
+            for tid in (event_loop_tid, looper_tid):
+                os.sched_setaffinity(tid, {cpu})
+                self._pinned.append(tid)
+        except OSError as exc:  # e.g. a seccomp profile that forbids it
+            self.restore()
+            self._wide = None
+            if self.spec != "auto":
+                raise ValueError(f"--front-cpu {cpu}: cannot pin the threads ({exc})") from exc
+            log.warning("--front-cpu auto: cannot pin the event-loop and looper threads (%s); the OS places them", exc)
+            return None
         self.cpu = cpu
         log.info("event-loop and looper threads share CPU %d (--front-cpu %s; other threads: CPUs %s)", cpu,
                  self.spec, cpu_list(self._wide))
@@ -119,7 +127,7 @@ class FrontPlacement:
 
     def restore(self) -> None:
         """Give the pinned threads (those still alive) the process's CPUs back."""
-        for tid in self._pinned:
+        for tid in reversed(self._pinned):
             try:
                 os.sched_setaffinity(tid, self._wide)
             except OSError:  # the looper thread has exited

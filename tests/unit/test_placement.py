@@ -98,3 +98,26 @@ def test_pin_puts_both_threads_on_one_cpu_and_restore_gives_every_cpu_back():
         looper.join(10)
     assert _mask(0) == CPUS
     assert front.cpu is None
+
+
+def test_a_refused_pin_is_a_warning_with_auto_and_an_error_with_a_cpu_number(monkeypatch, caplog):
+    """Where the system forbids pinning (a seccomp profile), `auto` serves unpinned and says so; an explicit CPU
+    is a start-up error naming the flag. Nothing stays half pinned."""
+    calls = []
+
+    def refuse_second(tid, cpus):
+        calls.append((tid, set(cpus)))
+        if len(calls) == 2:
+            raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_setaffinity", refuse_second)
+    monkeypatch.setattr(placement, "_current_cpu", lambda: 1)
+    front = FrontPlacement("auto")
+    assert front.pin(101, 102) is None and front.cpu is None
+    assert calls == [(101, {1}), (102, {1}), (101, {0, 1})]  # the first thread given its CPUs back
+    assert "cannot pin the event-loop and looper threads" in caplog.text
+    front.release_this_thread()  # nothing to widen: no call
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(ValueError, match=r"--front-cpu 0: cannot pin the threads \(.*not permitted"):
+        FrontPlacement("0").pin(101, 102)
