@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ..looper.threads import name_this_thread  # noqa: F401 - the engine's threads name themselves with it
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
@@ -109,15 +111,6 @@ class PagedAttention:
                           block_size, scale)
         if rc != 0:
             raise RuntimeError(f"paged_decode_f32 failed (code {rc})")
-
-
-def name_this_thread(name: str) -> None:
-    """Best effort: the OS-level name of the calling thread (shown by top -H, ps -L, /proc/*/task/*/comm)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
 
 
 def load() -> PagedAttention | None:

@@ -20,6 +20,7 @@ from .executor import EngineDeadError, Executor, Step, merge_steps
 from .outputs import RequestState
 from .request import ValidRequest
 from .stream import ErrorKind, Event, RequestFailed, RequestStream
+from .threads import name_this_thread
 
 log = logging.getLogger("tokenloop.looper")
 
@@ -137,6 +138,7 @@ class Looper:
     # -- looper thread ---------------------------------------------------------------------
     def _run(self) -> None:
         """while running: drain the channel, pull steps, fan out."""
+        name_this_thread("tokenloop-loopr")
         try:
             while self._drain_channel():  # 1) new requests, cancels
                 if self._in_flight:

@@ -98,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         default_max_new_tokens=args.default_max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
-        front_cpu=args.front_cpu,        model_id=args.model_id, log_level=args.log_level, executor_options=options,
+        front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,
         max_stop_string_length=args.max_stop_string_length, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file, otel_endpoint=args.otel_endpoint)

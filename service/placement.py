@@ -54,15 +54,6 @@ def _current_cpu() -> int | None:
     return cpu if cpu >= 0 else None
 
 
-def _name_thread(tid: int, name: str) -> None:
-    """Best effort: the OS-level name of one of this process's threads (top -H, ps -L, /proc/*/task/*/comm)."""
-    try:
-        with open(f"/proc/self/task/{tid}/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:
-        pass
-
-
 class FrontPlacement:
     """Pins the event-loop thread and the looper thread to one CPU (`pin`), and undoes it (`restore`)."""
 
@@ -95,7 +86,6 @@ class FrontPlacement:
 
     def pin(self, event_loop_tid: int, looper_tid: int) -> int | None:
         """Call on the event-loop thread once the looper thread runs. Returns the shared CPU, or None."""
-        _name_thread(looper_tid, "tokenloop-loopr")
         cpu = self.choose()
         if cpu is None:
             return None

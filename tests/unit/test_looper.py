@@ -58,6 +58,15 @@ def test_non_streaming_gets_only_complete(tokenizer):
     run(with_looper(tokenizer, body))
 
 
+def test_the_looper_thread_has_an_os_level_name(tokenizer):
+    """`tokenloop-loopr` in top -H, ps -L and /proc (where --front-cpu's pinning can be checked)."""
+    async def body(looper, ex, _):
+        await collect(looper.submit(make_request(tokenizer)))  # the thread is running its loop
+        with open(f"/proc/self/task/{looper.thread_id}/comm") as f:
+            assert f.read().strip() == "tokenloop-loopr"
+    run(with_looper(tokenizer, body))
+
+
 def test_fan_out_to_200_concurrent_requests(tokenizer):
     async def body(looper, ex, _):
         prompts = [f"Hello world {i}" for i in range(200)]
