@@ -1,86 +1,34 @@
-"""TensorRT-LLM on NVIDIA GPUs: configuration, adapter choice, and what both adapters share.
+"""TensorRT-LLM on NVIDIA GPUs: which adapter serves a model, and building it.
 
 Importing this module never imports `tensorrt_llm` (it is not installable on most machines and
 takes seconds to load); `create_trtllm_executor` imports it lazily. Two adapters implement the
 `Executor` protocol: `trtllm_executor.TrtllmExecutor` (the C++ executor binding, prebuilt
 TensorRT engines) and `trtllm_llmapi.TrtllmLlmApi` (`tensorrt_llm.LLM`, the PyTorch backend,
-Hugging Face checkpoints). See docs/trtllm.md.
+Hugging Face checkpoints). What both share lives in `trtllm_common`, which imports neither. See
+docs/trtllm.md.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
-from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .executor import Executor, ExecutorStats
-from .request import FinishReason, ValidRequest
+from .executor import Executor
 from .tokenizer import ModelCard
+from .trtllm_common import TrtllmConfig
+
+__all__ = ["MISSING_TRTLLM", "TrtllmConfig", "create_trtllm_executor", "is_engine_dir"]
 
 MISSING_TRTLLM = ("--backend trtllm needs TensorRT-LLM: run on NVIDIA's TensorRT-LLM release image "
                   "(nvcr.io/nvidia/tensorrt-llm/release) or `pip install tensorrt-llm` from "
                   "https://pypi.nvidia.com (see docs/trtllm.md)")
-
-APIS = ("auto", "executor", "llm")
-STATS_MAX_AGE_S = 5.0
-SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
-
-
-@dataclass(frozen=True, slots=True)
-class TrtllmConfig:
-    """Settings passed through to TensorRT-LLM; None leaves TensorRT-LLM's own default."""
-
-    api: str = "auto"  # auto: a directory with *.engine files -> executor, else llm
-    max_batch_size: int | None = None
-    max_num_tokens: int | None = None
-    kv_cache_free_gpu_memory_fraction: float | None = None
-    enable_block_reuse: bool | None = None
-    enable_chunked_context: bool | None = None
-    scheduler_policy: str | None = None  # max_utilization | guaranteed_no_evict
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    beam_width: int = 1
-    tokenizer_dir: str | None = None  # where generation_config.json lives (default: the model dir)
-    executor_worker_path: str | None = None  # executorWorker binary for multi-GPU engines
-
-    def __post_init__(self):
-        if self.api not in APIS:
-            raise ValueError(f"--trtllm-api must be one of {', '.join(APIS)}; got {self.api!r}")
-        for name in ("max_batch_size", "max_num_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
-        fraction = self.kv_cache_free_gpu_memory_fraction
-        if fraction is not None and not 0.0 < fraction <= 1.0:
-            raise ValueError(f"--kv-cache-free-gpu-memory-fraction must be > 0 and <= 1; got {fraction}")
-        if self.scheduler_policy is not None and self.scheduler_policy not in SCHEDULER_POLICIES:
-            raise ValueError(f"--scheduler-policy must be one of {', '.join(SCHEDULER_POLICIES)}; "
-                             f"got {self.scheduler_policy!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "beam_width"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def is_engine_dir(path: str | Path) -> bool:
     """A TensorRT engine directory: config.json next to rank0.engine (or any *.engine)."""
     path = Path(path)
     return (path / "config.json").is_file() and any(path.glob("*.engine"))
-
-
-def engine_world_size(engine_dir: str | Path) -> int:
-    """tp * pp the engine was built for (config.json `pretrained_config.mapping`), 1 if unknown."""
-    try:
-        config = json.loads((Path(engine_dir) / "config.json").read_text())
-        mapping = config.get("pretrained_config", {}).get("mapping", {})
-        return int(mapping.get("world_size") or mapping.get("tp_size", 1) * mapping.get("pp_size", 1))
-    except (OSError, ValueError, AttributeError, TypeError):
-        return 1
 
 
 def create_trtllm_executor(model_path: str, config: TrtllmConfig | None = None, **options) -> Executor:
@@ -109,76 +57,3 @@ def create_trtllm_executor(model_path: str, config: TrtllmConfig | None = None, 
         return TrtllmExecutor(model_path, config, card.eos_token_ids)
     from .trtllm_llmapi import TrtllmLlmApi
     return TrtllmLlmApi(model_path, config, card.eos_token_ids)
-
-
-# -- shared by both adapters -----------------------------------------------------------------
-def end_and_stop_ids(request: ValidRequest, eos_token_ids: tuple[int, ...]) -> tuple[int, list[int]]:
-    """The executor's `end_id` and single-token stop words: the request's stop_token_ids plus
-    every further EOS id of the model. ignore_eos: end_id -1 (TensorRT-LLM's own convention)."""
-    stop = list(dict.fromkeys(request.stopping.stop_token_ids))
-    if request.stopping.ignore_eos or not eos_token_ids:
-        return -1, stop
-    return eos_token_ids[0], stop + [t for t in eos_token_ids[1:] if t not in stop]
-
-
-def sampling_kwargs(request: ValidRequest) -> dict:
-    """SamplingConfig / SamplingParams fields shared by both APIs (seed under the name `seed`).
-
-    Greedy is top_k 1; sampling always sets top_k and top_p, because TensorRT-LLM treats
-    "neither set" as greedy.
-    """
-    s, stopping = request.sampling, request.stopping
-    kwargs: dict = {"seed": s.seed}
-    if s.greedy:
-        kwargs["top_k"] = 1
-    else:
-        kwargs.update(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-        if s.min_p > 0.0:
-            kwargs["min_p"] = s.min_p
-    if s.repetition_penalty != 1.0:
-        kwargs["repetition_penalty"] = s.repetition_penalty
-    if s.presence_penalty != 0.0:
-        kwargs["presence_penalty"] = s.presence_penalty
-    if s.frequency_penalty != 0.0:
-        kwargs["frequency_penalty"] = s.frequency_penalty
-    if stopping.min_new_tokens > 0:
-        kwargs["min_tokens"] = stopping.min_new_tokens
-    return kwargs
-
-
-def wants_logprobs(request: ValidRequest) -> bool:
-    return request.output.logprobs or request.output.top_logprobs > 0
-
-
-def stop_reason(token: int | None, request: ValidRequest) -> tuple[FinishReason, int | None]:
-    """A sequence stopped on a stop word: the request's own stop token, or one more EOS id."""
-    if token is not None and token in request.stopping.stop_token_ids:
-        return FinishReason.STOP_TOKEN, token
-    return FinishReason.EOS, None
-
-
-def current_stats(snapshot: ExecutorStats | None, taken_at: float, num_in_flight: int, now: float) -> ExecutorStats:
-    """The latest iteration's stats, with request counts from the adapter's own bookkeeping when
-    TensorRT-LLM has nothing in flight (an idle executor reports no new iterations) or the
-    snapshot is older than STATS_MAX_AGE_S."""
-    snapshot = snapshot or ExecutorStats()
-    if num_in_flight == 0:
-        return replace(snapshot, num_running=0, num_waiting=0)
-    if now - taken_at > STATS_MAX_AGE_S:
-        return replace(snapshot, num_running=num_in_flight, num_waiting=0)
-    return snapshot
-
-
-def stats_from_iteration(stats: dict) -> ExecutorStats:
-    """ExecutorStats from one iteration's stats in TensorRT-LLM's JSON names
-    (`IterationStats.to_json_str()`, and what `LLM.get_stats_async` yields)."""
-    kv = stats.get("kvCacheStats") or {}
-    return ExecutorStats(
-        num_running=int(stats.get("numActiveRequests", 0)),
-        num_waiting=int(stats.get("numQueuedRequests", 0)),
-        kv_blocks_used=int(kv.get("usedNumBlocks", 0)),
-        kv_blocks_total=int(kv.get("maxNumBlocks", 0)),
-        tokens_per_block=int(kv.get("tokensPerBlock", 0)),
-        step_latency_s=float(stats.get("iterLatencyMS", 0.0)) / 1000.0,
-        num_steps=int(stats.get("iter", 0)),
-    )

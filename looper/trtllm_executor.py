@@ -27,7 +27,7 @@ from datetime import timedelta
 
 from .executor import EngineDeadError, ExecutorStats, Step
 from .request import FinishReason, ValidRequest
-from .trtllm import (
+from .trtllm_common import (
     TrtllmConfig,
     current_stats,
     end_and_stop_ids,

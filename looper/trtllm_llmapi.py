@@ -29,7 +29,7 @@ import time
 
 from .executor import EngineDeadError, ExecutorStats, Step
 from .request import FinishReason, ValidRequest
-from .trtllm import (
+from .trtllm_common import (
     TrtllmConfig,
     current_stats,
     end_and_stop_ids,
