@@ -14,6 +14,7 @@ class FinishReason(enum.IntEnum):
     STOP_SEQUENCE = 3
     STOP_TOKEN = 4
     CANCELLED = 5
+    STRUCTURE_COMPLETE = 6  # the `structured` constraint could take no more tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,14 @@ class OutputParams:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output (`GenerateRequest.structured`): `kind` is the oneof's field name."""
+
+    kind: str  # json_schema | json_object | regex | grammar | structural_tag
+    spec: str = ""  # the schema, regex, grammar or structural tag text; "" for json_object
+
+
+@dataclass(frozen=True, slots=True)
 class ValidRequest:
     """A request that passed validation: defaults filled, limits checked, prompt tokenized."""
 
@@ -69,3 +78,5 @@ class ValidRequest:
     stream: bool = False
     prompt_text: str = ""  # for echo; empty when the prompt came as token ids
     deadline: float | None = None  # time.monotonic() after which the request is cancelled
+    structured: StructuredOutput | None = None  # None: free text
+    lora: str = ""  # a loaded LoRA adapter's name; "": the base model

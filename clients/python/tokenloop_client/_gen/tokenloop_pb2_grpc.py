@@ -65,6 +65,21 @@ class TextGenerationStub:
                 request_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.AbortRequest.SerializeToString,
                 response_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/tokenloop.v1.TextGeneration/LoadLoraAdapter',
+                request_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/tokenloop.v1.TextGeneration/UnloadLoraAdapter',
+                request_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/tokenloop.v1.TextGeneration/ListLoraAdapters',
+                request_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -116,6 +131,28 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a LoRA adapter (PEFT format) from a directory on the
+        server under a name that `GenerateRequest.lora` then selects.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter removes a loaded adapter by name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """ListLoraAdapters lists the loaded adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +185,21 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.AbortRequest.FromString,
                     response_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.AbortResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +365,87 @@ class TextGeneration:
             '/tokenloop.v1.TextGeneration/Abort',
             tokenloop_dot_v1_dot_tokenloop__pb2.AbortRequest.SerializeToString,
             tokenloop_dot_v1_dot_tokenloop__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenloop.v1.TextGeneration/LoadLoraAdapter',
+            tokenloop_dot_v1_dot_tokenloop__pb2.LoadLoraAdapterRequest.SerializeToString,
+            tokenloop_dot_v1_dot_tokenloop__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenloop.v1.TextGeneration/UnloadLoraAdapter',
+            tokenloop_dot_v1_dot_tokenloop__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            tokenloop_dot_v1_dot_tokenloop__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenloop.v1.TextGeneration/ListLoraAdapters',
+            tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersRequest.SerializeToString,
+            tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
