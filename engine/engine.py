@@ -131,6 +131,8 @@ class Engine:
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
         if request.n < 1:
             raise ValueError(f"n must be >= 1, got {request.n}")
+        if request.structured is not None and request.structured.grammar is None:
+            raise ValueError(f"`{request.structured.kind}` was not compiled (validation compiles it)")
         need = min(len(prompt) + request.stopping.max_new_tokens, self.max_context_length)
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if need > capacity:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..looper.executor import Step
 from ..looper.request import FinishReason
+from . import guided
 from .sampler import Sample
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -23,13 +24,32 @@ def finish_reason(seq: Sequence, token_id: int, eos_token_ids: tuple[int, ...],
     return None
 
 
+def structured_finish(seq: Sequence, token_id: int, reason: FinishReason | None) -> FinishReason | None:
+    """Advance `seq`'s matcher with `token_id`: a complete structure ends the sequence (STRUCTURE_COMPLETE, also
+    when the same token reached max_new_tokens: the output is whole). Raises ValueError when the matcher refused it."""
+    error = guided.advance(seq, token_id)
+    if error is not None:
+        raise ValueError(f"the structured-output matcher failed: {error}")
+    if reason in (None, FinishReason.LENGTH) and guided.structure_complete(seq):
+        return FinishReason.STRUCTURE_COMPLETE
+    return reason
+
+
 def steps_for_samples(seqs: list[Sequence], samples: list[Sample], scheduler: Scheduler,
                       eos_token_ids: tuple[int, ...], max_context_length: int) -> list[Step]:
-    """Append each sample to its sequence; finished sequences leave the scheduler."""
+    """Append each sample to its sequence; finished sequences leave the scheduler. A sequence whose structure
+    matcher failed ends with an error step (its request fails; the looper cancels its other sequences)."""
     steps = []
     for seq, sample in zip(seqs, samples):
         seq.token_ids.append(sample.token_id)
         reason = finish_reason(seq, sample.token_id, eos_token_ids, max_context_length)
+        if seq.matcher is not None:
+            try:
+                reason = structured_finish(seq, sample.token_id, reason)
+            except ValueError as exc:
+                scheduler.finish(seq)
+                steps.append(Step(seq.request_id, seq.seq_index, [], is_final=True, error=str(exc)))
+                continue
         step = Step(seq.request_id, seq.seq_index, [sample.token_id])
         if sample.logprob is not None:
             step.logprobs = [sample.logprob]

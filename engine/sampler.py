@@ -1,7 +1,8 @@
 """Next-token choice: small pure functions over logits, and `sample_batch` that applies them per sequence.
 
-Order: penalties -> min_new_tokens mask -> (log probabilities reported here) -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> a draw from the sequence's own torch.Generator. Each
+Order: the structure's mask (guided.py, `structured` requests only) -> penalties -> min_new_tokens mask ->
+(log probabilities reported here) -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the
+sequence's own torch.Generator. Each
 sampled sequence draws exactly one number per step from its own generator, so a seed gives the same
 tokens whatever else shares the batch.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import guided
 from .sequence import Sequence
 
 
@@ -78,17 +80,23 @@ def draw(logits: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def top_alternatives(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    """The `k` most likely (token id, log probability) pairs, best first. logprobs [V]."""
+    """The `k` most likely (token id, log probability) pairs, best first, leaving out impossible ones (a structure
+    or min_new_tokens can leave fewer than `k` possible tokens). logprobs [V]."""
     values, ids = torch.topk(logprobs, k)
-    return list(zip(ids.tolist(), values.tolist()))
+    return [(t, v) for t, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
 
 
 def _banned_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
-    """Tokens that may not end the sequence yet (min_new_tokens)."""
+    """Tokens that may not end the sequence yet (min_new_tokens); with a structure, EOS under ignore_eos too. A
+    structure that is complete allows only EOS: nothing is banned then (the sequence ends at once)."""
     stopping = seq.request.stopping
-    if seq.num_output_tokens >= stopping.min_new_tokens:
+    constrained = seq.matcher is not None
+    if constrained and seq.matcher.is_stopped():
         return []
-    banned = list(stopping.stop_token_ids)
+    banned = list(eos_token_ids) if constrained and stopping.ignore_eos else []
+    if seq.num_output_tokens >= stopping.min_new_tokens:
+        return banned
+    banned.extend(stopping.stop_token_ids)
     if not stopping.ignore_eos:
         banned.extend(eos_token_ids)
     return banned
@@ -107,7 +115,9 @@ def _process(row: torch.Tensor, seq: Sequence, eos_token_ids: tuple[int, ...]) -
 
 
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> list[Sample]:
-    """Choose the next token of each sequence. logits [S, V] float32, row i belongs to seqs[i]."""
+    """Choose the next token of each sequence. logits [S, V] float32, row i belongs to seqs[i]; the rows of
+    `structured` sequences are masked in place."""
+    guided.mask_logits(logits, seqs)
     greedy_ids = logits.argmax(-1).tolist()  # one batched argmax serves every unmodified greedy row
     samples = []
     for i, seq in enumerate(seqs):

@@ -100,3 +100,4 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.matcher = None  # a structured sequence's grammar matcher goes with it

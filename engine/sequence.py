@@ -37,6 +37,8 @@ class Sequence:
     num_cached_blocks: int = 0  # leading blocks already registered with the prefix cache
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    matcher: object | None = None  # llguidance.LLMatcher of a `structured` request: what may come next
+
 
     @classmethod
     def from_request(cls, request_id: int, seq_index: int, request: ValidRequest) -> Sequence:
@@ -45,6 +47,8 @@ class Sequence:
         if not request.sampling.greedy:
             # each sequence of a request draws from its own stream: seed, seq_index -> generator
             seq.generator = torch.Generator().manual_seed((request.sampling.seed * 1_000_003 + seq_index) % (1 << 63))
+        if request.structured is not None:  # one matcher per sequence, copied from the compiled grammar
+            seq.matcher = request.structured.grammar.matcher()
         return seq
 
     def __len__(self) -> int:
@@ -68,7 +72,9 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def reset_for_recompute(self) -> None:
-        """Preempted: drop all cache state; prompt and output tokens are kept and recomputed later."""
+        """Preempted: drop all cache state; prompt and output tokens are kept and recomputed later. The matcher
+        stays as it is: it has consumed exactly the output tokens, and recompute samples nothing until they are
+        all back in the cache."""
         self.num_computed_tokens = 0
         self.block_table = []
         self.num_cached_blocks = 0

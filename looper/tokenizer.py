@@ -159,6 +159,10 @@ class Tokenizer:
             return None
         return max(len(t) for t in tok.get_vocab(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """tokenizer.json as text (what llguidance and TensorRT-LLM's guided decoding take)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -1,0 +1,69 @@
+"""Grammar-constrained rows of a step: fill each one's token bitmask (llguidance), mask its logits, advance it.
+
+Only sequences with a matcher (`Sequence.matcher`, a request with `structured`) are touched; a batch with none costs
+one pass over the list. The masks of all constrained rows are filled by llguidance's thread pool (the GIL
+released), unpacked in one numpy call and applied to the logits in one indexed write, before any sampling step
+(penalties, temperature, top-k/p): every token the structure forbids gets -inf.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from llguidance import LLExecutor
+
+from .sequence import Sequence
+
+_executor: LLExecutor | None = None
+
+
+def _pool() -> LLExecutor:
+    global _executor
+    if _executor is None:
+        _executor = LLExecutor(max(1, os.cpu_count() or 1))  # the model's threads are idle meanwhile
+    return _executor
+
+
+def constrained_rows(seqs: list[Sequence]) -> list[int]:
+    return [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+
+
+def allowed_tokens(matchers: list, num_words: int, vocab_size: int) -> torch.Tensor:
+    """bool [R, vocab_size]: the tokens each matcher allows next (bits past its own vocabulary are False)."""
+    bitmask = np.zeros((len(matchers), num_words), dtype=np.int32)  # [R, W]
+    if len(matchers) == 1:
+        matchers[0].unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+    else:
+        _pool().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
+                                        num_words * 4, len(matchers))
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # [R, W * 32]
+    if bits.shape[1] < vocab_size:
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
+    return torch.from_numpy(bits[:, :vocab_size]).bool()
+
+
+def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: forbid, in each constrained row of logits [S, V], what its sequence's structure forbids."""
+    rows = constrained_rows(seqs)
+    if not rows:
+        return
+    grammar = seqs[rows[0]].request.structured.grammar
+    allowed = allowed_tokens([seqs[i].matcher for i in rows], grammar.num_mask_words, logits.shape[-1])
+    index = torch.tensor(rows, dtype=torch.long)
+    with torch.inference_mode():  # the model's logits are an inference tensor
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def advance(seq: Sequence, token_id: int) -> str | None:
+    """Feed the chosen token to `seq`'s matcher; the library's error text when it refused it."""
+    matcher = seq.matcher
+    if matcher.consume_token(token_id) and not matcher.is_error():
+        return None
+    return matcher.get_error() or f"the structure does not allow token {token_id}"
+
+
+def structure_complete(seq: Sequence) -> bool:
+    """The structure can take no more tokens (only the end of the sequence may follow)."""
+    return seq.matcher is not None and seq.matcher.is_stopped()

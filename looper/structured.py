@@ -1,0 +1,136 @@
+"""Structured output: a request's constraint compiled by llguidance, kept in a bounded cache, matched per sequence.
+
+`GrammarCompiler.compile(kind, spec)` turns a `StructuredOutput` (a JSON schema, any JSON object, a regex, a grammar
+or a structural tag) into a `Grammar`: an llguidance matcher that has never consumed a token, the template each
+sequence's own matcher is copied from (`Grammar.matcher()`). Compiled grammars are cached by their text (LRU), so a
+schema sent again is admitted without compiling. Why llguidance and not xgrammar: docs/structured-output.md
+(measured by bench/grammar_libs.py).
+
+JSON is laid out as `json.dumps` does by default (`", "` and `": "` between items, no other whitespace): with any
+whitespace allowed, a model can emit blanks forever and never finish the value (both libraries, bench/grammar_libs.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from dataclasses import dataclass
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from .structural_tag import StructuralTagError, to_lark
+
+KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = '{"type": "object"}'
+_WHAT = {"json_schema": "a valid JSON schema", "json_object": "valid", "regex": "a valid regular expression",
+         "grammar": "a valid grammar", "structural_tag": "a valid structural tag"}
+
+
+class GrammarError(ValueError):
+    """The constraint does not compile; `kind` is the field at fault, the message the library's words."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def one_line(message: str, limit: int = 400) -> str:
+    """A library message (often several lines with a caret) as one bounded line for a gRPC status."""
+    text = " | ".join(line.strip() for line in message.strip().splitlines() if line.strip())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def lark_of(kind: str, spec: str) -> str:
+    """A `grammar` (GBNF or Lark) or `structural_tag` as a Lark grammar that llguidance takes."""
+    try:
+        return any_to_lark(spec) if kind == "grammar" else to_lark(spec)
+    except StructuralTagError as exc:
+        raise GrammarError(kind, str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - the GBNF converter raises its own error types
+        raise GrammarError(kind, f"{type(exc).__name__}: {exc}") from None
+
+
+def grammar_text(kind: str, spec: str) -> str:
+    """The llguidance grammar for one constraint; raises GrammarError for a spec that is not even well formed."""
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except ValueError as exc:
+            raise GrammarError(kind, f"not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise GrammarError(kind, f"a JSON schema is a JSON object; got {type(schema).__name__}")
+        return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides=JSON_LAYOUT)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_LAYOUT)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind in ("grammar", "structural_tag"):
+        return llguidance.LLMatcher.grammar_from_lark(lark_of(kind, spec))
+    raise GrammarError(kind, f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Grammar:
+    """A compiled constraint: `matcher()` gives a fresh llguidance matcher for one sequence."""
+
+    kind: str
+    template: llguidance.LLMatcher  # never advanced; only copied
+    vocab_size: int  # the bitmask covers this many token ids
+
+    def matcher(self) -> llguidance.LLMatcher:
+        return self.template.deep_copy()
+
+    @property
+    def num_mask_words(self) -> int:
+        """int32 words of one sequence's token bitmask."""
+        return (self.vocab_size + 31) // 32
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, keeping the `cache_size` most recently used (thread-safe)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], cache_size: int = 256):
+        eos = list(eos_token_ids) or None
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        self.vocab_size = vocab_size
+        self.cache_size = max(0, cache_size)
+        self._cache: collections.OrderedDict[tuple[str, str], Grammar] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+
+    def cached(self, kind: str, spec: str) -> Grammar | None:
+        """The compiled grammar for (kind, spec) when it is in the cache (and mark it recently used)."""
+        with self._lock:
+            grammar = self._cache.get((kind, spec))
+            if grammar is not None:
+                self._cache.move_to_end((kind, spec))
+            return grammar
+
+    def compile(self, kind: str, spec: str) -> Grammar:
+        """Compile (llguidance releases the GIL meanwhile) and cache; raises GrammarError naming the library's
+        reason. Call it off the event loop: a large schema takes milliseconds to seconds."""
+        grammar = self.cached(kind, spec)
+        if grammar is not None:
+            return grammar
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(kind, spec), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(kind, matcher.get_error())
+        grammar = Grammar(kind, matcher, self.vocab_size)
+        with self._lock:
+            self.num_compiled += 1
+            if self.cache_size:
+                self._cache[(kind, spec)] = grammar
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return grammar
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+def describe_error(exc: GrammarError) -> str:
+    """`GrammarError` as a client message: the field, what it should be, and the library's words."""
+    return f"`{exc.kind}` is not {_WHAT.get(exc.kind, 'valid')}: {one_line(str(exc))}"
