@@ -76,9 +76,8 @@ class Xgrammar:
     name = "xgrammar"
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos: int):
-        from tokenizers import Tokenizer
-
         import xgrammar
+        from tokenizers import Tokenizer
 
         self.xgr = xgrammar
         start = time.perf_counter()

@@ -47,6 +47,15 @@ def engine(checkpoint):
     eng.shutdown()
 
 
+def check_output(kind: str, spec: str, text: str) -> None:
+    if kind == "json_schema":
+        check_json(text, json.loads(spec))
+    elif kind == "regex":
+        check_regex(text, spec)
+    else:
+        check_arithmetic(text)
+
+
 def outputs(engine, tokenizer, requests):
     """(text, finish reason) of every sequence of every request, in order."""
     ids, steps = run_all(engine, requests, timeout=300)
@@ -199,6 +208,4 @@ def test_mixed_batch_of_16_and_free_greedy_rows_equal_transformers(checkpoint, c
         if request.structured is None and request.sampling.greedy:
             assert got == hf_greedy(hf, list(request.prompt_token_ids), 48)
         elif request.structured is not None:
-            kind, spec, text = request.structured.kind, request.structured.spec, tokenizer.decode(got)
-            {"json_schema": lambda: check_json(text, json.loads(spec)), "regex": lambda: check_regex(text, spec),
-             "grammar": lambda: check_arithmetic(text)}[kind]()
+            check_output(request.structured.kind, request.structured.spec, tokenizer.decode(got))
