@@ -17,6 +17,7 @@ from tokenloop.looper.executor import Executor
 from tokenloop.looper.looper import Looper
 from tokenloop.looper.request import ValidRequest
 from tokenloop.looper.stream import Complete
+from tokenloop.looper.structured import GrammarCompiler
 from tokenloop.looper.tokenizer import ModelCard, Tokenizer
 from tokenloop.v1 import tokenloop_pb2 as pb
 
@@ -24,6 +25,7 @@ from .admission import Admission
 from .config import ServerConfig
 from .errors import Unavailable
 from .placement import FrontPlacement
+from .structured import GrammarGate
 from .validation import Limits, Validator
 
 log = logging.getLogger("tokenloop.service")
@@ -59,6 +61,7 @@ class App:
         self.card: ModelCard | None = None
         self.validator: Validator | None = None
         self.executor: Executor | None = None
+        self.grammars: GrammarGate | None = None  # compiles `structured` constraints (service.structured)
         self.looper: Looper | None = None
         self.not_ready_reason = "the model is loading"
         self.dead = asyncio.Event()
@@ -84,7 +87,10 @@ class App:
             max_new_tokens=cfg.max_new_tokens, default_max_new_tokens=min(cfg.default_max_new_tokens,
                                                                           cfg.max_new_tokens),
             max_n=cfg.max_n, max_stop_strings=cfg.max_stop_strings,
-            max_stop_string_length=cfg.max_stop_string_length))
+            max_stop_string_length=cfg.max_stop_string_length, max_grammar_bytes=cfg.max_grammar_bytes))
+        compiler = GrammarCompiler(self.tokenizer.to_json(), self.validator.vocab_size, self.card.eos_token_ids,
+                                   cfg.grammar_cache_size)
+        self.grammars = GrammarGate(compiler, self.tokenize_pool, cfg.grammar_compile_timeout)
         self.executor = self._executor_factory(cfg)
 
     async def start(self) -> None:
@@ -141,10 +147,14 @@ class App:
         ~15 ms. Short inputs stay here: the hop to a thread and back (two wake-ups) costs more than they do."""
         if size <= self.config.tokenize_inline_chars:
             return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool(), fn, *args)
+
+    def tokenize_pool(self) -> ThreadPoolExecutor:
+        """The tokenizer threads (long inputs, and constraints to compile), started on first use."""
         if self._tokenize_pool is None:
             self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenloop-tokenize",
                                                      initializer=self.placement.release_this_thread)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+        return self._tokenize_pool
 
     def require_ready(self) -> None:
         if self.not_ready_reason:

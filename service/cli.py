@@ -54,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="json: one JSON object per line, including one line per finished request")
     s.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
     s.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length)
+    g = s.add_argument_group("structured output (docs/structured-output.md)")
+    g.add_argument("--max-grammar-bytes", type=int, default=d.max_grammar_bytes,
+                   help="largest JSON schema, regex, grammar or structural tag a request may carry")
+    g.add_argument("--grammar-compile-timeout", type=float, default=d.grammar_compile_timeout,
+                   help="seconds a constraint may take to compile before its request is refused")
+    g.add_argument("--grammar-cache-size", type=int, default=d.grammar_cache_size,
+                   help="compiled constraints kept, most recently used first (0: none)")
     sec = s.add_argument_group("security and tracing (docs/operations.md)")
     sec.add_argument("--tls-cert", default="", help="PEM certificate chain (reloaded on SIGHUP or when the file changes)")
     sec.add_argument("--tls-key", default="", help="PEM private key")
@@ -100,7 +107,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
         front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,
-        max_stop_string_length=args.max_stop_string_length, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        max_stop_string_length=args.max_stop_string_length, max_grammar_bytes=args.max_grammar_bytes,
+        grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
+        tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file, otel_endpoint=args.otel_endpoint)
 
 

@@ -28,6 +28,9 @@ class ServerConfig:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
+    max_grammar_bytes: int = 262144  # largest JSON schema / regex / grammar / structural tag accepted
+    grammar_compile_timeout: float = 10.0  # seconds one constraint may take to compile
+    grammar_cache_size: int = 256  # compiled constraints kept (LRU), by their text
     max_message_bytes: int = 16 * 1024 * 1024
     poll_timeout: float = 0.02
     stall_timeout: float = 60.0  # a stream whose reader stops reading this long is aborted (0: never)
@@ -62,6 +65,12 @@ class ServerConfig:
         if self.tokenize_inline_chars < 0:
             raise ValueError("--tokenize-inline-chars must be >= 0")
         check_spec(self.front_cpu)
+        if self.max_grammar_bytes < 1:
+            raise ValueError("--max-grammar-bytes must be >= 1")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("--grammar-compile-timeout must be > 0")
+        if self.grammar_cache_size < 0:
+            raise ValueError("--grammar-cache-size must be >= 0")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"--log-format must be 'text' or 'json'; got {self.log_format!r}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -157,6 +157,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                 async with app.admission.slot():
                     valid = await app.tokenizing(text_size(request), app.validator.generate, request, rid,
                                                  deadline_of(context))
+                    valid = await app.grammars.admit(valid)  # a `structured` constraint: compiled, or cached
                     if app.looper.find(rid) is not None:
                         raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
                     stream = app.looper.submit(valid, arrival)

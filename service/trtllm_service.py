@@ -29,20 +29,23 @@ from .convert import field_key, string_field, varint
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
 from .logs import RequestRecord, logs_itself
 from .servicer import Delivery, add_with_raw_responses, deadline_of, metadata_value
+from .structured import structured_of_guided
 from .validation import MAX_TOP_LOGPROBS, _check
 
 log = logging.getLogger("tokenloop.service")
 SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
 GENERATE = f"/{SERVICE_NAME}/Generate"  # the RPC's gRPC path (the request log's `rpc`)
+# The finish reasons SMG maps to OpenAI's: a complete structure is a natural end, "stop" (as in TensorRT-LLM, where
+# the grammar ends the sequence with its end token).
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop",
-                  FinishReason.STOP_TOKEN: "stop", FinishReason.CANCELLED: "abort"}
+                  FinishReason.STOP_TOKEN: "stop", FinishReason.CANCELLED: "abort",
+                  FinishReason.STRUCTURE_COMPLETE: "stop"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json", "config.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
 TOKENIZER_CHUNK_BYTES = 1 << 20
 # Fields of GenerateRequest / SamplingConfig / OutputConfig this executor cannot honour, and why.
 UNSUPPORTED_REQUEST = {
-    "guided_decoding": "guided (constrained) decoding is not supported by this executor",
     "lora_config": "LoRA adapters are not supported by this executor",
     "prompt_tuning_config": "prompt tuning is not supported by this executor",
     "multimodal_input": "multimodal inputs are not supported: this is a text-only model",
@@ -119,7 +122,7 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
         request_id=validator.request_id(request_id), prompt_token_ids=ids,
         sampling=validator.sampling_from(request.sampling_config, "sampling_config."), stopping=_stopping(validator, request, len(ids)),
         output=OutputParams(logprobs=o.HasField("logprobs"), top_logprobs=top), n=n, stream=request.streaming,
-        deadline=deadline)
+        deadline=deadline, structured=structured_of_guided(request, lim.max_grammar_bytes))
 
 
 # Serialized pieces of GenerateResponse / GenerateStreamChunk (_Writer.encode)
@@ -283,6 +286,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                 app.require_ready()
                 async with app.admission.slot():
                     valid = to_valid_request(app.validator, request, rid, deadline_of(context))
+                    valid = await app.grammars.admit(valid, "guided_decoding.guide")  # compiled, or cached
                     if app.looper.find(rid) is not None:
                         raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
                     writer = _Writer(valid, request.include_stop_token_in_output,
@@ -330,7 +334,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
         app = self.app
         cfg = _read_config(app.config.model)
         features = ["stop", "stop_token_ids", "ignore_eos", "logprobs", "num_return_sequences", "seed",
-                    "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+                    "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "guided_decoding"]
         return tpb.GetModelInfoResponse(
             model_id=app.card.model_id, max_input_len=app.validator.limits.max_prompt_tokens,
             max_seq_len=app.card.max_context_length, max_batch_size=app.config.max_concurrent_requests,

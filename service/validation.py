@@ -14,6 +14,7 @@ from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParam
 from tokenloop.looper.tokenizer import ChatTemplateError, ModelCard, Tokenizer
 
 from .errors import ValidationError
+from .structured import structured_of
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
@@ -31,6 +32,7 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
     max_request_id_length: int = 256
+    max_grammar_bytes: int = 262144
 
     def __post_init__(self):
         if self.max_context_length < 2:
@@ -221,11 +223,13 @@ class Validator:
 
     # -- the whole request -----------------------------------------------------------------
     def generate(self, request, request_id: str, deadline: float | None = None) -> ValidRequest:
-        """Validate a `GenerateRequest`; raises ValidationError naming the first broken rule."""
+        """Validate a `GenerateRequest`; raises ValidationError naming the first broken rule. A `structured`
+        constraint is checked but not compiled (`App.grammars.admit` does that)."""
         n = request.n or 1
         _check(1 <= n <= self.limits.max_n, "n", f"`n` must be between 1 and {self.limits.max_n}; got {n}")
+        structured = structured_of(request, self.limits.max_grammar_bytes)
         ids, text = self.prompt(request)
         return ValidRequest(
             request_id=self.request_id(request_id), prompt_token_ids=ids, sampling=self.sampling(request),
             stopping=self.stopping(request, len(ids)), output=self.output(request), n=n,
-            stream=request.stream, prompt_text=text, deadline=deadline)
+            stream=request.stream, prompt_text=text, deadline=deadline, structured=structured)

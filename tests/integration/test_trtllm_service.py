@@ -135,7 +135,7 @@ def test_stop_token_and_eos_are_left_out_of_output_ids_unless_asked(tokenizer_di
 @pytest.mark.parametrize("field, kwargs", [
     ("bad", {"bad": ["world"]}),
     ("bad_token_ids", {"bad_token_ids": [5]}),
-    ("guided_decoding", {"guided_decoding": tpb.GuidedDecodingParams(guide_type=1, guide="{}")}),
+    ("guided_decoding.guide_type", {"guided_decoding": tpb.GuidedDecodingParams(guide_type=0, guide="{}")}),
     ("lora_config", {"lora_config": tpb.LoraConfig(task_id=1)}),
     ("multimodal_input", {"multimodal_input": tpb.MultimodalInput(image_data=[b"x"])}),
     ("disaggregated_params", {"disaggregated_params": tpb.DisaggregatedParams(request_type=1)}),

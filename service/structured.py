@@ -1,0 +1,116 @@
+"""Structured output at the door: the rules on a request's constraint (either API), and its compile off the event loop.
+
+`structured_of` and `structured_of_guided` check what needs no compile (one rule, one message each) and return an
+uncompiled `StructuredOutput`; `GrammarGate.admit` then compiles it (a cache hit: here, in microseconds; a miss: on a
+tokenizer thread, llguidance releasing the GIL, under `--grammar-compile-timeout`). A schema, regex or grammar the
+library refuses is INVALID_ARGUMENT naming the field and carrying the library's words.
+
+A compile that outlives its timeout fails its request at once, but its thread cannot be stopped: it finishes the
+compile, bounded by llguidance's own limits on grammar size and lexer work (LLParserLimits), caches the result (a
+retry is then a cache hit) and returns to the pool. The pool has two threads, so at most two such compiles run at a
+time; further compiles wait for a thread, within the same timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
+
+from tokenloop.looper.request import StructuredOutput, ValidRequest
+from tokenloop.looper.structured import GrammarCompiler, GrammarError, describe_error, one_line
+
+from .errors import ValidationError
+
+log = logging.getLogger("tokenloop.service")
+GUIDE_TYPES = tpb.GuidedDecodingParams.GuideType
+# trtllm GuideType -> our kind. GUIDE_TYPE_JSON is what TensorRT-LLM's OpenAI server sends for
+# `response_format: json_object`, and its llguidance backend compiles it to any JSON object: so do we.
+GUIDE_KINDS = {GUIDE_TYPES.GUIDE_TYPE_JSON: "json_object", GUIDE_TYPES.GUIDE_TYPE_JSON_SCHEMA: "json_schema",
+               GUIDE_TYPES.GUIDE_TYPE_REGEX: "regex", GUIDE_TYPES.GUIDE_TYPE_EBNF_GRAMMAR: "grammar",
+               GUIDE_TYPES.GUIDE_TYPE_STRUCTURAL_TAG: "structural_tag"}
+
+
+def _check_size(spec: str, field: str, max_bytes: int) -> None:
+    size = len(spec) if len(spec) > max_bytes else len(spec.encode())  # a character is at least one byte
+    if size > max_bytes:
+        raise ValidationError("structure_too_large", f"`{field}` is {size} bytes; the limit is {max_bytes} "
+                                                     "(--max-grammar-bytes)")
+
+
+def structured_of(request, max_bytes: int) -> StructuredOutput | None:
+    """tokenloop.v1 `GenerateRequest.structured` (None: free text), checked but not compiled."""
+    kind = request.WhichOneof("structured")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not request.json_object:
+            raise ValidationError("json_object_false", "`json_object` must be true when set (leave it unset for "
+                                                       "free text)")
+        return StructuredOutput("json_object")
+    spec = getattr(request, kind)
+    if not spec:
+        raise ValidationError("empty_structure", f"`{kind}` must not be empty")
+    _check_size(spec, kind, max_bytes)
+    return StructuredOutput(kind, spec)
+
+
+def structured_of_guided(request, max_bytes: int) -> StructuredOutput | None:
+    """trtllm `GenerateRequest.guided_decoding` (None when unset), checked but not compiled."""
+    if not request.HasField("guided_decoding"):
+        return None
+    guided = request.guided_decoding
+    kind = GUIDE_KINDS.get(guided.guide_type)
+    if kind is None:
+        names = ", ".join(GUIDE_TYPES.Name(t) for t in GUIDE_KINDS)
+        raise ValidationError("guide_type", f"`guided_decoding.guide_type` must be one of {names}; "
+                                            f"got {guided.guide_type}")
+    if kind == "json_object":
+        return StructuredOutput("json_object")  # the guide, if any, is not read (TensorRT-LLM does not either)
+    if not guided.guide:
+        raise ValidationError("empty_structure", f"`guided_decoding.guide` must not be empty for "
+                                                 f"{GUIDE_TYPES.Name(guided.guide_type)}")
+    _check_size(guided.guide, "guided_decoding.guide", max_bytes)
+    return StructuredOutput(kind, guided.guide)
+
+
+class GrammarGate:
+    """Compiles the constraint of admitted requests: cached ones at once, the others on `pool()` with a timeout."""
+
+    def __init__(self, compiler: GrammarCompiler, pool: Callable, timeout: float):
+        self.compiler = compiler
+        self._pool = pool  # () -> the Executor to compile on (App's tokenizer threads)
+        self.timeout = timeout
+
+    async def admit(self, valid: ValidRequest, field: str | None = None) -> ValidRequest:
+        """`valid` with its constraint compiled; ValidationError naming `field` (default: the kind) when it does
+        not compile, or not within the timeout."""
+        structured = valid.structured
+        if structured is None or structured.grammar is not None:
+            return valid
+        field = field or structured.kind
+        grammar = self.compiler.cached(structured.kind, structured.spec)
+        if grammar is None:
+            grammar = await self._compile(structured, field)
+        return dataclasses.replace(valid, structured=dataclasses.replace(structured, grammar=grammar))
+
+    async def _compile(self, structured: StructuredOutput, field: str):
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self._pool(), self.compiler.compile, structured.kind, structured.spec)
+        try:
+            return await asyncio.wait_for(job, self.timeout)
+        except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
+            log.warning("a %s did not compile within %.3g s (%d bytes)", structured.kind, self.timeout,
+                        len(structured.spec))
+            raise ValidationError("structure_compile_timeout",
+                                  f"`{field}` did not compile within {self.timeout:g} s (--grammar-compile-timeout): "
+                                  "make it simpler") from None
+        except GrammarError as exc:
+            message = describe_error(exc)
+            raise ValidationError("invalid_structure", message.replace(f"`{exc.kind}`", f"`{field}`", 1)) from None
+        except Exception as exc:  # noqa: BLE001 - whatever the library raises on a bad input is the input's fault
+            raise ValidationError("invalid_structure", f"`{field}` does not compile: "
+                                                       f"{one_line(f'{type(exc).__name__}: {exc}')}") from None
