@@ -163,6 +163,11 @@ class Tokenizer:
         """tokenizer.json as text (what llguidance and TensorRT-LLM's guided decoding take)."""
         return self._tok.to_str()
 
+    def encoded_vocab(self) -> list[str]:
+        """Every token's vocabulary string, in id order."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

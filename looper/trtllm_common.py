@@ -10,9 +10,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .executor import ExecutorStats
-from .request import FinishReason, ValidRequest
+from .request import FinishReason, StructuredOutput, ValidRequest
+from .tokenizer import Tokenizer
 
 APIS = ("auto", "executor", "llm")
+GUIDED_BACKENDS = ("auto", "xgrammar", "llguidance", "none")
 STATS_MAX_AGE_S = 5.0
 SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
 
@@ -33,10 +35,16 @@ class TrtllmConfig:
     beam_width: int = 1
     tokenizer_dir: str | None = None  # where generation_config.json lives (default: the model dir)
     executor_worker_path: str | None = None  # executorWorker binary for multi-GPU engines
+    # who matches `structured` requests on the GPU; auto: llguidance on the LLM API (the library the server
+    # validates with and the embedded engine uses), xgrammar on the C++ executor (its runtime's backend)
+    guided_decoding_backend: str = "auto"
 
     def __post_init__(self):
         if self.api not in APIS:
             raise ValueError(f"--trtllm-api must be one of {', '.join(APIS)}; got {self.api!r}")
+        if self.guided_decoding_backend not in GUIDED_BACKENDS:
+            raise ValueError(f"--guided-decoding-backend must be one of {', '.join(GUIDED_BACKENDS)}; "
+                             f"got {self.guided_decoding_backend!r}")
         for name in ("max_batch_size", "max_num_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -98,6 +106,54 @@ def sampling_kwargs(request: ValidRequest) -> dict:
     if stopping.min_new_tokens > 0:
         kwargs["min_tokens"] = stopping.min_new_tokens
     return kwargs
+
+
+def guided_backend(config: TrtllmConfig, api: str) -> str | None:
+    """The guided-decoding backend this adapter asks TensorRT-LLM for; None: structured output is off."""
+    backend = config.guided_decoding_backend
+    if backend == "auto":
+        return "xgrammar" if api == "executor" else "llguidance"
+    return None if backend == "none" else backend
+
+
+def _with_layout(schema: str) -> str:
+    """A JSON schema that tells llguidance the JSON layout the embedded engine uses (its `x-guidance` options)."""
+    from .structured import JSON_LAYOUT
+
+    value = json.loads(schema)
+    return json.dumps({**value, "x-guidance": {**JSON_LAYOUT, **value.get("x-guidance", {})}})
+
+
+def guide_for(structured: StructuredOutput, backend: str | None) -> tuple[str, str]:
+    """(kind, text) of the guide TensorRT-LLM gets for a constraint: kind is `json` (a JSON schema), `regex`,
+    `grammar` or `structural_tag`. Any JSON object is the schema {"type": "object"}, as on the embedded engine.
+    TensorRT-LLM's llguidance backend reads a grammar as Lark and has no structural tags: both go as the Lark
+    grammar the server compiled; xgrammar takes the GBNF grammar and the structural tag as they came.
+    Raises ValueError when structured output is off."""
+    from .structured import ANY_OBJECT, lark_of
+
+    if backend is None:
+        raise ValueError("structured output is off on this server (--guided-decoding-backend none)")
+    kind, spec = structured.kind, structured.spec
+    if kind in ("json_schema", "json_object"):
+        schema = spec if kind == "json_schema" else ANY_OBJECT
+        return "json", _with_layout(schema) if backend == "llguidance" else schema
+    if kind == "regex":
+        return "regex", spec
+    if backend == "llguidance":
+        return "grammar", lark_of(kind, spec)
+    return kind, spec
+
+
+def guided_decoding_config_kwargs(tokenizer_dir: str | Path, eos_token_ids: tuple[int, ...]) -> dict | None:
+    """GuidedDecodingConfig's encoded_vocab, tokenizer_str and stop_token_ids, from tokenizer.json alone, as
+    TensorRT-LLM's own `_xgrammar_tokenizer_info` builds them (tensorrt_llm/llmapi/tokenizer.py @ 89fd9b74ab7a:
+    the vocabulary sorted by id, the tokenizer.json text, the one EOS id). None without a tokenizer.json."""
+    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        return None
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    return {"encoded_vocab": tokenizer.encoded_vocab(), "tokenizer_str": tokenizer.to_json(),
+            "stop_token_ids": list(eos_token_ids[:1]) or None}
 
 
 def wants_logprobs(request: ValidRequest) -> bool:

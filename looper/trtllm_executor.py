@@ -5,6 +5,10 @@ Written against NVIDIA/TensorRT-LLM's bindings, nanobind (1.x, keyword arguments
   cpp/tensorrt_llm/nanobind/executor/executor.cpp       @ 1dd50d0741fa3bdae3ffd2f54e53547cbe1a043d
   cpp/tensorrt_llm/nanobind/executor/executorConfig.cpp @ 008b2b8d23af95e4e19fa6f354f9c5f6349b2bfc
   cpp/tensorrt_llm/nanobind/executor/bindings.cpp       @ 01315fdb274cd036bfc6d893761ce97eb55305cd
+(guided decoding: `GuidedDecodingParams(guide_type, guide)` in request.cpp, `GuidedDecodingConfig(backend,
+encoded_vocab, tokenizer_str, stop_token_ids)` and `ExecutorConfig(guided_decoding_config=)` in
+executorConfig.cpp, both @ 008b2b8d; the C++ runtime's GuidedDecoder refuses LLGUIDANCE in some releases
+("LLGuidance is not supported for guided decoding in C++ runtime"), so `auto` picks XGRAMMAR here)
 and pybind (0.1x; `max_new_tokens` and `random_seed` were the old names):
   cpp/tensorrt_llm/pybind/executor/bindings.cpp (the version that still accepts both names).
 Response mapping follows TGI's backends/trtllm/csrc/ffi.hpp (`as_generation_step`): in streaming
@@ -32,6 +36,9 @@ from .trtllm_common import (
     current_stats,
     end_and_stop_ids,
     engine_world_size,
+    guide_for,
+    guided_backend,
+    guided_decoding_config_kwargs,
     sampling_kwargs,
     stats_from_iteration,
     stop_reason,
@@ -44,6 +51,7 @@ _STATS_INTERVAL_S = 0.5
 _REASONS = {"LENGTH": FinishReason.LENGTH, "END_ID": FinishReason.EOS, "CANCELLED": FinishReason.CANCELLED,
             # a TIMED_OUT request was stopped by TensorRT-LLM before it finished: the closest of ours
             "TIMED_OUT": FinishReason.CANCELLED}
+_GUIDE_TYPES = {"json": "JSON_SCHEMA", "regex": "REGEX", "grammar": "EBNF_GRAMMAR", "structural_tag": "STRUCTURAL_TAG"}
 
 
 @dataclass(slots=True)
@@ -72,6 +80,8 @@ class TrtllmExecutor:
         self._stats_due = 0.0
         self._max_tokens_arg = self._probe(tle.Request, {"input_token_ids": [1]}, "max_tokens", "max_new_tokens", 1)
         self._seed_arg = self._probe(tle.SamplingConfig, {"beam_width": 1}, "seed", "random_seed", 0)
+        self._guided_backend = guided_backend(config, "executor")
+        self._guided = self._guided_decoding_config(config.tokenizer_dir or engine_dir)
         self._executor = tle.Executor(engine_dir, tle.ModelType.DECODER_ONLY, self._executor_config(engine_dir))
 
     @staticmethod
@@ -82,6 +92,17 @@ class TrtllmExecutor:
             return name
         except TypeError:
             return old_name
+
+    def _guided_decoding_config(self, tokenizer_dir: str):
+        """GuidedDecodingConfig for `structured` requests, built from the tokenizer; None when off or impossible."""
+        backend = self._guided_backend
+        kwargs = guided_decoding_config_kwargs(tokenizer_dir, self._eos) if backend else None
+        if backend and kwargs is None:
+            log.warning("no tokenizer.json in %s: structured output is off (give --tokenizer-dir)", tokenizer_dir)
+        if not kwargs:
+            return None
+        return self._tle.GuidedDecodingConfig(
+            backend=getattr(self._tle.GuidedDecodingConfig.GuidedDecodingBackend, backend.upper()), **kwargs)
 
     def _executor_config(self, engine_dir: str):
         tle, c = self._tle, self._config
@@ -97,6 +118,8 @@ class TrtllmExecutor:
             kwargs["scheduler_config"] = tle.SchedulerConfig(capacity_scheduler_policy=policy)
         if c.enable_chunked_context is not None:
             kwargs["enable_chunked_context"] = c.enable_chunked_context
+        if self._guided is not None:
+            kwargs["guided_decoding_config"] = self._guided
         world = engine_world_size(engine_dir)
         if c.world_size > 1 and c.world_size != world:
             raise ValueError(f"--tensor-parallel-size x --pipeline-parallel-size is {c.world_size} but the engine "
@@ -140,6 +163,7 @@ class TrtllmExecutor:
         if beams > 1:  # beam search: the beams replace sampling; whole beams come at the end
             sampling = {self._seed_arg: sampling[self._seed_arg]}
         num_sequences = {"num_return_sequences": request.n} if request.n > 1 else {}
+        guided = {"guided_decoding_params": self._guide(request)} if request.structured is not None else {}
         return tle.Request(
             input_token_ids=list(request.prompt_token_ids),
             **{self._max_tokens_arg: request.stopping.max_new_tokens},
@@ -150,7 +174,17 @@ class TrtllmExecutor:
             end_id=end_id,
             pad_id=end_id if end_id >= 0 else (self._eos[0] if self._eos else 0),
             stop_words=[[t] for t in stop_ids] or None,
+            **guided,
         )
+
+    def _guide(self, request: ValidRequest):
+        """GuidedDecodingParams for a `structured` request (ValueError when the executor has no guided decoding)."""
+        if self._guided is None:
+            raise ValueError("structured output is off on this executor (--guided-decoding-backend none, or no "
+                             "tokenizer.json to build its GuidedDecodingConfig from)")
+        kind, guide = guide_for(request.structured, self._guided_backend)
+        params = self._tle.GuidedDecodingParams
+        return params(guide_type=getattr(params.GuideType, _GUIDE_TYPES[kind]), guide=guide)
 
     def await_responses(self, timeout: float) -> list[Step]:
         """Wait up to `timeout` for responses (TensorRT-LLM releases the GIL meanwhile)."""

@@ -8,7 +8,10 @@ Written against NVIDIA/TensorRT-LLM:
                                       GenerationResult.abort, IterationResult yields dicts)
   tensorrt_llm/sampling_params.py   @ 000a01de66f0eab4ab05640711f0253f50f5209c
   tensorrt_llm/llmapi/llm_args.py   (kv_cache_config, scheduler_config, enable_chunked_prefill,
-                                      enable_iter_perf_stats)
+                                      enable_iter_perf_stats, guided_decoding_backend: "xgrammar" |
+                                      "llguidance", llguidance on the PyTorch backend only)
+  tensorrt_llm/sampling_params.py   @ 000a01de66f0eab4ab05640711f0253f50f5209c (GuidedDecodingParams: json,
+                                      regex, grammar, json_object, structural_tag; one at a time)
 
 The LLM API is asyncio-based: `generate_async` must run on the event loop that later iterates
 its result. The adapter owns that loop on its own thread; the looper sees only the `Executor`
@@ -33,6 +36,8 @@ from .trtllm_common import (
     TrtllmConfig,
     current_stats,
     end_and_stop_ids,
+    guide_for,
+    guided_backend,
     sampling_kwargs,
     stats_from_iteration,
     stop_reason,
@@ -93,6 +98,7 @@ class TrtllmLlmApi:
             "max_num_tokens": c.max_num_tokens,
             "max_beam_width": c.beam_width if c.beam_width > 1 else None,
             "enable_chunked_prefill": c.enable_chunked_context,
+            "guided_decoding_backend": guided_backend(c, "llm"),
         }
         if c.scheduler_policy is not None:
             policy = getattr(llmapi.CapacitySchedulerPolicy, c.scheduler_policy.upper())
@@ -124,6 +130,8 @@ class TrtllmLlmApi:
         if beams > 1:  # beam search: n of best_of=beam_width beams; the beams replace sampling
             kwargs = {"seed": kwargs["seed"], "use_beam_search": True, "best_of": beams}
         top = request.output.top_logprobs
+        if request.structured is not None:
+            kwargs["guided_decoding"] = self._guide(request)
         try:
             return self._trtllm.SamplingParams(
                 max_tokens=request.stopping.max_new_tokens, n=request.n,
@@ -134,6 +142,13 @@ class TrtllmLlmApi:
                 detokenize=False, **kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"TensorRT-LLM refused the request: {exc}") from None
+
+    def _guide(self, request: ValidRequest):
+        """SamplingParams.guided_decoding for a `structured` request; ValueError when structured output is off."""
+        from tensorrt_llm.sampling_params import GuidedDecodingParams
+
+        kind, guide = guide_for(request.structured, guided_backend(self._config, "llm"))
+        return GuidedDecodingParams(**{kind: guide})
 
     def _start(self, request_id: int, request: ValidRequest, params) -> None:
         """On the loop thread: submit and start reading the result."""

@@ -15,7 +15,7 @@ ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens",
                 "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
-                "max_batch_size", "max_num_tokens")
+                "max_batch_size", "max_num_tokens", "guided_decoding_backend")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tensor-parallel-size", type=int, default=None)
     t.add_argument("--pipeline-parallel-size", type=int, default=None)
     t.add_argument("--beam-width", type=int, default=None)
+    t.add_argument("--guided-decoding-backend", choices=("auto", "xgrammar", "llguidance", "none"), default=None,
+                   help="who matches structured output on the GPU; auto: llguidance on the LLM API, xgrammar on the "
+                        "C++ executor")
     return parser
 
 

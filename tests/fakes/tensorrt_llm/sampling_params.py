@@ -1,10 +1,25 @@
-"""Fake `tensorrt_llm.sampling_params.SamplingParams`: the real fields tokenloop uses and the
-real validation (`best_of >= n`; greedy decoding refuses best_of > 1)."""
+"""Fake `tensorrt_llm.sampling_params`: SamplingParams with the real fields tokenloop uses and the real validation
+(`best_of >= n`; greedy decoding refuses best_of > 1), and GuidedDecodingParams (tensorrt_llm/sampling_params.py
+@ 000a01de66f0eab4ab05640711f0253f50f5209c: keyword-only, one guide at a time)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    json: str | dict | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def _validate(self):
+        num_guides = sum(bool(getattr(self, f.name)) for f in fields(self))
+        if num_guides > 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {num_guides}.")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -31,8 +46,11 @@ class SamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True
     skip_special_tokens: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self):
+        if self.guided_decoding is not None:
+            self.guided_decoding._validate()
         if self.pad_id is None:
             self.pad_id = self.end_id
         self.best_of = self.best_of or self.n

@@ -108,6 +108,8 @@ class Executor:
                                f"[1, {_fake.MAX_INPUT_LEN}]")
         if request.sampling_config.beam_width > self.config.max_beam_width:
             raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: beam width exceeds max_beam_width")
+        if request.guided_decoding_params is not None and self.config.guided_decoding_config is None:
+            raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: Guided decoding is not enabled")
         with self._cv:
             request_id, self._next_id = self._next_id, self._next_id + 1
             self.requests[request_id] = request

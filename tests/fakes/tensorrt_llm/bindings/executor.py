@@ -94,7 +94,38 @@ _SAMPLING = {"beam_width": 1, "top_k": None, "top_p": None, "top_p_min": None, "
 _REQUEST = {"input_token_ids": None, "max_tokens": None, "streaming": False, "sampling_config": None,
             "output_config": None, "end_id": None, "pad_id": None, "position_ids": None, "bad_words": None,
             "stop_words": None, "embedding_bias": None, "client_id": None, "return_all_generated_tokens": False,
-            "num_return_sequences": 1, "allotted_time_ms": None}
+            "num_return_sequences": 1, "guided_decoding_params": None, "allotted_time_ms": None}
+
+
+class GuidedDecodingParams:
+    """request.cpp: GuidedDecodingParams(guide_type, guide=None), with the nested GuideType enum."""
+
+    class GuideType(enum.Enum):
+        JSON = 0
+        JSON_SCHEMA = 1
+        REGEX = 2
+        EBNF_GRAMMAR = 3
+        STRUCTURAL_TAG = 4
+
+    def __init__(self, *args, **kwargs):
+        kw_init(self, "GuidedDecodingParams", args, kwargs, {"guide_type": None, "guide": None}, ("guide_type",))
+        if not isinstance(self.guide_type, GuidedDecodingParams.GuideType):
+            raise TypeError("GuidedDecodingParams.__init__(): guide_type must be a GuideType")
+
+
+class GuidedDecodingConfig:
+    """executorConfig.cpp: GuidedDecodingConfig(backend, encoded_vocab=None, tokenizer_str=None,
+    stop_token_ids=None), with the nested GuidedDecodingBackend enum."""
+
+    class GuidedDecodingBackend(enum.Enum):
+        XGRAMMAR = 0
+        LLGUIDANCE = 1
+
+    def __init__(self, *args, **kwargs):
+        kw_init(self, "GuidedDecodingConfig", args, kwargs,
+                {"backend": None, "encoded_vocab": None, "tokenizer_str": None, "stop_token_ids": None}, ("backend",))
+        if not isinstance(self.backend, GuidedDecodingConfig.GuidedDecodingBackend):
+            raise TypeError("GuidedDecodingConfig.__init__(): backend must be a GuidedDecodingBackend")
 
 
 def _legacy(spec: dict, new: str, old: str) -> dict:
@@ -186,6 +217,8 @@ __all__ = [
     "Executor",
     "ExecutorConfig",
     "FinishReason",
+    "GuidedDecodingConfig",
+    "GuidedDecodingParams",
     "IterationStats",
     "KvCacheConfig",
     "KvCacheStats",

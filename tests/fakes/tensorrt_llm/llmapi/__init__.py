@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import GuidedDecodingParams, SamplingParams
 from .llm import LLM, CompletionOutput, RequestError, RequestOutput
 
 
@@ -44,6 +44,7 @@ __all__ = [
     "LLM",
     "CapacitySchedulerPolicy",
     "CompletionOutput",
+    "GuidedDecodingParams",
     "KvCacheConfig",
     "RequestError",
     "RequestOutput",

@@ -23,7 +23,9 @@ from ..sampling_params import SamplingParams
 
 LLM_ARGS = {"tokenizer", "skip_tokenizer_init", "trust_remote_code", "tensor_parallel_size", "dtype", "backend",
             "pipeline_parallel_size", "kv_cache_config", "enable_chunked_prefill", "scheduler_config",
-            "max_batch_size", "max_num_tokens", "max_beam_width", "enable_iter_perf_stats", "max_seq_len"}
+            "max_batch_size", "max_num_tokens", "max_beam_width", "enable_iter_perf_stats", "max_seq_len",
+            "guided_decoding_backend"}
+GUIDED_DECODING_BACKENDS = (None, "xgrammar", "llguidance")  # llm_args.py: Optional[Literal[...]]
 
 
 class RequestError(RuntimeError):
@@ -224,6 +226,9 @@ class LLM:
         unknown = set(kwargs) - LLM_ARGS
         if unknown:
             raise ValueError(f"1 validation error for TorchLlmArgs: {sorted(unknown)}: Extra inputs are not permitted")
+        if kwargs.get("guided_decoding_backend") not in GUIDED_DECODING_BACKENDS:
+            raise ValueError("1 validation error for TorchLlmArgs: guided_decoding_backend: Input should be "
+                             "'xgrammar' or 'llguidance'")
         self.model, self.args = str(model), kwargs
         self.create_thread = threading.current_thread().name
         self.submits: list[tuple[list[int], SamplingParams, bool]] = []
@@ -253,6 +258,8 @@ class LLM:
                              f"max_num_tokens ({_fake.MAX_INPUT_LEN})")
         if not self._healthy:
             raise RequestError("the executor is not healthy")
+        if params.guided_decoding is not None and self.args.get("guided_decoding_backend") is None:
+            raise ValueError("guided_decoding_backend must be set on the LLM to use guided decoding")
         self.submits.append((list(ids), params, streaming))
         self.generate_threads.add(threading.current_thread().name)
         result = RequestOutput(next(self._ids), list(ids), params, self)
