@@ -84,7 +84,8 @@ def test_every_option_lands_in_its_proto_field():
               "min_new_tokens": 2, "stop": "\n", "stop_token_ids": [5, 6], "ignore_eos": True,
               "include_stop_str_in_output": True, "logprobs": True, "top_logprobs": 3,
               "skip_special_tokens": False, "echo": True, "n": 2}
-    assert set(params) == PARAM_NAMES
+    structured = {"json_schema", "json_object", "regex", "grammar", "structural_tag"}  # test_structured_client.py
+    assert set(params) | structured == PARAM_NAMES
     req = build_generate(None, messages=[("user", "hi")], stream=True, request_id="r1", params=params)
     assert req.request_id == "r1" and req.stream and req.n == 2
     assert req.chat.messages[0].role == "user" and req.WhichOneof("input") == "chat"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from ._gen import tokenloop_pb2 as pb
@@ -15,6 +16,7 @@ _STOPPING = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "igno
              "include_stop_str_in_output")
 _OUTPUT = ("logprobs", "top_logprobs", "skip_special_tokens", "echo")
 _REPEATED = ("stop", "stop_token_ids")
+_STRUCTURED = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ class GenerationParams:
     skip_special_tokens: bool | None = None
     echo: bool | None = None
     n: int | None = None
+    # structured output, at most one: a JSON schema (JSON text or a dict), any JSON object, a regex, a grammar
+    # (GBNF or Lark), a structural tag (JSON text or a dict)
+    json_schema: str | Mapping | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    structural_tag: str | Mapping | None = None
 
     def apply(self, req: pb.GenerateRequest) -> None:
         """Copy the set options into a GenerateRequest."""
@@ -55,6 +64,15 @@ class GenerationParams:
                     setattr(target, name, value)
         if self.n is not None:
             req.n = self.n
+        self._apply_structured(req)
+
+    def _apply_structured(self, req: pb.GenerateRequest) -> None:
+        given = [name for name in _STRUCTURED if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of {', '.join(_STRUCTURED)}; got {', '.join(given)}")
+        for name in given:
+            value = getattr(self, name)
+            setattr(req, name, json.dumps(value) if isinstance(value, Mapping) else value)
 
 
 PARAM_NAMES = frozenset(f.name for f in fields(GenerationParams))

@@ -23,10 +23,22 @@ def _client_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _params(args: argparse.Namespace) -> dict:
-    names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos")
+    names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos", "json_object",
+             "regex")
     values = {name: getattr(args, name, None) for name in names}
+    for name in ("json_schema", "grammar"):  # given as files
+        if getattr(args, name, None) is not None:
+            values[name] = _read_file(getattr(args, name), f"--{name.replace('_', '-')}")
     # unset options stay unset (server defaults); 0 and 0.0 are real values (temperature 0 = greedy)
     return {name: v for name, v in values.items() if v is not None and v is not False and v != []}
+
+
+def _read_file(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise SystemExit(f"tokenloop-cli: {flag} {path}: {exc.strerror}") from None
 
 
 def _summary(result: GenerateResult) -> str:
@@ -177,6 +189,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    s = p.add_mutually_exclusive_group()
+    s.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid under this schema")
+    s.add_argument("--json-object", action="store_true", help="constrain the output to one JSON object")
+    s.add_argument("--regex", help="constrain the output to match this regular expression")
+    s.add_argument("--grammar", metavar="FILE", help="constrain the output to this grammar (GBNF or Lark)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ class FinishReason(str, enum.Enum):
     STOP_SEQUENCE = "STOP_SEQUENCE"
     STOP_TOKEN = "STOP_TOKEN"
     CANCELLED = "CANCELLED"
+    STRUCTURE_COMPLETE = "STRUCTURE_COMPLETE"  # the structured-output constraint was complete
 
     @classmethod
     def from_pb(cls, value: int) -> FinishReason:

@@ -1,0 +1,56 @@
+"""Structured output in the Python client and tokenloop-cli: each option lands in its proto field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.test_python_client import FlakyServicer, fake  # noqa: F401 - `fake` is a fixture
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("json_schema", SCHEMA, json.dumps(SCHEMA)),
+    ("json_schema", '{"type": "string"}', '{"type": "string"}'),
+    ("json_object", True, True),
+    ("regex", "[a-z]+", "[a-z]+"),
+    ("grammar", 'root ::= "a"', 'root ::= "a"'),
+    ("structural_tag", {"structures": [], "triggers": []}, json.dumps({"structures": [], "triggers": []})),
+])
+def test_each_structured_option_lands_in_its_oneof_field(name, value, expected):
+    from tokenloop_client._request import build_generate
+
+    req = build_generate("x", stream=False, params={name: value})
+    assert req.WhichOneof("structured") == name and getattr(req, name) == expected
+
+
+def test_two_structured_options_are_refused_by_the_client():
+    from tokenloop_client._request import build_generate
+
+    with pytest.raises(ValueError, match="give at most one of json_schema, json_object, regex, grammar, "
+                                         "structural_tag; got json_schema, regex"):
+        build_generate("x", stream=False, params={"json_schema": SCHEMA, "regex": "a"})
+    assert build_generate("x", stream=False, params={"json_object": False}).WhichOneof("structured") is None
+
+
+def test_cli_json_schema_file_and_regex(fake, tmp_path, capsys):  # noqa: F811 - the fixture
+    from tokenloop_client import cli
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    servicer = FlakyServicer(num_failures=0)
+    address = fake(servicer)
+    assert cli.main(["--address", address, "generate", "x", "--json-schema", str(schema_file)]) == 0
+    assert cli.main(["--address", address, "generate", "x", "--regex", "[0-9]+"]) == 0
+    assert cli.main(["--address", address, "generate", "x", "--json-object"]) == 0
+    first, second, third = servicer.requests
+    assert first.WhichOneof("structured") == "json_schema" and json.loads(first.json_schema) == SCHEMA
+    assert second.WhichOneof("structured") == "regex" and second.regex == "[0-9]+"
+    assert third.WhichOneof("structured") == "json_object" and third.json_object
+    with pytest.raises(SystemExit, match="--json-schema .*missing.json: No such file or directory"):
+        cli.main(["--address", address, "generate", "x", "--json-schema", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit):  # argparse: not allowed with argument --regex
+        cli.main(["--address", address, "generate", "x", "--regex", "a", "--json-object"])
+    assert "not allowed with argument" in capsys.readouterr().err
