@@ -98,7 +98,7 @@ class TrtllmExecutor:
         backend = self._guided_backend
         kwargs = guided_decoding_config_kwargs(tokenizer_dir, self._eos) if backend else None
         if backend and kwargs is None:
-            log.warning("no tokenizer.json in %s: structured output is off (give --tokenizer-dir)", tokenizer_dir)
+            log.warning("no tokenizer.json in %s: structured output is off", tokenizer_dir)
         if not kwargs:
             return None
         return self._tle.GuidedDecodingConfig(
