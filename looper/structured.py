@@ -14,15 +14,25 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import threading
+import time
 from dataclasses import dataclass
 
 import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
+import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
 from .structural_tag import StructuralTagError, to_lark
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+# A constraint whose first token mask takes longer than this is refused: every engine step would wait that long
+# for its sequences (a 9-byte regex, `a{100000}`, takes ~300 ms a step). The test schemas take 0.1-5 ms.
+MAX_FIRST_MASK_S = 0.05
+# GBNF is converted to Lark by llguidance's Python converter, whose rule resolution is quadratic in a chain of rules
+# (and holds the GIL): 256 rules take at most ~0.25 s, 5,000 took 93 s. Larger grammars are welcome in Lark.
+MAX_GBNF_RULES = 256
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z0-9_-]+\s*::=", re.MULTILINE)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = '{"type": "object"}'
 _WHAT = {"json_schema": "a valid JSON schema", "json_object": "valid", "regex": "a valid regular expression",
@@ -45,8 +55,13 @@ def one_line(message: str, limit: int = 400) -> str:
 
 def lark_of(kind: str, spec: str) -> str:
     """A `grammar` (GBNF or Lark) or `structural_tag` as a Lark grammar that llguidance takes."""
+    if kind == "grammar" and is_lark_syntax(spec):
+        return spec
+    if kind == "grammar" and (num_rules := len(_GBNF_RULE.findall(spec))) > MAX_GBNF_RULES:
+        raise GrammarError(kind, f"it has {num_rules} GBNF rules; at most {MAX_GBNF_RULES} are converted (send "
+                                 "larger grammars in Lark, llguidance's own syntax)")
     try:
-        return any_to_lark(spec) if kind == "grammar" else to_lark(spec)
+        return gbnf_to_lark(spec) if kind == "grammar" else to_lark(spec)
     except StructuralTagError as exc:
         raise GrammarError(kind, str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - the GBNF converter raises its own error types
@@ -55,6 +70,15 @@ def lark_of(kind: str, spec: str) -> str:
 
 def grammar_text(kind: str, spec: str) -> str:
     """The llguidance grammar for one constraint; raises GrammarError for a spec that is not even well formed."""
+    try:
+        return _grammar_text(kind, spec)
+    except GrammarError:
+        raise
+    except ValueError as exc:  # the library's own (e.g. "recursion limit exceeded" for a deeply nested schema)
+        raise GrammarError(kind, str(exc)) from None
+
+
+def _grammar_text(kind: str, spec: str) -> str:
     if kind == "json_schema":
         try:
             schema = json.loads(spec)
@@ -116,9 +140,8 @@ class GrammarCompiler:
         if grammar is not None:
             return grammar
         matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(kind, spec), log_level=0)
-        if matcher.is_error():
-            raise GrammarError(kind, matcher.get_error())
         grammar = Grammar(kind, matcher, self.vocab_size)
+        self._probe(grammar)
         with self._lock:
             self.num_compiled += 1
             if self.cache_size:
@@ -126,6 +149,21 @@ class GrammarCompiler:
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
         return grammar
+
+    def _probe(self, grammar: Grammar) -> None:
+        """Compute the first token mask here, off the engine thread: it warms the lexer states every copy shares,
+        and a constraint too costly to match (MAX_FIRST_MASK_S) is refused before it can slow every step."""
+        matcher = grammar.template
+        if not matcher.is_error():
+            mask = np.zeros(grammar.num_mask_words, dtype=np.int32)
+            start = time.perf_counter()
+            matcher.deep_copy().unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            elapsed = time.perf_counter() - start
+            if elapsed > MAX_FIRST_MASK_S:
+                raise GrammarError(grammar.kind, f"too costly to match: its first token mask took {elapsed * 1e3:.0f} "
+                                                 f"ms (the limit is {MAX_FIRST_MASK_S * 1e3:.0f} ms)")
+        if matcher.is_error():
+            raise GrammarError(grammar.kind, matcher.get_error())
 
     def __len__(self) -> int:
         return len(self._cache)

@@ -32,6 +32,10 @@ log = logging.getLogger("tokenloop.service")
 
 SERVICE_NAMES = ("tokenloop.v1.TextGeneration", "trtllm.TrtllmService")
 TOKENIZE_THREADS = 2  # threads that tokenize long inputs (App.tokenizing); more would only share the same cores
+# They also compile structured-output grammars, and llguidance recurses ~3 KB of stack per nested grammar rule: a
+# GBNF chain of 3,000 rules overflowed the default 8 MB and killed the process. 256 MB holds the deepest grammar
+# --max-grammar-bytes lets in (past ~30,000 levels llguidance refuses it); it is address space, touched only as used.
+TOKENIZE_THREAD_STACK = 256 << 20
 # Objects allocated between two young-generation collections of the cyclic GC (CPython's default is 700).
 GC_GEN0_THRESHOLD = 20_000
 
@@ -150,10 +154,20 @@ class App:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool(), fn, *args)
 
     def tokenize_pool(self) -> ThreadPoolExecutor:
-        """The tokenizer threads (long inputs, and constraints to compile), started on first use."""
+        """The tokenizer threads (long inputs, and constraints to compile), started on first use, all at once, with
+        TOKENIZE_THREAD_STACK stacks (`threading.stack_size` applies to threads started while it is set)."""
         if self._tokenize_pool is None:
-            self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenloop-tokenize",
-                                                     initializer=self.placement.release_this_thread)
+            previous = threading.stack_size(TOKENIZE_THREAD_STACK)
+            try:
+                pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenloop-tokenize",
+                                          initializer=self.placement.release_this_thread)
+                started = threading.Barrier(TOKENIZE_THREADS + 1)
+                for _ in range(TOKENIZE_THREADS):
+                    pool.submit(started.wait)  # each waits until all have started: one new thread per task
+                started.wait()
+            finally:
+                threading.stack_size(previous)
+            self._tokenize_pool = pool
         return self._tokenize_pool
 
     def require_ready(self) -> None:

@@ -3,17 +3,20 @@
 SMG turns `response_format` (json_schema, json_object) into `trtllm.TrtllmService` `guided_decoding` (JSON_SCHEMA,
 with {"type": "object"} for json_object); tokenloop compiles it and the engine masks every step, so the
 chat completion's content is JSON that validates, streamed or not. The router fronts the session's shared server
-(tests/e2e/live_server.py); `tokenloop-cli --json-schema` is run against that server too.
+(tests/e2e/live_server.py); `tokenloop-cli --json-schema` and the README's `buf curl` call run against that
+server too.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL, live_address
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, live_address
+from tests.e2e.test_buf_curl import buf, curl, messages  # noqa: F401 - `buf` is a fixture
 from tests.e2e.test_cli import cli
 from tests.e2e.test_smg_router import Router, post, smg_binary
 
@@ -87,3 +90,16 @@ def test_cli_json_schema_against_the_server(tmp_path):
                "--max-new-tokens", "160", "--json-schema", str(schema_file), "--quiet")
     assert done.returncode == 0, done.stderr
     jsonschema.validate(json.loads(done.stdout), SCHEMA)
+
+
+def test_the_readme_buf_curl_call(buf, tmp_path):  # noqa: F811 - the fixture
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Structured output"):]
+    body = re.search(r"-d '([^']*jsonSchema[^']*)'", section).group(1)
+    run = curl(buf, tmp_path, "-d", body, f"http://{live_address()}/tokenloop.v1.TextGeneration/Generate")
+    assert run.returncode == 0, run.stderr
+    [only] = messages(run.stdout)
+    schema = json.loads(json.loads(body)["jsonSchema"])
+    value = json.loads(only["complete"]["text"])
+    jsonschema.validate(value, schema)
+    assert (only["complete"]["finishReason"], value) == ("STRUCTURE_COMPLETE", {"city": "Paris", "country": "France"})

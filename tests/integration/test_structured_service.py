@@ -116,16 +116,19 @@ def test_abort_of_a_structured_request(checkpoint):
     ({"regex": "a(b"}, '`regex` is not a valid regular expression: at 1(8): invalid regex "a(b" (in regex): regex '
                        "parse error: | a(b | ^ | error: unclosed group | 1 | start: /a(b/ | ^"),
     ({"grammar": "root ::= foo"}, "`grammar` is not a valid grammar: Exception: Rule 'foo' not found"),
+    ({"grammar": "root ::= r0\n" + "".join(f'r{i} ::= "x"\n' for i in range(300))},
+     "`grammar` is not a valid grammar: it has 301 GBNF rules; at most 256 are converted (send larger grammars in "
+     "Lark, llguidance's own syntax)"),
     ({"structural_tag": '{"type": "structural_tag", "format": {"type": "qwen_xml"}}'},
      "`structural_tag` is not a valid structural tag: format type 'qwen_xml' is not supported"),
     ({"json_object": False}, "`json_object` must be true when set (leave it unset for free text)"),
     ({"regex": ""}, "`regex` must not be empty"),
-    ({"json_schema": json.dumps({"enum": ["x" * 200]})},
-     "`json_schema` is 214 bytes; the limit is 200 (--max-grammar-bytes)"),
+    ({"json_schema": json.dumps({"enum": ["x" * 8000]})},
+     "`json_schema` is 8014 bytes; the limit is 8000 (--max-grammar-bytes)"),
 ])
 def test_bad_constraints_are_invalid_argument_and_nothing_else_breaks(checkpoint, fields, message):
     async def body():
-        async with engine_server(checkpoint, max_grammar_bytes=200) as (_, stub, trt):
+        async with engine_server(checkpoint, max_grammar_bytes=8000) as (_, stub, trt):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await complete(stub, generate(**fields))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -197,4 +200,16 @@ def test_router_bad_guides_name_their_field(checkpoint, guide_type, guide, messa
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 [m async for m in trt.Generate(guided(ids, guide_type, guide))]
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details() == message
+    run(body())
+
+
+def test_a_grammar_nested_thousands_of_rules_deep_does_not_crash_the_server(checkpoint):
+    """llguidance recurses per nested rule: on a default 8 MB thread stack this grammar killed the process."""
+    deep = "start: r0\n" + "\n".join(f'r{i}: "x" r{i + 1} | "y"' for i in range(5000)) + '\nr5000: "z"\n'  # Lark
+
+    async def body():
+        async with engine_server(checkpoint) as (_, stub, _):
+            done = await complete(stub, generate(grammar=deep, stopping=pb.StoppingCriteria(max_new_tokens=40)))
+            assert set(done.text) <= {"x", "y", "z"} and done.text
+            check_regex((await complete(stub, generate(regex=REGEXES["phone"]))).text, REGEXES["phone"])
     run(body())

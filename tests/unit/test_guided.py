@@ -94,3 +94,11 @@ def test_compile_errors_name_the_field(compiler, kind, spec, message):
     with pytest.raises(GrammarError) as err:
         compiler.compile(kind, spec)
     assert describe_error(err.value).startswith(message) and "\n" not in describe_error(err.value)
+
+
+def test_a_constraint_too_costly_to_match_is_refused_at_compile(compiler):
+    with pytest.raises(GrammarError, match=r"too costly to match: its first token mask took \d+ ms "
+                                           r"\(the limit is 50 ms\)"):
+        compiler.compile("regex", "a{100000}")  # 9 bytes; every step would take ~300 ms
+    with pytest.raises(GrammarError, match="recursion limit exceeded"):
+        compiler.compile("json_schema", '{"type": "object", "properties": {"a": ' * 80 + "{}" + "}}" * 80)
