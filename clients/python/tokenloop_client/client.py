@@ -160,7 +160,7 @@ class Client:
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None) -> str:
         """Text of token ids."""
-        req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        req = _request.build_detokenize(token_ids, skip_special_tokens)
         return self._unary(self._stub.Detokenize, req).text
 
     def model_info(self) -> ModelInfo:

@@ -55,6 +55,16 @@ class InternalError(TokenloopError):
     """INTERNAL or UNKNOWN: a server-side bug; the message says no more than the server allowed."""
 
 
+class ParameterError(TypeError, ValueError):
+    """A call's argument was refused on the client, before anything was sent: `parameter` names it and the message
+    says the rule. Both a TypeError and a ValueError, so code that caught either keeps working."""
+
+    def __init__(self, parameter: str, message: str) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.message = message
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TokenloopError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
