@@ -1,4 +1,5 @@
-"""The model's recommended sampling settings, as `make model` writes them, reach requests that leave them unset.
+"""Defaults for what a request leaves unset: the model's recommended sampling settings (as `make model` writes them)
+and `--default-max-new-tokens`, on both APIs.
 
 The checkpoint here gets its generation_config.json from `convert_gguf.write_sampling_defaults`, the function
 `make model` uses (temperature 0.2, top-p 0.9 from the SmolLM2-Instruct model card); requests go through a real
@@ -80,3 +81,16 @@ def test_router_api_without_temperature_or_top_p_uses_the_models_settings(recomm
 def test_the_default_model_carries_the_recommended_settings(default_model_dir):
     card = ModelCard.from_dir(default_model_dir)
     assert (card.default_temperature, card.default_top_p) == (0.2, 0.9), "run `make model` to add them"
+
+
+def test_unset_maximum_follows_default_max_new_tokens_on_both_apis(recommended_dir, tokenizer):
+    async def body():
+        async with trtllm(recommended_dir, default_max_new_tokens=5) as (server, router, executor):
+            await read_all(router.Generate(gen(tokenizer.encode("Hello world"), max_tokens=0)))  # 0: unset
+            await read_all(router.Generate(gen(tokenizer.encode("Hello world"), max_tokens=9)))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = tokenloop_pb2_grpc.TextGenerationStub(channel)
+                [_ async for _ in stub.Generate(pb.GenerateRequest(text="Hello world"))]
+            return [r.stopping.max_new_tokens for r in executor.enqueued]
+
+    assert run(body()) == [5, 9, 5]

@@ -8,13 +8,16 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 from . import bench, report
 from ._channel import DEFAULT_ADDRESS
 from .aio import AsyncClient
 from .client import Client
-from .errors import TokenloopError
+from .errors import TokenloopError, UnavailableError
 from .types import ChatMessage, GenerateResult
+
+HEALTH_POLL_S = 0.5  # health --wait: seconds between checks
 
 
 def _client_kwargs(args: argparse.Namespace) -> dict:
@@ -128,8 +131,18 @@ def cmd_tokenize(client: Client, args: argparse.Namespace) -> None:
 
 
 def cmd_health(client: Client, args: argparse.Namespace) -> None:
-    """Print the grpc.health.v1 status; exit 1 unless SERVING."""
-    status = client.health(args.service)
+    """Print the grpc.health.v1 status; exit 1 unless SERVING. With --wait S, poll until SERVING for up to S s."""
+    deadline = time.monotonic() + (args.wait or 0.0)
+    while True:
+        try:
+            status = client.health(args.service)
+        except UnavailableError:  # not listening yet (or any more)
+            if time.monotonic() >= deadline:
+                raise
+            status = None
+        if status == "SERVING" or time.monotonic() >= deadline:
+            break
+        time.sleep(HEALTH_POLL_S)
     print(status)
     if status != "SERVING":
         raise SystemExit(1)
@@ -217,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("health", help="grpc.health.v1 status (exit 1 unless SERVING)")
     h.add_argument("--service", default="", help="service name ('' = the whole server)")
+    h.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds for SERVING (a server that is starting or loading its model)")
 
     b = sub.add_parser("bench", help="load generator: throughput, TTFT and inter-token latency")
     b.add_argument("-c", "--concurrency", type=_concurrency_list, default=[1],
