@@ -74,7 +74,7 @@ router-demo: setup model
 	scripts/router_demo.sh
 
 soak: setup model
-	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/soak.py $(if $(OUT),--out $(OUT))
 
 clean:
 	rm -rf $(VENV) .cache build dist *.egg-info

@@ -155,6 +155,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(json.dumps(results, indent=2))
     else:
         print(report.table(results["results"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **results}, indent=2)
+                    + "\n")
+        print(f"results written to {args.out}", file=sys.stderr)
     if args.plot:
         report.plot(results["results"], args.plot, title=args.title or results["server"]["model_id"])
         print(f"plot written to {args.plot}", file=sys.stderr)
@@ -243,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--no-ignore-eos", action="store_true", help="let sequences end at EOS (shorter outputs)")
     b.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    b.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE (no file unless asked)")
     b.add_argument("--plot", metavar="PNG", help="draw throughput and latency against concurrency")
     b.add_argument("--title", help="plot title (default: the model id)")
     b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
