@@ -3,7 +3,8 @@
 `check_startup(config)` runs first in `tokenloop serve` (before the port opens or the model loads) and raises
 `StartupError` with one sentence: what is wrong, and the flag or path to fix. The CLI prints it and exits 2.
 Order: the model directory (exists, config.json, tokenizer.json, readable weights, a supported architecture for
-the embedded engine), then TLS files, the API-key file, and the ports.
+the embedded engine), then TLS files, the API-key file, the ports, and for `--backend trtllm` that TensorRT-LLM is
+installed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ def check_startup(config: ServerConfig) -> None:
     check_listen(config.host, config.port, "--port")
     if config.metrics_port:
         check_listen(config.host, config.metrics_port, "--metrics-port")
+    if config.backend == "trtllm":
+        check_trtllm_installed()
+
+
+def check_trtllm_installed() -> None:
+    """--backend trtllm needs the tensorrt_llm package (found, not imported: that takes seconds and a GPU)."""
+    import importlib.util
+
+    from tokenloop.looper.trtllm import MISSING_TRTLLM
+
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        raise StartupError(MISSING_TRTLLM)
 
 
 # -- the model directory -------------------------------------------------------------------

@@ -143,3 +143,8 @@ def test_empty_api_key_file(tiny, tmp_path):
     keys.write_text("# no key here\n\n")
     assert_refused(serve("--backend", "trtllm", "--model", str(tiny), "--api-key-file", str(keys)),
                    f"--api-key-file {keys}: holds no API key (one per line; # starts a comment)")
+
+
+def test_trtllm_backend_without_tensorrt_llm(tiny):
+    from tokenloop.looper.trtllm import MISSING_TRTLLM
+    assert_refused(serve("--backend", "trtllm", "--model", str(tiny)), MISSING_TRTLLM)
