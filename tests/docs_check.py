@@ -6,7 +6,8 @@ Rules (README.md "Docs that run as written"):
   ```shell and ```console (a transcript: its `$ ` lines are the commands).
 - The line just above every shell block is one marker comment (invisible on GitHub):
     <!-- docs-check: run [own-server] [errexit=off] [timeout=S] [expect="TEXT"]... -->
-        the check runs the block with bash and requires exit status 0 and each TEXT in its output;
+        the check runs the block with bash and requires exit status 0 (errexit=off: a block that shows a
+        failure runs without `set -e` and its status is not checked) and each TEXT in its output;
     <!-- docs-check: covered-by PATH -->     a test or script in this repository runs these commands;
     <!-- docs-check: skip REASON -->         not run here, and why (a GPU, Kubernetes, systemd, another host).
 - How `run` blocks run (tests/e2e/test_docs_commands.py): bash, `set -e -o pipefail` unless errexit=off, from a
