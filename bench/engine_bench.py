@@ -8,16 +8,17 @@ Scenarios (greedy, EOS ignored, token-id prompts cut from one text at different 
            16-256 tokens (seed 0); the reference runs static batches of 32 in arrival order, each to
            its longest output, and counts only each request's own tokens;
   single:  1 request, 128 new tokens.
-Prints a Markdown table and writes the figures as JSON (--out).
+Prints a Markdown table; `--out FILE` also writes the figures as JSON (bench/results-engine.json holds the
+recorded ones).
 --structured measures structured output instead (bench/structured_bench.py: 32 streams under one JSON schema
-against the same streams free, compile times, a cached schema's admission).
+against the same streams free, compile times, a cached schema's admission; recorded in
+bench/results-structured.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -32,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.procstat import machine_busy_s, thread_names, threads_cpu_s  # noqa: E402
+from bench.results import add_out_argument, write  # noqa: E402
 
 TEXT = (ROOT / "README.md").read_text() if (ROOT / "README.md").is_file() else ""
 TEXT += " ".join([
@@ -237,16 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default="uniform,mixed,single")
     parser.add_argument("--reference", choices=("transformers", "none"), default="transformers")
     parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--out", default=None, help="JSON results (default bench/results-engine.json, "
-                                                     "bench/results-structured.json with --structured)")
+    add_out_argument(parser, "results-engine.json (results-structured.json with --structured)")
     parser.add_argument("--structured", action="store_true", help="structured output's costs (structured_bench.py)")
-    parser.add_argument("--rounds", type=int, default=2, help="--structured: free/constrained rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="--structured: free / constrained rounds")
     args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
     if args.structured:
         from bench import structured_bench
-        return structured_bench.main(args.model, engine_flags, args.out or str(ROOT / "bench" / "results-structured.json"),
-                                     args.rounds)
-    args.out = args.out or str(ROOT / "bench" / "results-engine.json")
+        return structured_bench.main(args.model, engine_flags, args.out, args.rounds)
     from tokenloop.looper.tokenizer import Tokenizer
 
     corpus = Tokenizer.from_dir(args.model).encode(TEXT)
@@ -260,11 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     report = table(results)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, engine flags: {' '.join(engine_flags) or '(defaults)'}\n\n{report}")
-    Path(args.out).write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
-        "machine": platform.platform(), "engine_flags": engine_flags,
-        "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "ttft_p50_s": r.ttft_p50_s} for r in results],
-    }, indent=2))
+    write(args.out, {"engine_flags": engine_flags, "results": [
+        asdict(r) | {"tokens_per_s": r.tokens_per_s, "ttft_p50_s": r.ttft_p50_s} for r in results]})
     return 0
 
 

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engine_bench import free_port, wait_ready  # noqa: E402
 from bench.procstat import threads_cpu_s  # noqa: E402
+from bench.results import add_out_argument, write  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -193,6 +194,7 @@ def main(argv=None) -> int:
     p.add_argument("--front-cpu", default=None, help="the server's --front-cpu (default: its own, auto)")
     p.add_argument("--no-py-spy", action="store_true", help="skip the GIL sampling even when py-spy is found")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    add_out_argument(p, "results-engine-gil.json")
     if argv is None and sys.argv[1:2] == ["serve-control"]:  # (internal) the control probe target
         import uvloop
         uvloop.run(serve_control(int(sys.argv[2])))
@@ -202,6 +204,7 @@ def main(argv=None) -> int:
         p.error("--streams and --tokens must be >= 1 and --seconds >= 1")
     import uvloop
     res = uvloop.run(measure(args))
+    write(args.out, res)
     if args.json:
         print(json.dumps(res))
         return 0

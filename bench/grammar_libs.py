@@ -8,7 +8,8 @@ For each JSON schema of bench/structured_cases.py, each library compiles it cold
 allowed tokens, and the matcher advances; a finished walk's text must parse and validate (`jsonschema`).
 Both libraries run with the JSON layout tokenloop uses, `json.dumps`' separators and no other whitespace: with
 their default (any whitespace between tokens) a random walk never ends (every run of both fails that way).
-Prints a Markdown table and writes the figures as JSON (--out). A library that is not installed is skipped.
+Prints a Markdown table; `--out FILE` also writes the figures as JSON (bench/results-grammar-libs.json holds the
+recorded ones). A library that is not installed is skipped.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -28,6 +27,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.results import add_out_argument, machine, write  # noqa: E402
 from bench.structured_cases import SCHEMAS  # noqa: E402
 
 MAX_STEPS = 400
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
     parser.add_argument("--walks", type=int, default=20)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results-grammar-libs.json"))
+    add_out_argument(parser, "results-grammar-libs.json")
     args = parser.parse_args(argv)
     from tokenloop.looper.tokenizer import ModelCard, Tokenizer
 
@@ -208,12 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         for failure in result["failures"]:
             print(f"{module}: {failure}", file=sys.stderr)
-    report = table(results)
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, {len(SCHEMAS)} schemas x {args.walks} walks\n\n{report}")
-    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                          "machine": platform.platform(), "cpus": os.cpu_count(),
-                                          "results": results}, indent=2))
+    where = machine()
+    print(f"{where['date']}, {where['cpu']}, {where['cpus']} CPUs, {len(SCHEMAS)} schemas x {args.walks} walks\n\n"
+          f"{table(results)}")
+    write(args.out, {"walks_per_schema": args.walks, "results": results})
     return 0
 
 

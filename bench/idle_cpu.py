@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from bench.procstat import stat_cpu_s, threads_cpu_s  # noqa: E402
+from bench.results import add_out_argument, write  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -72,9 +73,11 @@ def main(argv=None) -> int:
     p.add_argument("--executor", choices=("engine", "null"), default="engine")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--json", action="store_true")
+    add_out_argument(p, "RESULTS.md (idle CPU is recorded there)")
     args = p.parse_args(argv)
     import uvloop
     res = uvloop.run(measure(args.model, args.executor, args.seconds))
+    write(args.out, res)
     if args.json:
         print(json.dumps(res))
     else:

@@ -34,6 +34,7 @@ import grpc  # noqa: E402
 
 from bench import service_overhead as so  # noqa: E402
 from bench.null_executor import SAMPLE_TEXT  # noqa: E402
+from bench.results import add_out_argument, write  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -117,9 +118,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompts-per-s", type=float, default=8.0)
     p.add_argument("--repeat", type=int, default=3, help="interleaved runs per server; the median p99's is kept")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
+    add_out_argument(p, "results-prompt-stall.json")
     args = p.parse_args(argv)
     import uvloop
     out = uvloop.run(measure(args))
+    write(args.out, out)
     if not args.json:
         print(f"{args.streams} streams at {args.rate:g} tokens/s; long prompts of {out['prompt_tokens']} tokens "
               f"({out['prompt_chars']} characters), {args.prompts_per_s:g}/s\n")

@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from bench.procstat import proc_cpu_s, threads_cpu_s  # noqa: E402
+from bench.results import add_out_argument, write  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -495,7 +496,7 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=lambda v: [int(x) for x in v.split(",")], default=list(CONCURRENCY),
                    help="comma-separated concurrencies (default 1,64,256)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
-    p.add_argument("--raw", default="", help="also write every figure to this JSON file")
+    add_out_argument(p, "results-overhead.json")
     args = p.parse_args(argv)
     if args.cmd != "serve" and min(args.repeat, args.paced_repeat) < 1:
         p.error("--repeat and --paced-repeat must be >= 1")
@@ -506,8 +507,7 @@ def main(argv=None) -> int:
         uvloop.run(serve(args))
         return 0
     res = uvloop.run(measure(args))
-    if args.raw:
-        Path(args.raw).write_text(json.dumps(res, indent=1))
+    write(args.out, res)
     if args.json:
         print(json.dumps(summary(res)))
     else:

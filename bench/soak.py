@@ -1,6 +1,6 @@
 """Chaos and soak: hundreds of misbehaving streams against a real `tokenloop serve`, then a leak check.
 
-    python bench/soak.py            # full: 400 streams, writes bench/RESULTS-soak.md  (make soak)
+    python bench/soak.py            # full: 400 streams (--out FILE writes the table; make soak OUT=bench/RESULTS-soak.md)
     python bench/soak.py --quick    # 100 streams, < 60 s (tests/e2e/test_soak.py)
 
 Loopback only, bounded in count and time. The server runs the default model with
@@ -317,16 +317,17 @@ def main() -> int:
     p.add_argument("--death-streams", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--limit", type=float, default=None, help="seconds the streams may take in all")
-    p.add_argument("--out", default=None, help="Markdown summary file (default bench/RESULTS-soak.md, none with --quick)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="also write the table as Markdown to FILE (none by default; make soak OUT=bench/RESULTS-soak.md "
+                        "records a run)")
     args = p.parse_args()
     args.num = args.num or (100 if args.quick else 400)
     args.death_streams = args.death_streams or (8 if args.quick else 24)
     args.limit = args.limit or (40 if args.quick else 300)
     table, ok = asyncio.run(run(args))
     print(table)
-    out = args.out or (None if args.quick else str(ROOT / "bench" / "RESULTS-soak.md"))
-    if out:
-        Path(out).write_text("# Chaos and soak results (`make soak`)\n\n" + table)
+    if args.out:
+        Path(args.out).write_text("# Chaos and soak results (`make soak`)\n\n" + table)
     return 0 if ok else 1
 
 

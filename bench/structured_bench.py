@@ -1,6 +1,6 @@
 """Structured output's costs: decode speed under a JSON schema, compile time, and the admission of a cached schema.
 
-    .venv/bin/python bench/engine_bench.py --structured [--out bench/results-structured.json]
+    .venv/bin/python bench/engine_bench.py --structured [--rounds 3] [--out bench/results-structured.json]
 
 1. Throughput: 32 concurrent streams (64-token prompts, 128 new tokens, greedy) through the real gRPC server, all
    free (EOS ignored), then all constrained by one JSON schema (bench/structured_cases.BENCH_SCHEMA, which cannot
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.engine_bench import TEXT, free_port, start_server, wait_ready  # noqa: E402
+from bench.results import machine, write  # noqa: E402
 from bench.structured_cases import ARITHMETIC_GRAMMAR, BENCH_SCHEMA, REGEXES, SCHEMAS  # noqa: E402
 
 NUM_STREAMS, PROMPT_TOKENS, NEW_TOKENS = 32, 64, 128
@@ -156,11 +155,11 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(model: str, engine_flags: list[str], out: str, rounds: int = 2) -> int:
-    result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.platform(),
-              "cpus": os.cpu_count(), "engine_flags": engine_flags, "compile": compile_times(model),
-              "admission": cached_admission(model), "throughput": throughput(model, engine_flags, rounds)}
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, engine flags: {' '.join(engine_flags) or '(defaults)'}\n\n{report(result)}")
-    Path(out).write_text(json.dumps(result, indent=2))
+def main(model: str, engine_flags: list[str], out: str | None, rounds: int = 3) -> int:
+    result = {"engine_flags": engine_flags, "compile": compile_times(model), "admission": cached_admission(model),
+              "throughput": throughput(model, engine_flags, rounds)}
+    where = machine()
+    print(f"\n{where['date']}, {where['cpu']}, {where['cpus']} CPUs, engine flags: "
+          f"{' '.join(engine_flags) or '(defaults)'}\n\n{report(result)}")
+    write(out, result)
     return 0

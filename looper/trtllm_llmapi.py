@@ -13,6 +13,14 @@ Written against NVIDIA/TensorRT-LLM:
   tensorrt_llm/sampling_params.py   @ 000a01de66f0eab4ab05640711f0253f50f5209c (GuidedDecodingParams: json,
                                       regex, grammar, json_object, structural_tag; one at a time)
 
+A dead executor is noticed in two ways. `LLM._check_health()`, polled once a second, where the release has it
+(since PR #9057, December 2025; not at the commit above). And, in every release, by what fails: at that commit
+(tensorrt_llm/executor/executor.py and proxy.py @ 005bc848) a request's own failure raises `RequestError` from
+its result, while an engine failure is queued and raised, after the executor shuts down, from the next result
+that handles a response and from the next `generate_async`; later ones raise "LLM is shutting down". So a
+`RequestError`, `ValueError` or `TypeError` fails that request alone, and any other exception from
+`generate_async` or from a result means the executor is gone.
+
 The LLM API is asyncio-based: `generate_async` must run on the event loop that later iterates
 its result. The adapter owns that loop on its own thread; the looper sees only the `Executor`
 protocol and blocks on a thread-safe queue of steps (`SimpleQueue.get` releases the GIL).
@@ -53,6 +61,13 @@ _FINISH = {"length": FinishReason.LENGTH, "cancelled": FinishReason.CANCELLED,
 
 
 _WAKE = object()  # put on the ready queue by wake(): ends a wait, carries no step
+
+
+def request_scoped(exc: BaseException) -> bool:
+    """An exception that fails one request (the LLM API's `RequestError`, an argument refused); any other from
+    `generate_async` or a result is the executor's failure."""
+    return isinstance(exc, (ValueError, TypeError)) or type(exc).__name__ == "RequestError"
+
 
 class TrtllmLlmApi:
     """`Executor` on `tensorrt_llm.LLM` with its own asyncio loop thread."""
@@ -156,9 +171,10 @@ class TrtllmLlmApi:
             result = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,
                                               streaming=self._config.beam_width == 1)
         except Exception as exc:
-            if isinstance(exc, ValueError) or type(exc).__name__ == "RequestError":
+            if request_scoped(exc):
                 raise ValueError(f"TensorRT-LLM refused the request: {exc}") from None
-            raise
+            self._died(exc)
+            raise EngineDeadError(self._dead) from None
         self._results[request_id] = result
         self._loop.create_task(self._consume(request_id, request, result))
         if self._stats_task is None:  # stats exist only once something was submitted
@@ -234,6 +250,12 @@ class TrtllmLlmApi:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
+    def _died(self, exc: BaseException) -> None:
+        if self._dead is None:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            self._dead = f"the TensorRT-LLM executor failed: {first}"
+            log.error("TensorRT-LLM executor failed", exc_info=exc)
+
     def _check_health(self) -> None:
         if not self._thread.is_alive():
             self._dead = "the TensorRT-LLM LLM API thread stopped"
@@ -252,6 +274,10 @@ class TrtllmLlmApi:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001  (a failed request, e.g. RequestError: becomes its error step)
+            if not request_scoped(exc):
+                self._died(exc)  # the executor failed: every request fails with it, reported by await_responses
+                self._ready.put(_WAKE)
+                return
             self._check_health()  # a dead executor fails every request: report death, not this error
             if request_id in self._aborted:
                 for seq in range(request.n):

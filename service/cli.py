@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
 
 from .config import DEFAULT_MODEL_DIR, ServerConfig
 from .logs import setup_logging
+from .startup import StartupError, check_startup
 
 # flags handed to the executor factory as keyword arguments when given
 ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens", "max_batch_size", "dtype",
@@ -124,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"tokenloop: {exc}", file=sys.stderr)
         return 2
-    if args.backend == "engine" and not (Path(config.model) / "config.json").is_file():
-        hint = " (run `make model` to prepare the default model)" if args.model is None else ""
-        print(f"tokenloop: no checkpoint at {config.model}{hint}", file=sys.stderr)
+    try:
+        check_startup(config)  # the model, TLS files, API keys and ports, before anything loads
+    except StartupError as exc:
+        print(f"tokenloop: {exc}", file=sys.stderr)
         return 2
     try:
         import uvloop

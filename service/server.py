@@ -17,6 +17,7 @@ from tokenloop.v1 import tokenloop_pb2
 
 from .app import App
 from .config import ServerConfig
+from .corelog import CoreLogRelay
 from .logs import RequestLogInterceptor, RequestLogObserver
 from .security import ApiKeyInterceptor, load_api_keys, server_credentials
 from .servicer import TextGenerationServicer, add_text_generation
@@ -159,10 +160,17 @@ async def run(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)
     loop.add_signal_handler(signal.SIGHUP, server.reload_certificates)
+    relay = CoreLogRelay() if config.tls_cert else None  # failed TLS handshakes: rate-limited log lines
+    if relay is not None:
+        relay.start()
     try:
-        await server.start()
-    except Exception as exc:
-        log.error("start-up failed: %s", exc)
-        await server.grpc.stop(0)
-        return 2
-    return await server.wait()
+        try:
+            await server.start()
+        except Exception as exc:
+            log.error("start-up failed: %s", exc)
+            await server.grpc.stop(0)
+            return 2
+        return await server.wait()
+    finally:
+        if relay is not None:
+            relay.stop()

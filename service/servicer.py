@@ -182,10 +182,15 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             await abort_with(context, exc)
 
     def _tokenize(self, request) -> pb.TokenizeResponse:
+        """The prompt limit of Generate applies: a text that cannot fit is refused untokenized (where the tokenizer
+        bounds a token's characters), and one that tokenizes to more tokens than the limit is refused after."""
         which = request.WhichOneof("input")
-        text = self.app.validator.render_chat(request.chat) if which == "chat" else request.text
+        validator = self.app.validator
+        text = validator.render_chat(request.chat) if which == "chat" else request.text
+        validator.check_text_length(text, which or "text")
         tok = self.app.tokenizer
         ids, tokens = tok.encode_with_tokens(text, add_special_tokens=tok.add_bos)
+        validator.check_prompt_length(len(ids))
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens, text=text if which == "chat" else "")
 
     async def Detokenize(self, request, context):

@@ -20,7 +20,7 @@ def test_service_overhead_bench_reports_its_keys_and_each_scenario_sends_what_it
         [sys.executable, str(ROOT / "bench" / "service_overhead.py"), "--json", "--model", str(tokenizer_dir),
          "--scenarios", "bare,messages,coalesced,paced,bare-paced,router,router-paced", "--streams", "1,64",
          "--tokens", "2048",
-         "--repeat", "1", "--paced-repeat", "2", "--rate", "50", "--idle-seconds", "1", "--raw", str(raw)],
+         "--repeat", "1", "--paced-repeat", "2", "--rate", "50", "--idle-seconds", "1", "--out", str(raw)],
         capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])

@@ -209,13 +209,32 @@ def test_stats_come_from_the_latest_iteration(fake, engine_dir):
     assert (idle.num_running, idle.num_waiting, idle.kv_blocks_total) == (0, 0, 1000)
 
 
-def test_await_responses_passes_a_timedelta(fake, engine_dir):
+def test_await_responses_takes_what_the_nanobind_binding_takes(fake, engine_dir):
+    """std::optional<std::chrono::milliseconds>: None, a timedelta, or a float of seconds (nanobind's duration
+    caster, include/nanobind/stl/chrono.h: PyFloat_Check, so an int is refused)."""
     executor = create_trtllm_executor(str(engine_dir))
     engine = fake.bindings.executor.Executor.instances[-1]
-    with pytest.raises(TypeError):  # the fake takes only the type the adapter must pass
-        engine.await_responses(timeout=0.01)
+    assert engine.await_responses(timeout=0.001) == []
     assert engine.await_responses(timeout=timedelta(milliseconds=1)) == []
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        engine.await_responses(timeout=1)
     assert executor.await_responses(0.01) == []
+
+
+def test_constructors_take_positional_arguments_where_the_binding_does(fake):
+    """nanobind request.cpp / executorConfig.cpp @ 008b2b8d: nb::kw_only() after Request's first two arguments,
+    SamplingConfig's first and KvCacheConfig's first ten; the other configs take every argument by position."""
+    tle = fake.bindings.executor
+    request = tle.Request([1, 2], 5)
+    assert (request.input_token_ids, request.max_tokens) == ([1, 2], 5)
+    assert tle.SamplingConfig(2).beam_width == 2
+    assert tle.KvCacheConfig(False, 128).max_tokens == 128
+    assert tle.OutputConfig(True).return_log_probs is True
+    assert tle.ExecutorConfig(4).max_beam_width == 4
+    for call in (lambda: tle.Request([1], 5, True), lambda: tle.SamplingConfig(1, 5),
+                 lambda: tle.KvCacheConfig(*[None] * 11), lambda: tle.Request([1], 5, max_tokens=6)):
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            call()
 
 
 # -- configuration and import hygiene -----------------------------------------------------------

@@ -198,12 +198,43 @@ def test_wake_ends_a_wait_at_once_and_is_not_lost_before_one(adapter):
     assert time.monotonic() - start < 5.0
 
 
-def test_death_is_reported_by_await_and_enqueue(adapter):
+def test_death_without_check_health_is_seen_in_the_results(fake, adapter):
+    """The cited LLM API (llm.py @ 00966934) has no _check_health: an engine failure is raised from the results."""
+    assert not hasattr(llm_of(fake), "_check_health")
     adapter.enqueue(scenarios.request(prompt=(5, scenarios.DIE_TOKEN)))
-    with pytest.raises(EngineDeadError, match="no longer healthy"):
+    with pytest.raises(EngineDeadError, match=r"^the TensorRT-LLM executor failed: \[TensorRT-LLM\]\[ERROR\] fake "
+                                              "engine failure: the executor loop died$"):
         steps_until_final(adapter)
     with pytest.raises(EngineDeadError):
         adapter.enqueue(scenarios.request())
+
+
+def test_death_is_seen_by_generate_async(fake, adapter):
+    """A failure queued while nothing was in flight is raised by the next generate_async (proxy.submit)."""
+    llm_of(fake)._error_queue.put(RuntimeError("[TensorRT-LLM][ERROR] MPI worker 1 exited"))
+    with pytest.raises(EngineDeadError, match="^the TensorRT-LLM executor failed: .*MPI worker 1 exited$"):
+        adapter.enqueue(scenarios.request())
+    with pytest.raises(EngineDeadError):
+        adapter.await_responses(0.01)
+
+
+def test_a_request_error_fails_that_request_only(fake, adapter):
+    adapter.enqueue(scenarios.request(prompt=(5, scenarios.ERROR_TOKEN)))
+    [step] = steps_until_final(adapter)
+    assert step.error == "[TensorRT-LLM][ERROR] fake request failure"
+    adapter.enqueue(scenarios.request(max_new=3))
+    assert steps_until_final(adapter)[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_check_health_is_used_where_the_release_has_it(fake, tokenizer_dir):
+    fake._fake.LLM_CHECK_HEALTH = True  # releases since PR #9057
+    executor = create_trtllm_executor(str(tokenizer_dir))
+    try:
+        llm_of(fake)._shut_down = True  # what `_executor.is_shutdown()` reports after a shutdown
+        with pytest.raises(EngineDeadError, match="no longer healthy"):
+            executor.enqueue(scenarios.request())
+    finally:
+        executor.shutdown()
 
 
 def test_stats_come_from_get_stats_async(fake, adapter):

@@ -9,6 +9,7 @@ from .errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    ParameterError,
     PermissionDeniedError,
     ResourceExhaustedError,
     TokenloopError,
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncClient", "AsyncTextStream", "CancelledError", "ChatMessage", "Client", "Completion",
     "DeadlineExceededError", "Delta", "FinishReason", "GenerateResult", "InternalError",
-    "InvalidArgumentError", "Load", "ModelInfo", "NotFoundError", "PermissionDeniedError",
+    "InvalidArgumentError", "Load", "ModelInfo", "NotFoundError", "ParameterError", "PermissionDeniedError",
     "ResourceExhaustedError", "RetryPolicy", "TextStream", "Timing", "TokenLogprob", "TokenizeResult",
     "TokenloopError", "TopLogprob", "UnauthenticatedError", "UnavailableError", "UnimplementedError",
     "Usage",

@@ -7,7 +7,9 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from . import _params
 from ._gen import tokenloop_pb2 as pb
+from .errors import ParameterError
 from .types import ChatMessage, Completion, Delta, GenerateResult
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -78,16 +80,26 @@ class GenerationParams:
 PARAM_NAMES = frozenset(f.name for f in fields(GenerationParams))
 
 
+def _param_fields() -> dict:
+    """Each option's proto field (for the client-side type checks in `_params`)."""
+    groups = {"sampling": _SAMPLING, "stopping": _STOPPING, "output": _OUTPUT}
+    out = {"n": pb.GenerateRequest.DESCRIPTOR.fields_by_name["n"]}
+    for group, names in groups.items():
+        message = pb.GenerateRequest.DESCRIPTOR.fields_by_name[group].message_type
+        out.update({name: message.fields_by_name[name] for name in names})
+    return out
+
+
+PARAM_FIELDS = _param_fields()
+
+
 def to_chat(messages: Iterable[ChatMessage | dict | tuple[str, str]]) -> pb.Chat:
     """Build a protobuf Chat from ChatMessages, {"role", "content"} dicts or (role, content) pairs."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Iterable):
+        raise ParameterError("messages", f"`messages` must be a list of chat messages; got {type(messages).__name__}")
     chat = pb.Chat()
-    for msg in messages:
-        if isinstance(msg, ChatMessage):
-            role, content = msg.role, msg.content
-        elif isinstance(msg, dict):
-            role, content = msg["role"], msg["content"]
-        else:
-            role, content = msg
+    for i, msg in enumerate(messages):
+        role, content = _params.chat_message(i, msg)
         chat.messages.add(role=role, content=content)
     return chat
 
@@ -104,13 +116,18 @@ def build_generate(
     """Build a GenerateRequest from exactly one input and keyword options (TypeError on unknown ones)."""
     inputs = [x is not None for x in (prompt, messages, token_ids)]
     if sum(inputs) != 1:
-        raise ValueError("give exactly one of prompt, messages, token_ids")
+        raise ParameterError("prompt", "give exactly one of prompt, messages, token_ids")
+    _params.check_options(params, PARAM_FIELDS)
+    if request_id is not None:
+        _params.check_text("request_id", request_id)
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, stream=stream)
     if prompt is not None:
+        _params.check_text("prompt", prompt)
         req.text = prompt
     elif messages is not None:
         req.chat.CopyFrom(to_chat(messages))
     else:
+        _params.check_token_ids("token_ids", token_ids)
         req.token_ids.ids.extend(token_ids)
     GenerationParams(**params).apply(req)
     return req
@@ -119,8 +136,9 @@ def build_generate(
 def build_tokenize(text: str | None, messages: Iterable | None) -> pb.TokenizeRequest:
     """Build a TokenizeRequest from text or chat messages."""
     if (text is None) == (messages is None):
-        raise ValueError("give exactly one of text, messages")
+        raise ParameterError("text", "give exactly one of text, messages")
     if text is not None:
+        _params.check_text("text", text)
         return pb.TokenizeRequest(text=text)
     return pb.TokenizeRequest(chat=to_chat(messages))
 
@@ -150,3 +168,12 @@ class ResultBuilder:
         """The final result, sequences ordered by index."""
         done = tuple(self.completions[i] for i in sorted(self.completions))
         return GenerateResult(self.request_id, done)
+
+
+def build_detokenize(token_ids: Sequence[int], skip_special_tokens: bool | None) -> pb.DetokenizeRequest:
+    """Build a DetokenizeRequest (ParameterError on ids that are not token ids)."""
+    _params.check_token_ids("token_ids", token_ids)
+    if skip_special_tokens is not None and not isinstance(skip_special_tokens, bool):
+        raise ParameterError("skip_special_tokens", "`skip_special_tokens` must be True or False; got "
+                                                    f"{skip_special_tokens!r}")
+    return pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)

@@ -18,7 +18,7 @@ from ._channel import (
 )
 from ._gen import tokenloop_pb2 as pb
 from ._gen import tokenloop_pb2_grpc as pb_grpc
-from .errors import TokenloopError, from_rpc_error
+from .errors import TokenloopError, from_retried
 from .types import Delta, GenerateResult, Load, ModelInfo, TokenizeResult
 
 
@@ -32,6 +32,7 @@ class AsyncTextStream:
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._builder = _request.ResultBuilder(request_id)
         self._num_attempts = 0
+        self._first_error: grpc.RpcError | None = None  # what the first attempt got (reported if all fail)
         self._done = False
 
     @property
@@ -59,9 +60,10 @@ class AsyncTextStream:
             try:
                 msg = await self._call.read()
             except grpc.RpcError as err:
+                self._first_error = self._first_error or err
                 if not self._retry.should_retry(err, self._num_attempts, self._builder.num_messages):
                     self._done = True
-                    raise from_rpc_error(err, self.request_id) from None
+                    raise from_retried(self._first_error, err, self._num_attempts, self.request_id) from None
                 await asyncio.sleep(self._retry.backoff_s(self._num_attempts))
                 self._call = None
                 continue
@@ -165,7 +167,7 @@ class AsyncClient:
 
     async def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None) -> str:
         """Text of token ids."""
-        req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        req = _request.build_detokenize(token_ids, skip_special_tokens)
         return (await self._unary(self._stub.Detokenize, req)).text
 
     async def model_info(self) -> ModelInfo:
@@ -186,12 +188,13 @@ class AsyncClient:
         return decode_health_response(await self._unary(check, encode_health_request(service)))
 
     async def _unary(self, method, request):
-        num_attempts = 0
+        num_attempts, first = 0, None
         while True:
             num_attempts += 1
             try:
                 return await method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as err:
+                first = first or err
                 if not self.retry.should_retry(err, num_attempts, 0):
-                    raise from_rpc_error(err) from None
+                    raise from_retried(first, err, num_attempts) from None
                 await asyncio.sleep(self.retry.backoff_s(num_attempts))

@@ -8,13 +8,16 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 from . import bench, report
 from ._channel import DEFAULT_ADDRESS
 from .aio import AsyncClient
 from .client import Client
-from .errors import TokenloopError
+from .errors import TokenloopError, UnavailableError
 from .types import ChatMessage, GenerateResult
+
+HEALTH_POLL_S = 0.5  # health --wait: seconds between checks
 
 
 def _client_kwargs(args: argparse.Namespace) -> dict:
@@ -140,8 +143,18 @@ def cmd_tokenize(client: Client, args: argparse.Namespace) -> None:
 
 
 def cmd_health(client: Client, args: argparse.Namespace) -> None:
-    """Print the grpc.health.v1 status; exit 1 unless SERVING."""
-    status = client.health(args.service)
+    """Print the grpc.health.v1 status; exit 1 unless SERVING. With --wait S, poll until SERVING for up to S s."""
+    deadline = time.monotonic() + (args.wait or 0.0)
+    while True:
+        try:
+            status = client.health(args.service)
+        except UnavailableError:  # not listening yet (or any more)
+            if time.monotonic() >= deadline:
+                raise
+            status = None
+        if status == "SERVING" or time.monotonic() >= deadline:
+            break
+        time.sleep(HEALTH_POLL_S)
     print(status)
     if status != "SERVING":
         raise SystemExit(1)
@@ -154,6 +167,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(json.dumps(results, indent=2))
     else:
         print(report.table(results["results"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **results}, indent=2)
+                    + "\n")
+        print(f"results written to {args.out}", file=sys.stderr)
     if args.plot:
         report.plot(results["results"], args.plot, title=args.title or results["server"]["model_id"])
         print(f"plot written to {args.plot}", file=sys.stderr)
@@ -234,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("health", help="grpc.health.v1 status (exit 1 unless SERVING)")
     h.add_argument("--service", default="", help="service name ('' = the whole server)")
+    h.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds for SERVING (a server that is starting or loading its model)")
 
     b = sub.add_parser("bench", help="load generator: throughput, TTFT and inter-token latency")
     b.add_argument("-c", "--concurrency", type=_concurrency_list, default=[1],
@@ -245,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--no-ignore-eos", action="store_true", help="let sequences end at EOS (shorter outputs)")
     b.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    b.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE (no file unless asked)")
     b.add_argument("--plot", metavar="PNG", help="draw throughput and latency against concurrency")
     b.add_argument("--title", help="plot title (default: the model id)")
     b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

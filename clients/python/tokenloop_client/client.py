@@ -18,7 +18,7 @@ from ._channel import (
 )
 from ._gen import tokenloop_pb2 as pb
 from ._gen import tokenloop_pb2_grpc as pb_grpc
-from .errors import TokenloopError, from_rpc_error
+from .errors import TokenloopError, from_retried
 from .types import Delta, GenerateResult, Load, ModelInfo, TokenizeResult
 
 
@@ -31,6 +31,7 @@ class TextStream:
         self._call = None
         self._builder = _request.ResultBuilder(request_id)
         self._num_attempts = 0
+        self._first_error: grpc.RpcError | None = None  # what the first attempt got (reported if all fail)
         self._done = False
 
     @property
@@ -60,9 +61,10 @@ class TextStream:
                 self._done = True
                 raise
             except grpc.RpcError as err:
+                self._first_error = self._first_error or err
                 if not self._retry.should_retry(err, self._num_attempts, self._builder.num_messages):
                     self._done = True
-                    raise from_rpc_error(err, self.request_id) from None
+                    raise from_retried(self._first_error, err, self._num_attempts, self.request_id) from None
                 time.sleep(self._retry.backoff_s(self._num_attempts))
                 self._call = None
 
@@ -160,7 +162,7 @@ class Client:
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None) -> str:
         """Text of token ids."""
-        req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        req = _request.build_detokenize(token_ids, skip_special_tokens)
         return self._unary(self._stub.Detokenize, req).text
 
     def model_info(self) -> ModelInfo:
@@ -181,12 +183,13 @@ class Client:
         return decode_health_response(self._unary(check, encode_health_request(service)))
 
     def _unary(self, method, request):
-        num_attempts = 0
+        num_attempts, first = 0, None
         while True:
             num_attempts += 1
             try:
                 return method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as err:
+                first = first or err
                 if not self.retry.should_retry(err, num_attempts, 0):
-                    raise from_rpc_error(err) from None
+                    raise from_retried(first, err, num_attempts) from None
                 time.sleep(self.retry.backoff_s(num_attempts))

@@ -55,6 +55,16 @@ class InternalError(TokenloopError):
     """INTERNAL or UNKNOWN: a server-side bug; the message says no more than the server allowed."""
 
 
+class ParameterError(TypeError, ValueError):
+    """A call's argument was refused on the client, before anything was sent: `parameter` names it and the message
+    says the rule. Both a TypeError and a ValueError, so code that caught either keeps working."""
+
+    def __init__(self, parameter: str, message: str) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.message = message
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TokenloopError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
@@ -71,10 +81,25 @@ _BY_CODE: dict[grpc.StatusCode, type[TokenloopError]] = {
 }
 
 
-def from_rpc_error(err: grpc.RpcError, request_id: str = "") -> TokenloopError:
-    """Turn a grpc.RpcError (sync or aio) into the matching TokenloopError subclass."""
+def _status(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
-    code = code or grpc.StatusCode.UNKNOWN
-    cls = _BY_CODE.get(code, TokenloopError)
-    return cls(code, details or "", request_id)
+    return code or grpc.StatusCode.UNKNOWN, details or ""
+
+
+def from_rpc_error(err: grpc.RpcError, request_id: str = "") -> TokenloopError:
+    """Turn a grpc.RpcError (sync or aio) into the matching TokenloopError subclass."""
+    code, details = _status(err)
+    return _BY_CODE.get(code, TokenloopError)(code, details, request_id)
+
+
+def from_retried(first: grpc.RpcError, last: grpc.RpcError, num_attempts: int, request_id: str = "") -> TokenloopError:
+    """The error of a call that failed `num_attempts` times: the first attempt's status, which says why (e.g. the
+    server's "the executor is not available: ..." before it exited), and the last one's when it differs (a retry
+    that found the server gone reads "Connection refused")."""
+    err = from_rpc_error(first, request_id)
+    last_code, last_details = _status(last)
+    if last is first or (last_code, last_details) == (err.code, err.message):
+        return err
+    message = f"{err.message} (retried {num_attempts - 1} times; last: {last_code.name}: {last_details})"
+    return type(err)(err.code, message, request_id)

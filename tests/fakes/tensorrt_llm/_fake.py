@@ -14,6 +14,10 @@ DIE_TOKEN = 399  # the executor dies: await_responses raises / the LLM turns unh
 MAX_INPUT_LEN = 200  # longer prompts are refused at enqueue
 
 LEGACY_NAMES = False  # True: bindings take 0.1x `max_new_tokens` / `random_seed` instead of 1.x names
+# True: `LLM._check_health()` exists, as in releases since NVIDIA/TensorRT-LLM PR #9057 (Dec 2025: BaseLLM returns
+# `not self._executor.is_shutdown()`); False (the default): the LLM API as at the commit the adapter cites
+# (tensorrt_llm/llmapi/llm.py @ 00966934), which has no such method.
+LLM_CHECK_HEALTH = False
 
 
 def next_token(tokens: list[int], seq_index: int) -> int:
@@ -32,10 +36,19 @@ def top_logprobs(token: int, k: int) -> dict[int, float]:
     return out
 
 
-def kw_init(obj, cls_name: str, args: tuple, kwargs: dict, spec: dict, required: tuple = ()) -> None:
-    """nanobind-like keyword-only construction: positional or unknown arguments are a TypeError."""
-    if args:
-        raise TypeError(f"{cls_name}.__init__(): keyword arguments only in the fake (got {len(args)} positional)")
+def kw_init(obj, cls_name: str, args: tuple, kwargs: dict, spec: dict, required: tuple = (),
+            positional: int | None = None) -> None:
+    """nanobind-like construction: the first `positional` arguments of `spec` (in the binding's order; all of them
+    when None) may be passed by position, the rest only by keyword (`nb::kw_only()`); more positional arguments,
+    an argument given twice, or an unknown one is a TypeError, as nanobind's "incompatible function arguments"."""
+    names = list(spec)[:len(spec) if positional is None else positional]
+    if len(args) > len(names):
+        raise TypeError(f"{cls_name}.__init__(): incompatible function arguments: at most {len(names)} positional "
+                        f"(got {len(args)})")
+    twice = set(names[:len(args)]) & set(kwargs)
+    if twice:
+        raise TypeError(f"{cls_name}.__init__(): incompatible function arguments: {sorted(twice)} given twice")
+    kwargs = {**dict(zip(names, args)), **kwargs}
     unknown = set(kwargs) - set(spec)
     if unknown:
         raise TypeError(f"{cls_name}.__init__(): incompatible function arguments: unexpected {sorted(unknown)}")

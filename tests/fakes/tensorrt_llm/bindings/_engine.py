@@ -117,12 +117,23 @@ class Executor:
             self._cv.notify_all()
         return request_id
 
-    def await_responses(self, timeout: timedelta | None = None) -> list[Response]:
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError("await_responses(): incompatible function arguments (timeout must be a timedelta)")
+    def await_responses(self, *args, timeout=None) -> list[Response]:
+        """`await_responses(timeout=None)`. The binding's `std::optional<std::chrono::milliseconds>` takes None, a
+        `datetime.timedelta` or a float of seconds (nanobind's duration caster: `PyFloat_Check`, so not an int;
+        include/nanobind/stl/chrono.h). An int given by position is the binding's `await_responses(id)` overload,
+        which the adapter does not use and the fake does not model."""
+        if args:
+            if len(args) == 1 and isinstance(args[0], (timedelta, float)) and timeout is None:
+                timeout = args[0]
+            else:
+                raise NotImplementedError("the fake models await_responses(timeout) only, not (id) / (ids)")
+        if timeout is not None and not isinstance(timeout, (timedelta, float)):
+            raise TypeError("await_responses(): incompatible function arguments: timeout must be "
+                            f"datetime.timedelta | float | None, got {type(timeout).__name__}")
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         with self._cv:
             if not self._active and self._dead is None:
-                self._cv.wait(None if timeout is None else timeout.total_seconds())
+                self._cv.wait(None if seconds is None else max(seconds, 0.0))
             elif self._active:
                 self._cv.wait(_ITERATION_S)  # a decoding iteration takes time (and releases the GIL)
             if self._dead is not None:

@@ -1,10 +1,11 @@
 """Fake `tensorrt_llm.bindings.executor`: the nanobind surface of TensorRT-LLM 1.2's C++ executor.
 
-Mirrors cpp/tensorrt_llm/nanobind/executor/{request,executor,executorConfig,bindings}.cpp: the
-argument names and defaults, `Response.has_error()` as a method, `Result` fields, streaming
-deltas in `output_token_ids` with the full `log_probs` list, CANCELLED final responses after
-`cancel_request`, error responses, iteration stats. Stricter than the real binding in one way:
-every constructor is keyword-only, so an adapter that passes anything positionally fails here.
+Mirrors NVIDIA/TensorRT-LLM cpp/tensorrt_llm/nanobind/executor/{request,executor,executorConfig,bindings}.cpp
+(request.cpp and executorConfig.cpp @ 008b2b8d, executor.cpp @ 1dd50d07): the argument names, order and
+defaults, which arguments may be positional (`Request(input_token_ids, max_tokens, *, ...)`,
+`SamplingConfig(beam_width=1, *, ...)`, `KvCacheConfig`'s first ten; the other configs take all by position),
+`Response.has_error()` as a method, `Result` fields, streaming deltas in `output_token_ids` with the full
+`log_probs` list, CANCELLED final responses after `cancel_request`, error responses, iteration stats.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ class _NewReason:
     name = "SOMETHING_NEW"
 
 
-def _config_class(name: str, spec: dict, required: tuple = ()):
+def _config_class(name: str, spec: dict, required: tuple = (), positional: int | None = None):
     def __init__(self, *args, **kwargs):
-        kw_init(self, name, args, kwargs, spec, required)
+        kw_init(self, name, args, kwargs, spec, required, positional)
     return type(name, (), {"__init__": __init__})
 
 
@@ -62,7 +63,8 @@ KvCacheConfig = _config_class("KvCacheConfig", {
     "enable_block_reuse": True, "max_tokens": None, "max_attention_window": None, "sink_token_length": None,
     "free_gpu_memory_fraction": None, "host_cache_size": None, "onboard_blocks": True,
     "cross_kv_cache_fraction": None, "secondary_offload_min_priority": None, "event_buffer_max_size": 0,
-    "enable_partial_reuse": True, "copy_on_partial_reuse": True, "use_uvm": False, "runtime_defaults": None})
+    "enable_partial_reuse": True, "copy_on_partial_reuse": True, "use_uvm": False, "runtime_defaults": None},
+    positional=10)  # nb::kw_only() before enable_partial_reuse
 SchedulerConfig = _config_class("SchedulerConfig", {
     "capacity_scheduler_policy": CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, "context_chunking_policy": None,
     "dynamic_batch_config": None})
@@ -134,14 +136,15 @@ def _legacy(spec: dict, new: str, old: str) -> dict:
 
 class SamplingConfig:
     def __init__(self, *args, **kwargs):
-        kw_init(self, "SamplingConfig", args, kwargs, _legacy(_SAMPLING, "seed", "random_seed"))
+        kw_init(self, "SamplingConfig", args, kwargs, _legacy(_SAMPLING, "seed", "random_seed"),
+                positional=1)  # beam_width, then nb::kw_only()
 
 
 class Request:
     def __init__(self, *args, **kwargs):
         spec = _legacy(_REQUEST, "max_tokens", "max_new_tokens")
         required = ("input_token_ids", "max_new_tokens" if _fake.LEGACY_NAMES else "max_tokens")
-        kw_init(self, "Request", args, kwargs, spec, required)
+        kw_init(self, "Request", args, kwargs, spec, required, positional=2)  # then nb::kw_only()
         if _fake.LEGACY_NAMES:
             self.max_tokens = self.max_new_tokens
         if not all(isinstance(t, int) for t in self.input_token_ids):

@@ -1,16 +1,25 @@
-"""Fake `tensorrt_llm.LLM` and its results, after tensorrt_llm/llmapi/llm.py and executor/result.py.
+"""Fake `tensorrt_llm.LLM` and its results, after NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm.py @ 00966934 (the
+commit the adapter cites) and tensorrt_llm/executor/{result,executor,proxy}.py @ 005bc848.
 
 `generate_async` returns a result whose async iteration reads an asyncio queue bound to the loop
 that called it (as the real one does); a background "engine" thread decodes one token per
 sequence per iteration and posts responses with `call_soon_threadsafe`. `_handle_sequence`
 keeps the real quirks: `token_ids_diff` is refreshed only for the sequence a response carries,
 and `finish_reason` is set only when the whole request is done.
+
+Errors follow `GenerationExecutor._handle_background_error` (executor.py @ 005bc848): a request's error response
+raises `RequestError` from that result alone; an engine failure is queued and raised, after the executor shuts
+down, from the next result that handles a response (`_handle_response` calls the handler after each one) and from
+the next `generate_async` (the proxy's `submit` calls it first); later submissions raise "LLM is shutting down"
+(llm.py's check in newer releases). `LLM._check_health()` exists only when `_fake.LLM_CHECK_HEALTH` is set, as in
+releases since PR #9057 (December 2025), where it returns `not self._executor.is_shutdown()`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import queue
 import threading
 import time
 from collections import deque
@@ -122,13 +131,14 @@ class RequestOutput:
     def _handle_response(self, response: _Response) -> None:
         if response.error is not None:
             self._done = True
-            raise RequestError(response.error)
+            self._llm._handle_background_error(response.error)  # a str: RequestError for this request
         self._done = response.is_final
         if self.sampling_params.use_beam_search:
             for beam in range(len(response.output_token_ids)):
                 self._handle_sequence(response, beam, beam)
         else:
             self._handle_sequence(response, response.sequence_index, 0)
+        self._llm._handle_background_error()  # "processing background errors here ASAP during generation"
 
     def _handle_sequence(self, response: _Response, seq: int, src: int) -> None:
         out, reason = self._outputs[seq], response.finish_reasons[src]
@@ -237,7 +247,10 @@ class LLM:
         self._active: dict[int, _Gen] = {}
         self._stats: deque[dict] = deque(maxlen=1000)
         self._cv = threading.Condition()
-        self._healthy, self._stopped, self._iter = True, False, 0
+        self._stopped, self._shut_down, self._iter = False, False, 0
+        self._error_queue: queue.Queue = queue.Queue()  # the engine's fatal errors, as GenerationExecutor keeps them
+        if _fake.LLM_CHECK_HEALTH:
+            self._check_health = lambda: not self._shut_down
         self._thread = threading.Thread(target=self._run, name="fake-trtllm-engine", daemon=True)
         self._thread.start()
         LLM.instances.append(self)
@@ -256,10 +269,9 @@ class LLM:
         if not ids or len(ids) > _fake.MAX_INPUT_LEN:
             raise ValueError(f"The sum of prompt length ({len(ids)}) and query length (0) should not exceed "
                              f"max_num_tokens ({_fake.MAX_INPUT_LEN})")
-        if not self._healthy:
-            raise RequestError("the executor is not healthy")
-        if params.guided_decoding is not None and self.args.get("guided_decoding_backend") is None:
-            raise ValueError("guided_decoding_backend must be set on the LLM to use guided decoding")
+        if self._shut_down:
+            raise RuntimeError("LLM is shutting down")
+        self._handle_background_error()  # proxy.submit: a queued engine failure is raised here
         self.submits.append((list(ids), params, streaming))
         self.generate_threads.add(threading.current_thread().name)
         result = RequestOutput(next(self._ids), list(ids), params, self)
@@ -273,8 +285,18 @@ class LLM:
             if request_id in self._active:
                 self._active[request_id].cancelled = True
 
-    def _check_health(self) -> bool:
-        return self._healthy
+    def _handle_background_error(self, error: Exception | str | None = None) -> None:
+        """GenerationExecutor._handle_background_error: a str is one request's error; an exception (given or
+        queued by the engine) shuts the executor down and is raised."""
+        if isinstance(error, str):
+            raise RequestError(error)
+        if error is None:
+            try:
+                error = self._error_queue.get_nowait()
+            except queue.Empty:
+                return
+        self._shut_down = True
+        raise error
 
     def get_stats_async(self, timeout: float | None = 2):
         return _IterationResult(self, timeout or 0.0)
@@ -296,11 +318,11 @@ class LLM:
             time.sleep(0.001)
 
     def _iterate(self) -> None:
+        if any(_fake.DIE_TOKEN in gen.result.prompt_token_ids for gen in self._active.values()):
+            self._die()
+            return
         for request_id, gen in list(self._active.items()):
-            prompt = gen.result.prompt_token_ids
-            if _fake.DIE_TOKEN in prompt:
-                self._healthy = False
-            if _fake.ERROR_TOKEN in prompt or not self._healthy:
+            if _fake.ERROR_TOKEN in gen.result.prompt_token_ids:
                 gen.result._post(_Response(0, [], None, [], True, error="[TensorRT-LLM][ERROR] fake request failure"))
                 del self._active[request_id]
                 continue
@@ -313,6 +335,16 @@ class LLM:
             self._stats.append({"iter": self._iter, "iterLatencyMS": 2.5, "numActiveRequests": len(self._active),
                                 "numQueuedRequests": 0, "kvCacheStats": {"maxNumBlocks": 500, "usedNumBlocks":
                                 len(self._active), "freeNumBlocks": 500 - len(self._active), "tokensPerBlock": 64}})
+
+
+    def _die(self) -> None:
+        """The engine fails: the error is queued, and each request in flight gets one last (empty, not final)
+        response, whose handling raises it; then nothing more is decoded."""
+        self._error_queue.put(RuntimeError("[TensorRT-LLM][ERROR] fake engine failure: the executor loop died"))
+        for gen in self._active.values():
+            gen.result._post(_Response(0, [[]], None, [FinishReason.NOT_FINISHED], False))
+        self._active.clear()
+        self._stopped = True
 
 
 class _IterationResult:

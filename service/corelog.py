@@ -1,0 +1,144 @@
+"""gRPC core's log lines, read off stderr: failed TLS handshakes logged rate-limited, every other line passed on.
+
+gRPC's C++ core writes one line per failed TLS handshake straight to file descriptor 2 (`ssl_transport_security.cc
+... Handshake failed with error SSL_ERROR_SSL: ... WRONG_VERSION_NUMBER`), and Python has no hook for it: a
+plaintext client retrying against a TLS port filled the log with a line per attempt. When the server serves TLS,
+`CoreLogRelay` puts a pipe in place of fd 2 and reads it on a thread: a failed handshake becomes one warning with
+its reason, then at most one line per interval with the count (`HandshakeLog`); every other line is written to
+the real stderr unchanged. Python's own logging is pointed at the real stderr directly, so it never passes
+through the relay.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import select
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("tokenloop.security")
+
+INTERVAL_ENV = "TOKENLOOP_HANDSHAKE_LOG_INTERVAL_S"
+DEFAULT_INTERVAL_S = 60.0
+_MARK = b"Handshake failed"
+_REASON = re.compile(r"SSL routines:(?:[^:]*:)?([A-Z][A-Z0-9_]+)(?::|$)")
+HINTS = {
+    "WRONG_VERSION_NUMBER": "a client speaking plaintext to this TLS port?",
+    "HTTP_REQUEST": "a client speaking plaintext HTTP to this TLS port?",
+    "PEER_DID_NOT_RETURN_A_CERTIFICATE": "a client without a certificate (--tls-client-ca requires one)",
+    "CERTIFICATE_VERIFY_FAILED": "a client certificate not signed by --tls-client-ca?",
+    "TLSV1_ALERT_UNKNOWN_CA": "the client does not trust this server's certificate (its CA)",
+    "SSLV3_ALERT_BAD_CERTIFICATE": "the client rejected this server's certificate",
+}
+
+
+def reason_of(line: str) -> str:
+    """The OpenSSL reason of a handshake-failure line, with a hint where one is known."""
+    m = _REASON.search(line)
+    reason = m.group(1) if m else line.split("Handshake failed", 1)[-1].strip(" :")[:200]
+    hint = HINTS.get(reason)
+    return f"{reason} ({hint})" if hint else reason
+
+
+class HandshakeLog:
+    """Rate-limited warnings for failed handshakes: the first of a quiet period at once, then one line per
+    `interval` with how many more failed and the last reason."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic):
+        self.interval = interval
+        self.clock = clock
+        self.window_start: float | None = None  # set while failures are being counted
+        self.count = 0
+        self.last = ""
+
+    def failed(self, line: str) -> None:
+        reason, now = reason_of(line), self.clock()
+        if self.window_start is None:
+            log.warning("TLS handshake failed: %s; further failures are counted and logged every %.0f s",
+                        reason, self.interval)
+            self.window_start = now
+            return
+        self.count += 1
+        self.last = reason
+        self.tick()
+
+    def tick(self) -> None:
+        """Log the count when the interval is over (called on each failure and while idle)."""
+        if self.window_start is None or self.clock() - self.window_start < self.interval:
+            return
+        if self.count:
+            log.warning("TLS handshake failed %d times in the last %.0f s; last: %s", self.count, self.interval,
+                        self.last)
+            self.window_start, self.count = self.clock(), 0
+        else:
+            self.window_start = None  # quiet: the next failure is logged at once
+
+
+class CoreLogRelay:
+    """Replaces fd 2 with a pipe read by a thread (`start` / `stop`)."""
+
+    def __init__(self, interval: float | None = None):
+        interval = float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL_S)) if interval is None else interval
+        self.handshakes = HandshakeLog(interval)
+        self._saved_fd: int | None = None
+        self._read_fd: int | None = None
+        self._thread: threading.Thread | None = None
+        self._restore: list = []  # (handler, stream) and sys.stderr as they were
+
+    def start(self) -> None:
+        sys.stderr.flush()
+        self._saved_fd = os.dup(2)
+        self._read_fd, write_fd = os.pipe()
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        real = os.fdopen(os.dup(self._saved_fd), "w", buffering=1, errors="backslashreplace")
+        for handler in logging.getLogger().handlers:  # Python's logging goes to the real stderr, not the pipe
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.__stderr__):
+                self._restore.append((handler, handler.setStream(real)))
+        self._restore.append((None, sys.stderr))
+        sys.stderr = real
+        self._thread = threading.Thread(target=self._run, name="tokenloop-corelog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Put the real stderr back on fd 2; the thread drains what is left and ends."""
+        if self._saved_fd is None:
+            return
+        os.dup2(self._saved_fd, 2)  # closes the pipe's last write end: the reader sees EOF
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        for handler, stream in self._restore:
+            if handler is None:
+                sys.stderr = stream
+            else:
+                handler.setStream(stream)
+        os.close(self._saved_fd)
+        self._saved_fd = None
+
+    def _run(self) -> None:
+        pending = b""
+        tick = max(self.handshakes.interval / 4, 0.05)
+        while True:
+            ready, _, _ = select.select([self._read_fd], [], [], tick)
+            if not ready:
+                self.handshakes.tick()
+                continue
+            chunk = os.read(self._read_fd, 65536)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                self._line(line + b"\n")
+        if pending:
+            self._line(pending)
+        os.close(self._read_fd)
+
+    def _line(self, line: bytes) -> None:
+        if _MARK in line:
+            self.handshakes.failed(line.decode(errors="replace"))
+        elif self._saved_fd is not None:
+            os.write(self._saved_fd, line)

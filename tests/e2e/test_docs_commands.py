@@ -1,0 +1,107 @@
+"""The docs check, part 2: every `<!-- docs-check: run -->` block of README.md and docs/*.md runs as written.
+
+One shared `tokenloop serve` (tests/e2e/live_server.py, the default model) answers the blocks that do not start
+their own servers; how blocks run is described in tests/docs_check.py. Part 1, that every shell block carries a
+marker, is tests/unit/test_docs_markers.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.docs_check import ROOT, all_blocks, parse_marker, port_map, run_spec, substitute_ports
+from tests.e2e.live_server import DEFAULT_MODEL, _free_port, live_address
+
+pytestmark = pytest.mark.e2e
+
+RUN_BLOCKS = [b for b in all_blocks() if b.is_shell and b.marker and parse_marker(b.marker)[0] == "run"]
+BUF_BIN = ROOT / ".cache" / "buf" / "node_modules" / ".bin"
+TOOLS = {"buf": "make setup-dev installs buf", "grpcurl": "make setup installs grpcurl (the dev extra)",
+         "smg": "make setup installs smg (the dev extra)", "node": "Node.js is not installed",
+         "openssl": "openssl is not installed", "curl": "curl is not installed"}
+
+
+@pytest.fixture(scope="module")
+def scratch():
+    """A directory that links every top-level entry of the repository: blocks run here and write here."""
+    with tempfile.TemporaryDirectory(prefix="docs-check-") as tmp:
+        for entry in ROOT.iterdir():
+            if entry.name != ".git":
+                os.symlink(entry, Path(tmp) / entry.name)
+        yield Path(tmp)
+
+
+def environment(address: str, port_for_50051: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(ROOT / ".venv" / "bin"), str(BUF_BIN), env.get("PATH", "")])
+    env.update(TOKENLOOP_ADDRESS=address, PORT=str(port_for_50051), PYTHONUNBUFFERED="1")
+    env.pop("TOKENLOOP_API_KEY", None)
+    return env
+
+
+def missing_tool(text: str, env: dict) -> str | None:
+    for tool, why in TOOLS.items():
+        if any(line.split()[:1] == [tool] or f" {tool} " in f" {line} " for line in text.splitlines()) \
+                and shutil.which(tool, path=env["PATH"]) is None:
+            return f"{tool}: {why}"
+    return None
+
+
+def run_block(text: str, spec, cwd: Path, env: dict) -> tuple[int | None, str]:
+    """bash runs `text` in its own session, output to a file (servers it left in the background keep a pipe
+    open); when it exits (or times out) whatever it left running is stopped."""
+    script = ("set -e -o pipefail\n" if spec.errexit else "") + text + "\n"
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            code = proc.wait(timeout=spec.timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        stop_group(proc.pid)
+        out.seek(0)
+        return code, out.read()
+
+
+def stop_group(pgid: int) -> None:
+    """SIGTERM the block's process group (servers drain and exit), SIGKILL what is left after 30 s."""
+    for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[b.name for b in RUN_BLOCKS])
+def test_docs_block_runs_as_written(block, scratch):
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        pytest.skip("the default model is not prepared: run `make model`")
+    spec = run_spec(parse_marker(block.marker)[1])
+    text = block.commands()
+    shared = None if spec.own_server else int(live_address().rsplit(":", 1)[1])
+    ports = port_map(text, shared, _free_port)
+    env = environment(f"127.0.0.1:{ports[50051]}", ports[50051])
+    reason = missing_tool(text, env)
+    if reason:
+        pytest.skip(reason)
+    code, out = run_block(substitute_ports(text, ports), spec, scratch, env)
+    tail = out[-4000:]
+    assert code is not None, f"{block.name} timed out after {spec.timeout:.0f} s:\n{tail}"
+    assert code == 0 or not spec.errexit, f"{block.name} exited {code}:\n{tail}"
+    for expected in spec.expect:
+        assert expected in out, f"{block.name}: {expected!r} not in the output:\n{tail}"

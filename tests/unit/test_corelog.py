@@ -1,0 +1,40 @@
+"""Failed TLS handshakes are logged with their reason, then counted: one line per interval, not one per attempt."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenloop.service.corelog import HandshakeLog, reason_of
+
+LINE = ("I1204 15:43:18.104506   15420 ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL: "
+        "error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate verification context")
+
+
+def test_reason_and_hint():
+    assert reason_of(LINE) == "WRONG_VERSION_NUMBER (a client speaking plaintext to this TLS port?)"
+    assert reason_of("Handshake failed with error SSL_ERROR_SSL: error:1000045c:SSL routines:OPENSSL_internal:"
+                     "SOMETHING_ELSE: x") == "SOMETHING_ELSE"
+
+
+def test_first_failure_at_once_then_one_count_per_interval(caplog):
+    now = [0.0]
+    hl = HandshakeLog(60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="tokenloop.security"):
+        for t in (0.0, 1.0, 2.0, 30.0):  # four failures in the first minute
+            now[0] = t
+            hl.failed(LINE)
+        now[0] = 59.0
+        hl.tick()
+        now[0] = 61.0
+        hl.tick()  # the minute is over: one line with the three counted since the first
+        now[0] = 130.0
+        hl.tick()  # a quiet minute: nothing, and the next failure is logged at once again
+        hl.failed(LINE)
+    assert [r.getMessage() for r in caplog.records] == [
+        "TLS handshake failed: WRONG_VERSION_NUMBER (a client speaking plaintext to this TLS port?); further "
+        "failures are counted and logged every 60 s",
+        "TLS handshake failed 3 times in the last 60 s; last: WRONG_VERSION_NUMBER (a client speaking plaintext to "
+        "this TLS port?)",
+        "TLS handshake failed: WRONG_VERSION_NUMBER (a client speaking plaintext to this TLS port?); further "
+        "failures are counted and logged every 60 s",
+    ]
