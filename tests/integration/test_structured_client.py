@@ -26,12 +26,16 @@ def test_each_structured_option_lands_in_its_oneof_field(name, value, expected):
     assert req.WhichOneof("structured") == name and getattr(req, name) == expected
 
 
-def test_two_structured_options_are_refused_by_the_client():
+def test_two_structured_options_or_a_wrong_type_are_refused_by_the_client():
+    from tokenloop_client import ParameterError
     from tokenloop_client._request import build_generate
 
-    with pytest.raises(ValueError, match="give at most one of json_schema, json_object, regex, grammar, "
-                                         "structural_tag; got json_schema, regex"):
+    with pytest.raises(ParameterError, match="give at most one of json_schema, json_object, regex, grammar, "
+                                             "structural_tag; got json_schema, regex") as err:
         build_generate("x", stream=False, params={"json_schema": SCHEMA, "regex": "a"})
+    assert err.value.parameter == "regex"
+    with pytest.raises(ParameterError, match=r"`regex` must be a string; got 5 \(int\)"):
+        build_generate("x", stream=False, params={"regex": 5})
     assert build_generate("x", stream=False, params={"json_object": False}).WhichOneof("structured") is None
 
 

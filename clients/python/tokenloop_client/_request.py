@@ -71,10 +71,9 @@ class GenerationParams:
     def _apply_structured(self, req: pb.GenerateRequest) -> None:
         given = [name for name in _STRUCTURED if getattr(self, name) not in (None, False)]
         if len(given) > 1:
-            raise ValueError(f"give at most one of {', '.join(_STRUCTURED)}; got {', '.join(given)}")
+            raise ParameterError(given[1], f"give at most one of {', '.join(_STRUCTURED)}; got {', '.join(given)}")
         for name in given:
-            value = getattr(self, name)
-            setattr(req, name, json.dumps(value) if isinstance(value, Mapping) else value)
+            setattr(req, name, getattr(self, name))
 
 
 PARAM_NAMES = frozenset(f.name for f in fields(GenerationParams))
@@ -83,7 +82,8 @@ PARAM_NAMES = frozenset(f.name for f in fields(GenerationParams))
 def _param_fields() -> dict:
     """Each option's proto field (for the client-side type checks in `_params`)."""
     groups = {"sampling": _SAMPLING, "stopping": _STOPPING, "output": _OUTPUT}
-    out = {"n": pb.GenerateRequest.DESCRIPTOR.fields_by_name["n"]}
+    top = pb.GenerateRequest.DESCRIPTOR.fields_by_name
+    out = {name: top[name] for name in ("n", *_STRUCTURED)}
     for group, names in groups.items():
         message = pb.GenerateRequest.DESCRIPTOR.fields_by_name[group].message_type
         out.update({name: message.fields_by_name[name] for name in names})
@@ -117,7 +117,8 @@ def build_generate(
     inputs = [x is not None for x in (prompt, messages, token_ids)]
     if sum(inputs) != 1:
         raise ParameterError("prompt", "give exactly one of prompt, messages, token_ids")
-    _params.check_options(params, PARAM_FIELDS)
+    params = {k: json.dumps(v) if k in _STRUCTURED and isinstance(v, Mapping) else v for k, v in params.items()}
+    _params.check_options(params, PARAM_FIELDS)  # a dict schema or structural tag is sent as JSON text
     if request_id is not None:
         _params.check_text("request_id", request_id)
     req = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, stream=stream)
