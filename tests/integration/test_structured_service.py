@@ -138,21 +138,25 @@ def test_bad_constraints_are_invalid_argument_and_nothing_else_breaks(checkpoint
 
 
 def test_a_compile_past_its_timeout_is_refused_and_finishes_in_the_background(checkpoint):
-    schema = json.dumps(SCHEMAS["nested_object"])
+    big = {"type": "object", "additionalProperties": False, "required": [f"k{i}" for i in range(3000)],
+           "properties": {f"k{i}": {"type": "integer", "minimum": 0, "maximum": 9} for i in range(3000)}}
+    schema = json.dumps(big)  # ~0.4 s to compile here: well past the 0.02 s allowed
 
     async def body():
-        async with engine_server(checkpoint, grammar_compile_timeout=1e-6) as (server, stub, _):
+        async with engine_server(checkpoint, grammar_compile_timeout=0.02) as (server, stub, _):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await complete(stub, generate(json_schema=schema))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert err.value.details() == ("`json_schema` did not compile within 1e-06 s (--grammar-compile-timeout): "
+            assert err.value.details() == ("`json_schema` did not compile within 0.02 s (--grammar-compile-timeout): "
                                            "make it simpler")
             compiler = server.app.grammars.compiler
-            for _ in range(500):  # the thread finished the compile and cached it
+            for _ in range(3000):  # the thread finishes the compile and caches it
                 if compiler.cached("json_schema", schema) is not None:
                     break
                 await asyncio.sleep(0.01)
-            check_json((await complete(stub, generate(json_schema=schema))).text, SCHEMAS["nested_object"])
+            assert compiler.cached("json_schema", schema) is not None
+            retry = await complete(stub, generate(json_schema=schema, stopping=pb.StoppingCriteria(max_new_tokens=8)))
+            assert retry.finish_reason == pb.LENGTH and retry.text.startswith('{"k0": ')  # a cache hit: served
     run(body())
 
 

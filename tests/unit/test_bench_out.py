@@ -11,7 +11,8 @@ import pytest
 from bench.results import write
 from tests.conftest import ROOT
 
-SCRIPTS = ["engine_bench.py", "service_overhead.py", "engine_gil.py", "prompt_stall.py", "idle_cpu.py", "soak.py"]
+SCRIPTS = ["engine_bench.py", "service_overhead.py", "engine_gil.py", "prompt_stall.py", "idle_cpu.py", "soak.py",
+           "grammar_libs.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -41,4 +42,5 @@ def test_write_stamps_the_date_and_machine(tmp_path, capsys):
 def test_one_current_result_file_per_benchmark():
     files = sorted(p.name for p in (ROOT / "bench").glob("results-*"))
     assert files == ["results-clients.json", "results-clients.png", "results-engine-gil.json", "results-engine.json",
-                     "results-overhead.json", "results-prompt-stall.json"]
+                     "results-grammar-libs.json", "results-overhead.json", "results-prompt-stall.json",
+                     "results-structured.json"]
