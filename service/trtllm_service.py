@@ -244,7 +244,7 @@ class _Writer:
         ids = done.token_ids[:-1] if strip else done.token_ids
         msg = tpb.GenerateComplete(
             output_token_ids=ids, sequence_index=done.index, finish_reason=FINISH_REASONS[done.finish_reason],
-            prompt_tokens=done.prompt_tokens, completion_tokens=len(ids),
+            prompt_tokens=done.prompt_tokens, completion_tokens=len(ids), cached_tokens=done.cached_prompt_tokens,
             logprobs=_logprobs((done.logprobs or [])[:len(ids)]))
         if done.matched_stop_str is not None:
             msg.matched_stop_str = done.matched_stop_str
