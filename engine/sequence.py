@@ -35,6 +35,8 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered with the prefix cache
+    num_cached_prompt_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    cache_key: str | None = None  # extra key in its block hashes (what besides tokens the K/V depends on)
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     matcher: object | None = None  # llguidance.LLMatcher of a `structured` request: what may come next

@@ -15,7 +15,7 @@ ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens",
                 "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend", "weights")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
-                "max_batch_size", "max_num_tokens", "guided_decoding_backend")
+                "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0: the model's context minus one")
     s.add_argument("--max-n", type=int, default=d.max_n)
     s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    s.add_argument("--kv-events-heartbeat", type=float, default=d.kv_events_heartbeat,
+                   help="SubscribeKvEvents: seconds between load-only batches while the engine is idle")
     s.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
                    help="abort a stream whose reader stopped reading for this long (0: never)")
     s.add_argument("--stream-interval", type=int, default=d.stream_interval,
@@ -91,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--trtllm-api", choices=("auto", "llm", "executor"), default=None)
     t.add_argument("--kv-cache-free-gpu-memory-fraction", type=float, default=None)
     t.add_argument("--enable-block-reuse", action=argparse.BooleanOptionalAction, default=None)
+    t.add_argument("--kv-event-buffer-max-size", type=int, default=None,
+                   help="KV-cache events TensorRT-LLM buffers for SubscribeKvEvents (default 1024; 0: none)")
     t.add_argument("--enable-chunked-context", action=argparse.BooleanOptionalAction, default=None)
     t.add_argument("--scheduler-policy", choices=("max_utilization", "guaranteed_no_evict"), default=None)
     t.add_argument("--tensor-parallel-size", type=int, default=None)
@@ -111,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queue=args.max_queue, shutdown_grace=args.shutdown_grace, max_new_tokens=args.max_new_tokens,
         default_max_new_tokens=args.default_max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
+        kv_events_heartbeat=args.kv_events_heartbeat,
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
         front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,
