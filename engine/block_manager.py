@@ -2,7 +2,8 @@
 
 A block holds `block_size` consecutive tokens of one sequence. A full block is registered under a
 hash of its tokens chained with the previous block's hash, so a later sequence whose prompt starts
-with the same tokens reuses it (reference-counted). Freed blocks keep their hash until the block is
+with the same tokens reuses it (reference-counted). A sequence's `cache_key` (its LoRA adapter) seeds the
+chain, so sequences of different adapters never share blocks. Freed blocks keep their hash until the block is
 reallocated, so a finished request's prompt still serves later ones (least recently freed first out).
 """
 
@@ -80,7 +81,7 @@ class BlockManager:
             raise ValueError("allocate_prefix needs a sequence without blocks")
         if not self.enable_prefix_caching:
             return 0
-        prev = None
+        prev = seq.cache_key
         for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start:start + self.block_size])
             h = chain_hash(prev, tokens)
@@ -113,7 +114,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        prev = self.blocks[seq.block_table[seq.num_cached_blocks - 1]].hash if seq.num_cached_blocks else None
+        prev = self.blocks[seq.block_table[seq.num_cached_blocks - 1]].hash if seq.num_cached_blocks else seq.cache_key
         for i in range(seq.num_cached_blocks, num_full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block = self.blocks[seq.block_table[i]]

@@ -30,6 +30,8 @@ class EngineConfig:
     # decode attention: native = the C kernel over the paged cache (kernels.py; float32), torch = gather + SDPA,
     # auto = native where it builds and the dtype is float32, else torch
     attention_backend: str = "auto"
+    max_lora_rank: int = 64  # --max-lora-rank: the largest LoRA rank an adapter may have
+
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -57,6 +59,8 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.attention_backend == "native" and self.dtype != "float32":
             raise ValueError(f"attention_backend 'native' needs dtype float32, got {self.dtype!r}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {', '.join(MATMUL_BACKENDS)}, got {self.matmul_backend!r}")
 
