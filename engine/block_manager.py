@@ -1,16 +1,20 @@
-"""KV-cache block bookkeeping in plain Python (no tensors), with prefix caching of full blocks.
+"""KV-cache block bookkeeping in plain Python (no tensors), with prefix caching of full blocks (vLLM's model).
 
 A block holds `block_size` consecutive tokens of one sequence. A full block is registered under a
-hash of its tokens chained with the previous block's hash, so a later sequence whose prompt starts
-with the same tokens reuses it (reference-counted). A sequence's `cache_key` (its LoRA adapter) seeds the
-chain, so sequences of different adapters never share blocks. Freed blocks keep their hash until the block is
-reallocated, so a finished request's prompt still serves later ones (least recently freed first out).
+stable hash of its tokens chained with the previous block's hash (and an optional extra key, such as a
+LoRA adapter's name), so a later sequence whose prompt starts with the same tokens reuses it
+(reference-counted). A partial tail block is never shared. Freed blocks keep their hash and stay in the
+cache; free blocks that hold nothing cached are reused first, then cached ones least recently used first,
+so a cached block is evicted only when the pool needs its slots. Every change to the cache is recorded as a KV event (stored / removed / cleared) for routers.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass, field
 
+from ..looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent, StoredBlock
 from .sequence import Sequence
 
 
@@ -24,8 +28,15 @@ class Block:
     token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
-def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev_hash, token_ids))
+def block_hash(parent: int | None, token_ids: tuple[int, ...], extra: str | None = None) -> int:
+    """Stable across processes and restarts (unlike `hash()`): blake2b of parent, extra key and tokens,
+    as a signed 64-bit integer (the `int64 block_hash` of SMG's KvBlock)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"-" if parent is None else struct.pack("<q", parent))
+    if extra is not None:
+        h.update(b"x" + extra.encode() + b"\0")
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return struct.unpack("<q", h.digest())[0]
 
 
 class BlockManager:
@@ -37,9 +48,14 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered set, oldest first
+        # free blocks, two ordered sets: never-cached ones are taken first, then cached ones least recently used
+        self.free_empty: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self.free_cached: dict[int, None] = {}
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.num_cache_hits = 0  # tokens served from the prefix cache
+        self.events: list[KvEvent] = []  # since the last take_events()
+        self.num_query_tokens = 0  # prompt tokens looked up in the cache (first admissions)
+        self.num_hit_tokens = 0  # of those, tokens served from the cache
+        self.num_evictions = 0  # cached blocks whose slots were reused
 
     @property
     def num_blocks(self) -> int:
@@ -47,28 +63,51 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_empty) + len(self.free_cached)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a reusable prefix, in use or evictable."""
+        return len(self.cached)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
+    def take_events(self) -> list[KvEvent]:
+        events, self.events = self.events, []
+        return events
+
     def _take_free(self) -> int:
-        block_id = next(iter(self.free_block_ids))
-        del self.free_block_ids[block_id]
+        free = self.free_empty or self.free_cached
+        block_id = next(iter(free))
+        del free[block_id]
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]  # evict: its contents are about to be overwritten
+            self.num_evictions += 1
+            self._event_removed(block.hash)
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block_id
+
+    def _event_removed(self, h: int) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlocksRemoved):  # one event per run of evictions
+            self.events[-1] = BlocksRemoved(last.block_hashes + (h,))
+        else:
+            self.events.append(BlocksRemoved((h,)))
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_block_ids[block_id]
+            del self.free_cached[block_id]
         block.ref_count += 1
 
     def allocate_prefix(self, seq: Sequence) -> int:
@@ -81,10 +120,10 @@ class BlockManager:
             raise ValueError("allocate_prefix needs a sequence without blocks")
         if not self.enable_prefix_caching:
             return 0
-        prev = seq.cache_key
+        prev = None
         for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start:start + self.block_size])
-            h = chain_hash(prev, tokens)
+            h = block_hash(prev, tokens, seq.cache_key)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -93,8 +132,15 @@ class BlockManager:
             prev = h
         seq.num_cached_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        self.num_cache_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
+
+    def record_admission(self, seq: Sequence) -> None:
+        """Count a sequence's first admission for the hit rate, and remember its cached prompt tokens."""
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            if self.enable_prefix_caching:
+                self.num_query_tokens += seq.num_prompt_tokens
+                self.num_hit_tokens += seq.num_cached_prompt_tokens
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -114,21 +160,50 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        prev = self.blocks[seq.block_table[seq.num_cached_blocks - 1]].hash if seq.num_cached_blocks else seq.cache_key
-        for i in range(seq.num_cached_blocks, num_full):
+        first = seq.num_cached_blocks
+        prev = self.blocks[seq.block_table[first - 1]].hash if first else None
+        run: list[StoredBlock] = []  # newly cached consecutive blocks, announced as one event
+        run_parent = None
+        for i in range(first, num_full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block = self.blocks[seq.block_table[i]]
-            prev = chain_hash(prev, tokens)
-            block.hash, block.token_ids = prev, tokens
-            self.cached.setdefault(prev, block.block_id)
+            h = block_hash(prev, tokens, seq.cache_key)
+            block.hash, block.token_ids = h, tokens
+            if h not in self.cached:
+                if not run:
+                    run_parent = prev
+                self.cached[h] = block.block_id
+                run.append(StoredBlock(h, tokens, seq.cache_key))
+            elif run:  # a duplicate (another sequence computed the same block first) was announced already
+                self._event_stored(run, run_parent)
+                run = []
+            prev = h
+        if run:
+            self._event_stored(run, run_parent)
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
+    def _event_stored(self, stored: list[StoredBlock], parent: int | None) -> None:
+        self.events.append(BlocksStored(tuple(stored), parent, self.block_size))
+
     def free(self, seq: Sequence) -> None:
-        """Release every block of `seq` (last block first, so shared prefixes stay longest)."""
+        """Release every block of `seq` (last block first, so the tail of a prefix is evicted before its head)."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+                cached = block.hash is not None and self.cached.get(block.hash) == block_id
+                (self.free_cached if cached else self.free_empty)[block_id] = None
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (only when none is in use). True when done; emits CacheCleared."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        self.cached.clear()
+        self.free_empty.update(self.free_cached)
+        self.free_cached.clear()
+        self.events.append(CacheCleared())
+        return True

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..looper.executor import EngineDeadError, ExecutorStats, Step, merge_steps
+from ..looper.kv_events import KvEventHub
 from ..looper.request import ValidRequest
 from ..looper.tokenizer import ModelCard
 from . import kernels, runner
@@ -62,6 +63,7 @@ class Engine:
                            split_attention=(os.cpu_count() or 1) >= 2)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_tokens, self.config.max_batch_size)
+        self.kv_events = KvEventHub()  # the prefix cache's stored / removed blocks, for SubscribeKvEvents
         self.eos_token_ids = self.card.eos_token_ids
         self.loras = LoraRegistry()  # the adapters requests may name (GenerateRequest.lora)
         self._requests: dict[int, list[Sequence]] = {}  # engine thread only
@@ -190,7 +192,9 @@ class Engine:
         with self._lock:
             s = self._stats
             return ExecutorStats(s.num_running, s.num_waiting + len(self._new), s.kv_blocks_used, s.kv_blocks_total,
-                                 s.tokens_per_block, s.step_latency_s, s.num_preemptions, s.num_steps)
+                                 s.tokens_per_block, s.step_latency_s, s.num_preemptions, s.num_steps,
+                                 s.kv_blocks_cached, s.prefix_cache_hit_rate, s.num_prefix_cache_evictions,
+                                 s.num_prefix_cache_hit_tokens, s.num_prefix_cache_query_tokens)
 
     def shutdown(self) -> None:
         """Stop the engine thread; pending requests get no more steps."""
@@ -226,7 +230,7 @@ class Engine:
         for request_id, request, lora in new:
             seqs = [Sequence.from_request(request_id, i, request) for i in range(request.n)]
             for seq in seqs:
-                seq.lora, seq.cache_key = lora, (lora.uid if lora is not None else None)
+                seq.lora, seq.cache_key = lora, (lora.cache_key if lora is not None else None)
             self._requests[request_id] = seqs
             for seq in seqs:
                 self.scheduler.add(seq)
@@ -292,8 +296,14 @@ class Engine:
             st.num_preemptions = sched.num_preemptions
             st.num_steps += 1
             st.step_latency_s = sum(self._latencies) / len(self._latencies) if self._latencies else 0.0
+            st.kv_blocks_cached = blocks.num_cached_blocks
+            st.prefix_cache_hit_rate = blocks.hit_rate
+            st.num_prefix_cache_evictions = blocks.num_evictions
+            st.num_prefix_cache_hit_tokens = blocks.num_hit_tokens
+            st.num_prefix_cache_query_tokens = blocks.num_query_tokens
             if steps:
                 self._has_output.notify_all()
+        self.kv_events.publish(blocks.take_events())  # after the stats: a batch's load record is current
 
     def _die(self, message: str) -> None:
         with self._lock:

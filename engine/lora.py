@@ -13,6 +13,7 @@ use is never removed under them (`remove` refuses instead).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -66,7 +67,14 @@ class LoraWeights:
     alpha: float
     target_modules: tuple[str, ...]
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    uid: int = field(default_factory=lambda: next(_uids))  # unique per load: the prefix cache keys blocks by it
+    digest: str = ""  # of its files: an adapter reloaded with other weights under the same name gets other blocks
+    uid: int = field(default_factory=lambda: next(_uids))  # unique per load: orders rows by adapter
+
+    @property
+    def cache_key(self) -> str:
+        """The extra key of its sequences' prefix-cache block hashes (and KV events): name and content, the same
+        on every worker that loads the same files."""
+        return f"lora:{self.name}:{self.digest}"
 
     @property
     def num_bytes(self) -> int:
@@ -163,7 +171,9 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
         scaled[(layer, module)] = (a.to(torch.float64), b.to(torch.float64) * scaling)
     layers = [_fuse(config, layer, scaled, dtype) for layer in range(config.num_layers)]
     modules = tuple(sorted({m for _, m in parts}, key=list(TARGETS).index))
-    return LoraWeights(name, str(path), max(max_seen, peft["r"]), alpha, modules, layers)
+    digest = hashlib.blake2b((path / CONFIG_FILE).read_bytes() + (path / WEIGHTS_FILE).read_bytes(),
+                             digest_size=8).hexdigest()
+    return LoraWeights(name, str(path), max(max_seen, peft["r"]), alpha, modules, layers, digest)
 
 
 def _fuse(config: ModelConfig, layer: int, scaled: dict, dtype: torch.dtype) -> dict:

@@ -51,6 +51,8 @@ def steps_for_samples(seqs: list[Sequence], samples: list[Sample], scheduler: Sc
                 steps.append(Step(seq.request_id, seq.seq_index, [], is_final=True, error=str(exc)))
                 continue
         step = Step(seq.request_id, seq.seq_index, [sample.token_id])
+        if seq.num_output_tokens == 1:
+            step.num_cached_prompt_tokens = seq.num_cached_prompt_tokens or 0
         if sample.logprob is not None:
             step.logprobs = [sample.logprob]
         if sample.top_logprobs is not None:

@@ -49,7 +49,7 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
 
     Returns the batch and the sequences that sample after it (those whose last token is computed).
     """
-    by_adapter = lambda item: item[0].cache_key or 0  # noqa: E731 - rows of one adapter side by side
+    by_adapter = lambda item: item[0].lora.uid if item[0].lora is not None else 0  # noqa: E731 - rows of one adapter side by side
     decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=by_adapter)
     prefills = sorted(((s, n) for s, n in scheduled if n > 1), key=by_adapter)
     ids, positions, slots = [], [], []

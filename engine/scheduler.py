@@ -59,6 +59,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self.block_manager.record_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, num_new))

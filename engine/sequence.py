@@ -35,11 +35,12 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered with the prefix cache
+    num_cached_prompt_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    cache_key: str | None = None  # extra key in its block hashes (what besides tokens the K/V depends on)
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     matcher: object | None = None  # llguidance.LLMatcher of a `structured` request: what may come next
     lora: object | None = None  # lora.LoraWeights of a request that names an adapter; None: the base model
-    cache_key: int | None = None  # seeds its prefix-cache block hashes: KV computed with an adapter is its own
 
 
     @classmethod

@@ -36,6 +36,7 @@ class Step:
     finish_reason: FinishReason | None = None
     matched_stop_token: int | None = None  # set with FinishReason.STOP_TOKEN
     error: str | None = None
+    num_cached_prompt_tokens: int | None = None  # on a sequence's first token step: prompt tokens from the prefix cache
 
 
 def merge_steps(steps: list[Step]) -> list[Step]:
@@ -56,6 +57,8 @@ def merge_steps(steps: list[Step]) -> list[Step]:
             if prev.top_logprobs is not None and step.top_logprobs is not None:
                 prev.top_logprobs = prev.top_logprobs + step.top_logprobs
         prev.is_final, prev.finish_reason = step.is_final, step.finish_reason
+        if step.num_cached_prompt_tokens is not None:
+            prev.num_cached_prompt_tokens = step.num_cached_prompt_tokens
         prev.matched_stop_token = step.matched_stop_token
     return out if len(out) < len(steps) else steps
 
@@ -72,6 +75,11 @@ class ExecutorStats:
     step_latency_s: float = 0.0  # mean of recent steps
     num_preemptions: int = 0
     num_steps: int = 0
+    kv_blocks_cached: int = 0  # blocks holding a reusable prefix (in use or evictable)
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens looked up
+    num_prefix_cache_evictions: int = 0  # cached blocks whose slots were reused
+    num_prefix_cache_hit_tokens: int = 0
+    num_prefix_cache_query_tokens: int = 0
 
     @property
     def kv_cache_utilization(self) -> float:

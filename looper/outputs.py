@@ -18,7 +18,8 @@ from .stream import Chunk, Complete, Event, RequestStream, Timing, TokenLogprob
 class SequenceState:
     """Output of one of the `n` sequences of a request."""
 
-    __slots__ = ("index", "detok", "stops", "token_ids", "text_parts", "logprobs", "finished", "per_token")
+    __slots__ = ("index", "detok", "stops", "token_ids", "text_parts", "logprobs", "finished", "per_token",
+                 "cached_prompt_tokens")
 
     def __init__(self, index: int, request: ValidRequest, tokenizer: Decoder):
         self.index = index
@@ -28,6 +29,7 @@ class SequenceState:
         self.text_parts: list[str] = []
         self.logprobs: list[TokenLogprob] | None = [] if request.output.logprobs else None
         self.finished = False
+        self.cached_prompt_tokens = 0  # prompt tokens the executor served from its prefix cache
         # with stop strings, feed tokens one at a time so the match ends at the right token
         self.per_token = bool(request.stopping.stop)
 
@@ -77,6 +79,8 @@ class RequestState:
         its chunk, or None when the request does not stream. False: not such a step, use `apply`."""
         seq = self.seqs[step.seq_index]
         ids = step.token_ids
+        if step.num_cached_prompt_tokens is not None:
+            seq.cached_prompt_tokens = step.num_cached_prompt_tokens
         if seq.per_token or seq.finished or step.is_final or not ids or step.logprobs is not None:
             return False
         if not self.t_first:
@@ -92,6 +96,8 @@ class RequestState:
         seq = self.seqs[step.seq_index]
         if seq.finished:
             return []  # e.g. tokens after a stop string, or the executor's CANCELLED echo
+        if step.num_cached_prompt_tokens is not None:
+            seq.cached_prompt_tokens = step.num_cached_prompt_tokens
         ids = step.token_ids
         if ids and not step.is_final and step.logprobs is None and not seq.per_token:  # the common decode step
             chunk = self.decode(step, now)
@@ -142,7 +148,7 @@ class RequestState:
                 index=seq.index, text="".join(seq.text_parts), token_ids=seq.token_ids,
                 finish_reason=finish, prompt_tokens=len(self.request.prompt_token_ids),
                 seed=self.request.sampling.seed, timing=self.timing(now), matched_stop_str=matched_str,
-                matched_stop_token=stop_token,
+                matched_stop_token=stop_token, cached_prompt_tokens=seq.cached_prompt_tokens,
                 logprobs=seq.logprobs if not self.request.stream else None))
         return events
 

@@ -59,6 +59,7 @@ class Complete:
     matched_stop_str: str | None = None
     matched_stop_token: int | None = None
     logprobs: list[TokenLogprob] | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens served from the executor's prefix cache
 
     @property
     def completion_tokens(self) -> int:

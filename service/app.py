@@ -215,4 +215,6 @@ class App:
         load.num_in_flight = max(self.looper.num_open, self.looper.num_in_flight)
         load.step_latency_s = s.step_latency_s
         load.num_preemptions = s.num_preemptions
+        load.kv_blocks_cached = s.kv_blocks_cached
+        load.prefix_cache_hit_rate = s.prefix_cache_hit_rate
         return load

@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0: the model's context minus one")
     s.add_argument("--max-n", type=int, default=d.max_n)
     s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    s.add_argument("--kv-events-heartbeat", type=float, default=d.kv_events_heartbeat,
+                   help="SubscribeKvEvents: seconds between load-only batches while the engine is idle")
     s.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
                    help="abort a stream whose reader stopped reading for this long (0: never)")
     s.add_argument("--stream-interval", type=int, default=d.stream_interval,
@@ -107,6 +109,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queue=args.max_queue, shutdown_grace=args.shutdown_grace, max_new_tokens=args.max_new_tokens,
         default_max_new_tokens=args.default_max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
+        kv_events_heartbeat=args.kv_events_heartbeat,
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
         front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,

@@ -33,6 +33,7 @@ class ServerConfig:
     grammar_cache_size: int = 256  # compiled constraints kept (LRU), by their text
     max_message_bytes: int = 16 * 1024 * 1024
     poll_timeout: float = 0.02
+    kv_events_heartbeat: float = 1.0  # SubscribeKvEvents: seconds between load-only batches while idle
     stall_timeout: float = 60.0  # a stream whose reader stops reading this long is aborted (0: never)
     stream_interval: int = 1  # send a sequence's tokens at most every N tokens while the reader keeps up
     coalesce: bool = True  # a reader that fell behind gets all ready tokens of a sequence in one message
@@ -60,6 +61,8 @@ class ServerConfig:
             raise ValueError("--max-queue must be >= 0")
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be >= 0")
+        if not self.kv_events_heartbeat > 0:
+            raise ValueError("--kv-events-heartbeat must be > 0")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.tokenize_inline_chars < 0:

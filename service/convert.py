@@ -194,7 +194,8 @@ def chunk_message(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
 def complete_message(request_id: str, done: Complete, request: ValidRequest) -> pb.GenerateResponse:
     msg = pb.Complete(
         index=done.index, text=done.text, token_ids=done.token_ids, finish_reason=int(done.finish_reason),
-        usage=pb.Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens),
+        usage=pb.Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                       cached_prompt_tokens=done.cached_prompt_tokens),
         seed=done.seed, timing=pb.Timing(queue_s=done.timing.queue_s, ttft_s=done.timing.ttft_s,
                                          total_s=done.timing.total_s),
         logprobs=_logprobs(done.logprobs))

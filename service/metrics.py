@@ -11,7 +11,7 @@ import logging
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenloop.looper.request import FinishReason, ValidRequest
 from tokenloop.looper.stream import Complete
@@ -40,13 +40,32 @@ class LoadCollector:
             ("kv_blocks_used", "KV-cache blocks in use.", load.kv_blocks_used),
             ("num_requests_in_flight", "Requests in the server (admitted, not finished).", load.num_in_flight),
             ("max_concurrent_requests", "Admission limit on requests in flight.", load.max_concurrent_requests),
+            ("kv_blocks_cached", "KV-cache blocks holding a reusable prefix (in use or evictable).",
+             load.kv_blocks_cached),
+            ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up, "
+             "since start.", load.prefix_cache_hit_rate),
         ):
             yield GaugeMetricFamily(f"tokenloop:{name}", doc, value=value)
+        yield from self._cache_counters()
         info = GaugeMetricFamily("tokenloop:cache_config_info", "KV-cache layout in labels (vLLM's cache_config_info "
                                  "format, for endpoint pickers' prefix-cache scorers).",
                                  labels=["block_size", "num_gpu_blocks"])
         info.add_metric([str(load.kv_block_size), str(load.kv_blocks_total)], 1)
         yield info
+
+    def _cache_counters(self):
+        executor = getattr(self.app, "executor", None)
+        if executor is None:
+            return
+        s = executor.stats()
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).",
+             s.num_prefix_cache_query_tokens),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache (vLLM's prefix_cache_hits).",
+             s.num_prefix_cache_hit_tokens),
+            ("prefix_cache_evictions", "Cached KV blocks evicted to make room.", s.num_prefix_cache_evictions),
+        ):
+            yield CounterMetricFamily(f"tokenloop:{name}", doc, value=value)
 
 
 class RequestMetrics:

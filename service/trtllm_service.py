@@ -27,6 +27,7 @@ from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
 from .convert import field_key, string_field, varint
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
+from .kv_events import kv_event_stream
 from .logs import RequestRecord, logs_itself
 from .servicer import Delivery, add_with_raw_responses, deadline_of, metadata_value
 from .structured import structured_of_guided
@@ -244,7 +245,7 @@ class _Writer:
         ids = done.token_ids[:-1] if strip else done.token_ids
         msg = tpb.GenerateComplete(
             output_token_ids=ids, sequence_index=done.index, finish_reason=FINISH_REASONS[done.finish_reason],
-            prompt_tokens=done.prompt_tokens, completion_tokens=len(ids),
+            prompt_tokens=done.prompt_tokens, completion_tokens=len(ids), cached_tokens=done.cached_prompt_tokens,
             logprobs=_logprobs((done.logprobs or [])[:len(ids)]))
         if done.matched_stop_str is not None:
             msg.matched_stop_str = done.matched_stop_str
@@ -363,11 +364,18 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             yield common_pb2.GetTokenizerChunk(data=data[start:start + step], sha256=digest if last else "")
 
     async def SubscribeKvEvents(self, request, context):
-        await abort_with(context, Unimplemented(
-            "SubscribeKvEvents is not implemented: this worker publishes no KV-cache events "
-            "(routers fall back to load-based routing)"))
-        return
-        yield  # a server-streaming handler is an async generator
+        app = self.app
+        if app.not_ready_reason:
+            await abort_with(context, Unavailable(app.not_ready_reason))
+            return
+        hub = getattr(app.executor, "kv_events", None)
+        if hub is None:
+            await abort_with(context, Unimplemented(
+                "SubscribeKvEvents is not available: this executor publishes no KV-cache events "
+                "(routers fall back to load-based routing)"))
+            return
+        async for msg in kv_event_stream(app, hub, request, app.config.kv_events_heartbeat):
+            yield msg
 
 
 def _read_config(model_dir: str) -> dict:

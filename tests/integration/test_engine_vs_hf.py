@@ -69,7 +69,7 @@ def test_batch_of_16_mixed_lengths_float64(checkpoint):
     try:
         ids, steps = run_all(engine, [greedy_request(p) for p in prompts])
         got = [tokens(steps[(i, 0)]) for i in ids]
-        assert engine.block_manager.num_cache_hits > 0  # the shared prefixes came from the cache
+        assert engine.block_manager.num_hit_tokens > 0  # the shared prefixes came from the cache
     finally:
         engine.shutdown()
     for i, (g, e) in enumerate(zip(got, expected)):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloop.engine.block_manager import BlockManager
+from tokenloop.engine.block_manager import BlockManager, block_hash
 from tokenloop.engine.sequence import Sequence
+from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared
 
 
 def seq(tokens) -> Sequence:
@@ -83,3 +84,89 @@ def test_prefix_caching_can_be_disabled():
 def test_rejects_bad_sizes():
     with pytest.raises(ValueError):
         BlockManager(num_blocks=0, block_size=4)
+
+
+# --- the prefix cache as vLLM keeps it: stable hashes, LRU eviction, events ---
+
+def test_block_hash_is_stable_chained_and_keyed():
+    # a fixed value: the same in every process and every restart (Python's hash() of a tuple would not be)
+    assert block_hash(None, (1, 2, 3, 4)) == block_hash(None, (1, 2, 3, 4)) == 7559807116225165343
+    first = block_hash(None, (1, 2, 3, 4))
+    assert block_hash(first, (5, 6, 7, 8)) != block_hash(None, (5, 6, 7, 8))  # the parent is part of it
+    assert block_hash(None, (1, 2, 3, 4), "adapter-a") != first  # so is the extra key (a LoRA adapter)
+    assert block_hash(None, (1, 2, 3, 4), "adapter-a") != block_hash(None, (1, 2, 3, 4), "adapter-b")
+
+
+def test_extra_key_separates_caches():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(9))
+    a.cache_key = "adapter-a"
+    compute(bm, a, 9)
+    assert bm.allocate_prefix(seq(range(9))) == 0  # no key: not the same K/V
+    keyed = seq(range(9))
+    keyed.cache_key = "adapter-a"
+    assert bm.allocate_prefix(keyed) == 8
+
+
+def test_eviction_is_least_recently_used_and_only_under_pressure():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    old, recent = seq(range(0, 5)), seq(range(100, 105))
+    compute(bm, old, 5)
+    bm.free(old)
+    compute(bm, recent, 5)
+    bm.free(recent)
+    assert bm.num_cached_blocks == 2 and bm.num_evictions == 0  # freed, still cached: nothing needed the slots
+    filler = seq(range(200, 208))
+    compute(bm, filler, 8)  # needs 2 blocks: the 2 never-cached tails are taken, no cached one
+    assert bm.num_evictions == 0 and bm.num_cached_blocks == 4
+    bm.free(filler)
+    touched = seq(list(range(0, 4)) + [9])
+    assert bm.allocate_prefix(touched) == 4  # `old` is used again: now the most recently used
+    bm.free(touched)
+    compute(bm, seq(range(300, 304)), 4)  # one block: the least recently used cached block goes
+    assert bm.num_evictions == 1
+    assert bm.allocate_prefix(seq(list(range(100, 104)) + [9])) == 0  # `recent` was evicted...
+    assert bm.allocate_prefix(seq(list(range(0, 4)) + [9])) == 4  # ...not the re-used `old`
+
+
+def test_events_announce_stored_chains_and_removals():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    s = seq(range(10))
+    compute(bm, s, 6)  # one full block
+    compute(bm, s, 4)  # the second fills up: one more event, its parent the first
+    (e1, e2) = bm.take_events()
+    assert isinstance(e1, BlocksStored) and e1.parent_hash is None and e1.block_size == 4
+    assert [b.token_ids for b in e1.blocks] == [(0, 1, 2, 3)]
+    assert isinstance(e2, BlocksStored) and e2.parent_hash == e1.blocks[0].block_hash
+    assert e2.blocks[0].block_hash == block_hash(e1.blocks[0].block_hash, (4, 5, 6, 7))
+    assert bm.take_events() == []
+    twin = seq(range(10))  # computes the same blocks again without a lookup: no duplicate announcement
+    bm.free(s)
+    compute(bm, twin, 8)
+    removed = [e for e in bm.take_events() if isinstance(e, BlocksRemoved)]
+    assert removed and set(removed[0].block_hashes) <= {e1.blocks[0].block_hash, e2.blocks[0].block_hash}
+    bm.free(twin)
+    assert bm.reset_prefix_cache() and bm.num_cached_blocks == 0
+    assert isinstance(bm.take_events()[-1], CacheCleared)
+
+
+def test_reset_refuses_while_blocks_are_in_use():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    s = seq(range(5))
+    compute(bm, s, 5)
+    assert not bm.reset_prefix_cache() and bm.num_cached_blocks == 1
+
+
+def test_hit_rate_counts_first_admissions_only():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(9))
+    bm.allocate_prefix(a)
+    bm.record_admission(a)
+    compute(bm, a, 9)
+    b = seq(list(range(8)) + [50, 51, 52, 53])
+    bm.allocate_prefix(b)
+    bm.record_admission(b)
+    bm.record_admission(b)  # a preempted sequence comes back: counted once
+    assert b.num_cached_prompt_tokens == 8
+    assert (bm.num_query_tokens, bm.num_hit_tokens) == (9 + 12, 8)
+    assert bm.hit_rate == 8 / 21

@@ -101,3 +101,42 @@ def test_finish_frees_blocks_and_removes_from_queues():
     sched.add(waiting)
     sched.finish(waiting)
     assert not sched.waiting
+
+
+def cached_sched(num_blocks=16, block_size=4, max_num_tokens=8) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_tokens, max_batch_size=8)
+
+
+def test_cancel_mid_prefill_leaves_nothing_referenced_and_keeps_the_computed_blocks_cached():
+    sched = cached_sched(max_num_tokens=8)
+    bm = sched.block_manager
+    long = seq(30, request_id=1)
+    sched.add(long)
+    step(sched)  # 8 of 30 prompt tokens computed: 2 full blocks registered
+    assert bm.num_cached_blocks == 2 and bm.num_used_blocks == 2
+    sched.finish(long)  # cancelled mid-prefill
+    assert bm.num_used_blocks == 0 and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == bm.num_blocks
+    again = seq(30, request_id=2)  # the computed part serves the same prompt later
+    sched.add(again)
+    step(sched)
+    assert again.num_cached_prompt_tokens == 8
+
+
+def test_preemption_keeps_the_pool_consistent_and_recompute_hits_the_cache():
+    sched = cached_sched(num_blocks=4, block_size=4, max_num_tokens=32)
+    bm = sched.block_manager
+    old, new = seq(8, request_id=1), seq(8, request_id=2)
+    new.token_ids = list(range(500, 508))
+    sched.add(old)
+    sched.add(new)
+    step(sched)
+    step(sched)  # old needs a third block: new is preempted; its tail block is evicted (LRU), its head stays cached
+    assert sched.num_preemptions == 1 and new.block_table == [] and bm.num_evictions == 1
+    assert sum(b.ref_count for b in bm.blocks) == len(old.block_table)
+    sched.finish(old)
+    scheduled = step(sched)  # new comes back: its first block is found again, the other 5 tokens recomputed
+    assert scheduled == [(new, 5)]
+    assert new.num_cached_prompt_tokens == 0  # what it was served at its first admission
+    sched.finish(new)
+    assert bm.num_used_blocks == 0 and all(b.ref_count == 0 for b in bm.blocks)

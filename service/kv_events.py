@@ -1,0 +1,114 @@
+"""`trtllm.TrtllmService/SubscribeKvEvents`: the executor's KV-cache events, as the Shepherd Model Gateway reads them.
+
+One stream per subscriber (smg.grpc.common.KvEventBatch): each batch of the executor's `KvEventHub` with its
+sequence number, its events (stored blocks with hash, parent hash, token ids and block size; removed hashes;
+cleared) and an `EngineLoad` record; while the executor publishes nothing, a `load_only` heartbeat every
+`kv_events_heartbeat` seconds repeating the last sequence number. `start_sequence_number` > 0 replays the kept
+batches from that number on. A subscriber that falls `max_queued` batches behind (it stopped reading and HTTP/2
+flow control parked this handler) is cut off: its handler task is cancelled, its queue dropped; the engine
+thread never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+from smg_grpc_proto.generated import common_pb2
+
+from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, EventBatch
+
+log = logging.getLogger("tokenloop.service")
+
+
+def event_message(event_id: int, event) -> common_pb2.KvCacheEvent:
+    """One KvCacheEvent (vLLM / TensorRT-LLM shapes, as SMG's proto carries them)."""
+    msg = common_pb2.KvCacheEvent(event_id=event_id)
+    if isinstance(event, BlocksStored):
+        stored = msg.stored
+        for b in event.blocks:
+            block = stored.blocks.add(block_hash=b.block_hash, token_ids=b.token_ids, block_size=event.block_size)
+            if b.extra_key is not None:
+                block.extra_keys.add(text=b.extra_key)
+        if event.parent_hash is not None:
+            stored.parent_block_hash = event.parent_hash
+        stored.tier = common_pb2.KV_CACHE_TIER_DEVICE
+        stored.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
+        lora = event.blocks[0].extra_key if event.blocks else None
+        if lora is not None:
+            stored.lora_name = lora
+    elif isinstance(event, BlocksRemoved):
+        msg.removed.block_hashes.extend(event.block_hashes)
+        msg.removed.tier = common_pb2.KV_CACHE_TIER_DEVICE
+    elif isinstance(event, CacheCleared):
+        msg.cleared.SetInParent()
+    return msg
+
+
+class LoadRecords:
+    """EngineLoad records from the App's load (the numbers GetLoad answers), numbered per stream."""
+
+    def __init__(self, app):
+        self.app = app
+        self.samples = itertools.count(1)
+
+    def record(self, load_only: bool) -> common_pb2.EngineLoad:
+        load = self.app.load()
+        rec = common_pb2.EngineLoad(
+            running_requests=load.num_running, waiting_requests=load.num_waiting,
+            token_usage=load.kv_cache_utilization, active_token_usage=load.kv_cache_utilization,
+            max_running_requests=load.max_concurrent_requests, sample=next(self.samples), load_only=load_only)
+        if load_only:  # telemetry beyond the routing core: on the heartbeat cadence only
+            rec.cache_hit_rate = load.prefix_cache_hit_rate
+            rec.num_used_tokens = load.kv_blocks_used * load.kv_block_size
+            rec.max_total_num_tokens = load.kv_blocks_total * load.kv_block_size
+        return rec
+
+
+def batch_message(batch: EventBatch, load: common_pb2.EngineLoad) -> common_pb2.KvEventBatch:
+    msg = common_pb2.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp, load=load)
+    base = batch.sequence_number << 16  # event ids unique per stream: batch number, then position
+    msg.events.extend(event_message(base + i, e) for i, e in enumerate(batch.events))
+    return msg
+
+
+async def kv_event_stream(app, hub, request, heartbeat: float):
+    """The SubscribeKvEvents handler body: yields KvEventBatch messages until the client leaves or is cut off."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    wake = asyncio.Event()
+    sub = None
+
+    def on_loop() -> None:
+        if sub is not None and sub.cut_off and not task.done():
+            log.warning("a KV-event subscriber fell %d batches behind: cutting it off", sub.max_queued)
+            task.cancel()
+        wake.set()
+
+    def notify() -> None:  # the publishing (engine) thread: one cheap hand-off, never a wait
+        loop.call_soon_threadsafe(on_loop)
+
+    sub = hub.subscribe(notify, request.start_sequence_number)
+    loads = LoadRecords(app)
+    last = max(0, request.start_sequence_number - 1) if sub.queue else hub.last_sequence_number
+    try:
+        if request.load_records_before_first_batch:
+            yield common_pb2.KvEventBatch(sequence_number=0, load=loads.record(load_only=True))
+        while True:
+            if not sub.queue:
+                try:
+                    await asyncio.wait_for(wake.wait(), heartbeat)
+                except TimeoutError:
+                    pass
+            wake.clear()
+            batches = sub.pop_all()
+            if not batches:  # idle: a heartbeat with the load, repeating the last sequence number
+                yield common_pb2.KvEventBatch(sequence_number=last, load=loads.record(load_only=True))
+                continue
+            load = loads.record(load_only=False)
+            for batch in batches:
+                yield batch_message(batch, load)
+                last = batch.sequence_number
+    finally:
+        hub.unsubscribe(sub)

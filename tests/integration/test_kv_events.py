@@ -1,0 +1,102 @@
+"""SubscribeKvEvents through a real in-process server: resume, heartbeats, a subscriber that never reads.
+
+The executor is the scripted one with a real `KvEventHub` whose batches the test publishes itself, so sequence
+numbers are known exactly; the embedded engine's own events are checked in test_prefix_cache.py and, through
+the real router, in tests/e2e/test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
+
+from tests.conftest import run
+from tests.integration.service_harness import serving
+from tests.integration.test_trtllm_service import gen, read_all, wait_for
+from tests.scripted_executor import ScriptedExecutor
+from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEventHub, StoredBlock
+
+
+def scripted_with_hub(max_queued: int = 2048, **kw) -> ScriptedExecutor:
+    ex = ScriptedExecutor(**kw)
+    ex.kv_events = KvEventHub(max_queued=max_queued)
+    return ex
+
+
+def stored(n: int, parent: int | None = None, size: int = 4) -> BlocksStored:
+    return BlocksStored(tuple(StoredBlock(1000 * n + i, tuple(range(i, i + size))) for i in range(2)), parent, size)
+
+
+def test_batches_carry_the_events_smg_reads_and_resume_from_a_sequence_number(tokenizer_dir):
+    async def body():
+        ex = scripted_with_hub()
+        async with serving(tokenizer_dir, ex, kv_events_heartbeat=30.0) as (server, _stub, _):
+            hub = ex.kv_events
+            hub.publish([stored(1)])
+            hub.publish([stored(2, parent=1001), BlocksRemoved((1000, 1001))])
+            hub.publish([CacheCleared()])
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = tpb_grpc.TrtllmServiceStub(channel)
+                call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=2))
+                second, third = await call.read(), await call.read()
+                assert (second.sequence_number, third.sequence_number) == (2, 3)
+                s, r = second.events
+                assert s.stored.parent_block_hash == 1001 and [b.block_hash for b in s.stored.blocks] == [2000, 2001]
+                assert list(s.stored.blocks[1].token_ids) == [1, 2, 3, 4] and s.stored.blocks[0].block_size == 4
+                assert list(r.removed.block_hashes) == [1000, 1001]
+                assert third.events[0].HasField("cleared")
+                assert second.HasField("load") and not second.load.load_only
+                assert len({e.event_id for e in second.events}) == 2
+                hub.publish([stored(4)])  # live batches follow the replay with no gap
+                fourth = await call.read()
+                assert fourth.sequence_number == 4
+                assert not fourth.events[0].stored.HasField("parent_block_hash")  # a first block has none
+                call.cancel()
+                assert await wait_for(lambda: hub.num_subscribers == 0)
+    run(body())
+
+
+def test_an_idle_worker_sends_load_heartbeats(tokenizer_dir):
+    async def body():
+        ex = scripted_with_hub()
+        async with serving(tokenizer_dir, ex, kv_events_heartbeat=0.1) as (server, _stub, _):
+            ex.kv_events.publish([stored(1)])
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = tpb_grpc.TrtllmServiceStub(channel)
+                call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+                    load_records_before_first_batch=True))
+                first = await call.read()
+                assert first.sequence_number == 0 and first.load.load_only and not first.events
+                beats = [await asyncio.wait_for(call.read(), 5) for _ in range(3)]
+                assert all(b.load.load_only and not b.events for b in beats)
+                assert [b.sequence_number for b in beats] == [1, 1, 1]  # the last sequence, repeated
+                samples = [first.load.sample] + [b.load.sample for b in beats]
+                assert samples == sorted(samples) and len(set(samples)) == 4
+                assert beats[0].load.HasField("cache_hit_rate") and beats[0].load.max_running_requests == 64
+                call.cancel()
+    run(body())
+
+
+def test_a_subscriber_that_never_reads_is_cut_off_and_generation_goes_on(tokenizer_dir):
+    async def body():
+        ex = scripted_with_hub(max_queued=8)
+        async with serving(tokenizer_dir, ex, kv_events_heartbeat=30.0) as (server, _stub, _):
+            hub = ex.kv_events
+            # a tiny HTTP/2 receive window: a client that does not read stops the server's writes at once
+            options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=options) as lazy, \
+                    grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                call = tpb_grpc.TrtllmServiceStub(lazy).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+                assert await wait_for(lambda: hub.num_subscribers == 1)
+                big = BlocksStored(tuple(StoredBlock(i, tuple(range(256))) for i in range(64)), None, 256)
+                for _ in range(200):  # ~ 100 KB each: far past the window; publish never waits
+                    hub.publish([big])
+                    await asyncio.sleep(0)
+                assert await wait_for(lambda: hub.num_cut_off == 1 and hub.num_subscribers == 0, timeout=10)
+                out = await read_all(tpb_grpc.TrtllmServiceStub(channel).Generate(gen([5, 6, 7], max_tokens=4)))
+                assert out[-1].HasField("complete") and len(out[-1].complete.output_token_ids) == 4
+                call.cancel()
+    run(body())

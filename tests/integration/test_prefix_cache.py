@@ -1,0 +1,73 @@
+"""The engine's prefix cache end to end with a tiny model: a hit changes no token, usage counts it, events say it.
+
+Greedy float32 output of a request served partly from the cache equals the same request without caching and
+transformers' generate(); `num_cached_prompt_tokens` and the stats report the hit; the KV events name exactly the
+full blocks computed, chained by parent hash.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.engine_helpers import greedy_request, run_all, tokens
+from tests.tiny_model import make_tiny_model
+from tokenloop.engine.block_manager import block_hash
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.engine import Engine
+from tokenloop.looper.kv_events import BlocksStored
+
+transformers = pytest.importorskip("transformers")
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama", tied=True)
+
+
+def engine(checkpoint, caching: bool) -> Engine:
+    return Engine.from_dir(checkpoint, EngineConfig(dtype="float32", kv_cache_tokens=4096, block_size=BLOCK,
+                                                    enable_prefix_caching=caching))
+
+
+def test_a_cache_hit_changes_no_token_and_is_reported(checkpoint):
+    rng = random.Random(3)
+    system = [rng.randrange(3, 250) for _ in range(45)]  # 5 full blocks and a partial one
+    first, second = system + [11, 12, 13], system + [21, 22, 23, 24]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([second])
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(second):].tolist()
+    plain = engine(checkpoint, caching=False)
+    try:
+        _, steps = run_all(plain, [greedy_request(second, 24)])
+        (without,) = steps.values()
+        assert without[0].num_cached_prompt_tokens == 0
+    finally:
+        plain.shutdown()
+    cached = engine(checkpoint, caching=True)
+    seen = []
+    sub = cached.kv_events.subscribe(lambda: None)
+    try:
+        run_all(cached, [greedy_request(first, 24)])
+        _, steps = run_all(cached, [greedy_request(second, 24)])
+        (hit,) = steps.values()
+        seen = sub.pop_all()
+        stats = cached.stats()
+    finally:
+        cached.shutdown()
+    assert tokens(hit) == tokens(without) == expected
+    assert hit[0].num_cached_prompt_tokens == 40  # 5 full blocks of the shared 45 tokens; the tail is not shared
+    assert stats.kv_blocks_cached > 0 and stats.num_prefix_cache_hit_tokens == 40
+    assert stats.prefix_cache_hit_rate == pytest.approx(40 / (len(first) + len(second)))
+    stored = [b for batch in seen for e in batch.events if isinstance(e, BlocksStored) for b in e.blocks]
+    assert [b.token_ids for b in stored[:5]] == [tuple(system[i:i + BLOCK]) for i in range(0, 40, BLOCK)]
+    parent = None
+    for b in stored[:5]:  # one chain from the first block on, hashes any consumer can recompute
+        assert b.block_hash == block_hash(parent, b.token_ids)
+        parent = b.block_hash
+    assert [batch.sequence_number for batch in seen] == list(range(1, len(seen) + 1))
