@@ -67,15 +67,15 @@ def test_adapters_change_the_output(reference):
 def test_each_adapter_alone_equals_peft_and_the_prefix_cache_keeps_adapters_apart(engine, prompts, reference):
     for name in [""] + list(ADAPTERS):  # the base first: its prompt blocks are cached when the adapters run
         for i, (prompt, expected) in enumerate(zip(prompts, reference[name])):
-            hits = engine.block_manager.num_cache_hits
+            hits = engine.block_manager.num_hit_tokens
             _, steps = run_all(engine, [lora_request(prompt, name)])
             (got,) = steps.values()
             assert tokens(got) == expected, f"adapter {name or 'base'!r} differs from transformers + peft"
             if i == 0:  # the prompts share a system prompt: the second one reuses the first's blocks
-                assert engine.block_manager.num_cache_hits == hits, "a prompt reused another adapter's KV blocks"
+                assert engine.block_manager.num_hit_tokens == hits, "a prompt reused another adapter's KV blocks"
     _, steps = run_all(engine, [lora_request(prompts[0], "attn")])  # the same adapter again: its own blocks
     assert tokens(next(iter(steps.values()))) == reference["attn"][0]
-    assert engine.block_manager.num_cache_hits > hits
+    assert engine.block_manager.num_hit_tokens > hits
 
 
 def test_a_batch_mixing_base_and_three_adapters(engine, prompts, reference):
