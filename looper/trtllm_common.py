@@ -38,6 +38,9 @@ class TrtllmConfig:
     # who matches `structured` requests on the GPU; auto: llguidance on the LLM API (the library the server
     # validates with and the embedded engine uses), xgrammar on the C++ executor (its runtime's backend)
     guided_decoding_backend: str = "auto"
+    # KvCacheConfig(event_buffer_max_size=...): TensorRT-LLM keeps this many KV-cache events for SubscribeKvEvents
+    # (0: none; ignored when block reuse is off)
+    kv_event_buffer_max_size: int = 1024
 
     def __post_init__(self):
         if self.api not in APIS:
@@ -55,9 +58,23 @@ class TrtllmConfig:
         if self.scheduler_policy is not None and self.scheduler_policy not in SCHEDULER_POLICIES:
             raise ValueError(f"--scheduler-policy must be one of {', '.join(SCHEDULER_POLICIES)}; "
                              f"got {self.scheduler_policy!r}")
+        if self.kv_event_buffer_max_size < 0:
+            raise ValueError(f"--kv-event-buffer-max-size must be >= 0; got {self.kv_event_buffer_max_size}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "beam_width"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        return self.kv_event_buffer_max_size > 0 and self.enable_block_reuse is not False
+
+    def kv_cache_options(self) -> dict:
+        """KvCacheConfig keyword arguments (both APIs name them the same); unset ones left to TensorRT-LLM."""
+        kv = {"enable_block_reuse": self.enable_block_reuse,
+              "free_gpu_memory_fraction": self.kv_cache_free_gpu_memory_fraction}
+        if self.kv_events_enabled:
+            kv["event_buffer_max_size"] = self.kv_event_buffer_max_size
+        return {k: v for k, v in kv.items() if v is not None}
 
     @property
     def world_size(self) -> int:

@@ -29,7 +29,9 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from . import trtllm_kv_events
 from .executor import EngineDeadError, ExecutorStats, Step
+from .kv_events import KvEventHub
 from .request import FinishReason, ValidRequest
 from .trtllm_common import (
     TrtllmConfig,
@@ -83,6 +85,9 @@ class TrtllmExecutor:
         self._guided_backend = guided_backend(config, "executor")
         self._guided = self._guided_decoding_config(config.tokenizer_dir or engine_dir)
         self._executor = tle.Executor(engine_dir, tle.ModelType.DECODER_ONLY, self._executor_config(engine_dir))
+        # TensorRT-LLM's KV-cache events (KvCacheConfig.event_buffer_max_size), passed on to SubscribeKvEvents
+        self._kv_manager = self._executor.get_kv_cache_event_manager() if config.kv_events_enabled else None
+        self.kv_events = KvEventHub() if self._kv_manager is not None else None
 
     @staticmethod
     def _probe(binding, base: dict, name: str, old_name: str, value) -> str:
@@ -106,10 +111,9 @@ class TrtllmExecutor:
 
     def _executor_config(self, engine_dir: str):
         tle, c = self._tle, self._config
-        kv = {"enable_block_reuse": c.enable_block_reuse, "free_gpu_memory_fraction": c.kv_cache_free_gpu_memory_fraction}
         kwargs = {
             "max_beam_width": c.beam_width,
-            "kv_cache_config": tle.KvCacheConfig(**{k: v for k, v in kv.items() if v is not None}),
+            "kv_cache_config": tle.KvCacheConfig(**c.kv_cache_options()),
             "max_batch_size": c.max_batch_size,
             "max_num_tokens": c.max_num_tokens,
         }
@@ -196,7 +200,19 @@ class TrtllmExecutor:
         for response in responses:
             steps += self._steps(response)
         self._refresh_stats()
+        self._pump_kv_events()
         return steps
+
+    def _pump_kv_events(self) -> None:
+        """Hand the executor's buffered KV-cache events (if any) to SubscribeKvEvents; never waits."""
+        if self._kv_manager is None:
+            return
+        try:
+            events = self._kv_manager.get_latest_events(0)  # timeout_ms 0: what is buffered now
+        except Exception:  # best effort, like the stats: a dead executor shows up in await_responses
+            log.debug("get_latest_events failed", exc_info=True)
+            return
+        self.kv_events.publish(trtllm_kv_events.convert(events))
 
     def cancel(self, request_id: int) -> None:
         """Idempotent; TensorRT-LLM answers with CANCELLED final responses."""

@@ -38,7 +38,9 @@ import queue
 import threading
 import time
 
+from . import trtllm_kv_events
 from .executor import EngineDeadError, ExecutorStats, Step
+from .kv_events import KvEventHub
 from .request import FinishReason, ValidRequest
 from .trtllm_common import (
     TrtllmConfig,
@@ -86,6 +88,9 @@ class TrtllmLlmApi:
         self._stats_at = 0.0
         self._stats_lock = threading.Lock()
         self._stats_task: asyncio.Task | None = None
+        # TensorRT-LLM's KV-cache events (KvCacheConfig.event_buffer_max_size), passed on to SubscribeKvEvents
+        self.kv_events = KvEventHub() if config.kv_events_enabled else None
+        self._events_task: asyncio.Task | None = None
         self._health_due = 0.0
         self._dead: str | None = None
         self._loop = asyncio.new_event_loop()
@@ -101,13 +106,12 @@ class TrtllmLlmApi:
         from tensorrt_llm import llmapi
 
         c = self._config
-        kv = {"enable_block_reuse": c.enable_block_reuse, "free_gpu_memory_fraction": c.kv_cache_free_gpu_memory_fraction}
         kwargs = {
             "backend": "pytorch",
             "skip_tokenizer_init": True,  # the looper tokenizes and detokenizes
             "tensor_parallel_size": c.tensor_parallel_size,
             "pipeline_parallel_size": c.pipeline_parallel_size,
-            "kv_cache_config": llmapi.KvCacheConfig(**{k: v for k, v in kv.items() if v is not None}),
+            "kv_cache_config": llmapi.KvCacheConfig(**c.kv_cache_options()),
             "enable_iter_perf_stats": True,
             "max_batch_size": c.max_batch_size,
             "max_num_tokens": c.max_num_tokens,
@@ -179,6 +183,8 @@ class TrtllmLlmApi:
         self._loop.create_task(self._consume(request_id, request, result))
         if self._stats_task is None:  # stats exist only once something was submitted
             self._stats_task = self._loop.create_task(self._poll_stats())
+        if self._events_task is None and self.kv_events is not None:
+            self._events_task = self._loop.create_task(self._poll_kv_events())
 
     def await_responses(self, timeout: float) -> list[Step]:
         """Block up to `timeout` for steps; EngineDeadError once the LLM is gone."""
@@ -315,6 +321,19 @@ class TrtllmLlmApi:
             step.finish_reason, step.matched_stop_token = _infer_finish(completion.token_ids, request, aborted)
         else:
             step.error = f"TensorRT-LLM finished sequence {step.seq_index} with an unknown reason {reason!r}"
+
+    async def _poll_kv_events(self) -> None:
+        """Pass the LLM's KV-cache events on to SubscribeKvEvents, one batch per read."""
+        while True:
+            try:
+                async for event in self._llm.get_kv_cache_events_async(timeout=_STATS_TIMEOUT_S):
+                    raw = json.loads(event) if isinstance(event, str) else event
+                    self.kv_events.publish(trtllm_kv_events.convert([raw]))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.debug("get_kv_cache_events_async failed", exc_info=True)
+            await asyncio.sleep(_STATS_TIMEOUT_S)
 
     async def _poll_stats(self) -> None:
         """Keep the latest iteration stats (needs `enable_iter_perf_stats`)."""

@@ -15,7 +15,7 @@ ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens",
                 "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
-                "max_batch_size", "max_num_tokens", "guided_decoding_backend")
+                "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--trtllm-api", choices=("auto", "llm", "executor"), default=None)
     t.add_argument("--kv-cache-free-gpu-memory-fraction", type=float, default=None)
     t.add_argument("--enable-block-reuse", action=argparse.BooleanOptionalAction, default=None)
+    t.add_argument("--kv-event-buffer-max-size", type=int, default=None,
+                   help="KV-cache events TensorRT-LLM buffers for SubscribeKvEvents (default 1024; 0: none)")
     t.add_argument("--enable-chunked-context", action=argparse.BooleanOptionalAction, default=None)
     t.add_argument("--scheduler-policy", choices=("max_utilization", "guaranteed_no_evict"), default=None)
     t.add_argument("--tensor-parallel-size", type=int, default=None)

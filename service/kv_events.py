@@ -73,7 +73,7 @@ def batch_message(batch: EventBatch, load: common_pb2.EngineLoad) -> common_pb2.
     return msg
 
 
-async def kv_event_stream(app, hub, request, heartbeat: float):
+async def kv_event_stream(app, hub, request, heartbeat: float, peer: str = ""):
     """The SubscribeKvEvents handler body: yields KvEventBatch messages until the client leaves or is cut off."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -90,6 +90,8 @@ async def kv_event_stream(app, hub, request, heartbeat: float):
         loop.call_soon_threadsafe(on_loop)
 
     sub = hub.subscribe(notify, request.start_sequence_number)
+    log.info("KV-event subscriber %s joined (start_sequence_number %d; last published %d)", peer or "?",
+             request.start_sequence_number, hub.last_sequence_number)
     loads = LoadRecords(app)
     last = max(0, request.start_sequence_number - 1) if sub.queue else hub.last_sequence_number
     try:
@@ -112,3 +114,4 @@ async def kv_event_stream(app, hub, request, heartbeat: float):
                 last = batch.sequence_number
     finally:
         hub.unsubscribe(sub)
+        log.info("KV-event subscriber %s left", peer or "?")

@@ -374,7 +374,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                 "SubscribeKvEvents is not available: this executor publishes no KV-cache events "
                 "(routers fall back to load-based routing)"))
             return
-        async for msg in kv_event_stream(app, hub, request, app.config.kv_events_heartbeat):
+        async for msg in kv_event_stream(app, hub, request, app.config.kv_events_heartbeat, context.peer()):
             yield msg
 
 

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import ClassVar
 
 from .. import _fake
+from . import kv_cache
 from .executor import (
     ExecutorConfig,
     FinishReason,
@@ -95,6 +96,10 @@ class Executor:
         self._iter = 0
         self._dead: str | None = None
         self.is_shutdown = False
+        kv = executor_config.kv_cache_config
+        size = getattr(kv, "event_buffer_max_size", 0) if kv is not None else 0
+        reuse = getattr(kv, "enable_block_reuse", True) if kv is not None else True
+        self.kv_cache = kv_cache.FakeKvCache(_TOKENS_PER_BLOCK, size) if size and reuse else None
         Executor.instances.append(self)
 
     def enqueue_request(self, request: Request) -> int:
@@ -114,8 +119,14 @@ class Executor:
             request_id, self._next_id = self._next_id, self._next_id + 1
             self.requests[request_id] = request
             self._active[request_id] = _Req(request)
+            if self.kv_cache is not None:
+                self.kv_cache.on_prompt(list(ids))
             self._cv.notify_all()
         return request_id
+
+    def get_kv_cache_event_manager(self):
+        """None unless KvCacheConfig(event_buffer_max_size > 0) with block reuse, as in executor.cpp."""
+        return kv_cache.KVCacheEventManager(self.kv_cache) if self.kv_cache is not None else None
 
     def await_responses(self, *args, timeout=None) -> list[Response]:
         """`await_responses(timeout=None)`. The binding's `std::optional<std::chrono::milliseconds>` takes None, a

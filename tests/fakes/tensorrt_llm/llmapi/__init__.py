@@ -32,7 +32,7 @@ class _StrictModel:
 
 class KvCacheConfig(_StrictModel):
     FIELDS: ClassVar[dict] = {"enable_block_reuse": True, "max_tokens": None, "free_gpu_memory_fraction": 0.9,
-              "host_cache_size": None, "enable_partial_reuse": True}
+              "host_cache_size": None, "enable_partial_reuse": True, "event_buffer_max_size": 0}
 
 
 class SchedulerConfig(_StrictModel):

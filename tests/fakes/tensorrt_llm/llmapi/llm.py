@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from .. import _fake
+from ..bindings import kv_cache
 from ..bindings.executor import FinishReason, _NewReason
 from ..sampling_params import SamplingParams
 
@@ -248,6 +249,10 @@ class LLM:
         self._stats: deque[dict] = deque(maxlen=1000)
         self._cv = threading.Condition()
         self._stopped, self._shut_down, self._iter = False, False, 0
+        kv = kwargs.get("kv_cache_config")
+        size = getattr(kv, "event_buffer_max_size", 0) if kv is not None else 0
+        reuse = getattr(kv, "enable_block_reuse", True) if kv is not None else True
+        self.kv_cache = kv_cache.FakeKvCache(64, size) if size and reuse else None
         self._error_queue: queue.Queue = queue.Queue()  # the engine's fatal errors, as GenerationExecutor keeps them
         if _fake.LLM_CHECK_HEALTH:
             self._check_health = lambda: not self._shut_down
@@ -273,6 +278,8 @@ class LLM:
             raise RuntimeError("LLM is shutting down")
         self._handle_background_error()  # proxy.submit: a queued engine failure is raised here
         self.submits.append((list(ids), params, streaming))
+        if self.kv_cache is not None:
+            self.kv_cache.on_prompt(list(ids))
         self.generate_threads.add(threading.current_thread().name)
         result = RequestOutput(next(self._ids), list(ids), params, self)
         with self._cv:
@@ -300,6 +307,10 @@ class LLM:
 
     def get_stats_async(self, timeout: float | None = 2):
         return _IterationResult(self, timeout or 0.0)
+
+    def get_kv_cache_events_async(self, timeout: float | None = 2):
+        """KV events as dicts (KVCacheEventSerializer's format), one per iteration step; [] when events are off."""
+        return _KvEventResult(self, timeout or 0.0)
 
     def shutdown(self) -> None:
         with self._cv:
@@ -362,6 +373,27 @@ class _IterationResult:
             with self._llm._cv:
                 if self._llm._stats:
                     return self._llm._stats.popleft()
+            if time.monotonic() >= deadline:
+                raise StopAsyncIteration
+            await asyncio.sleep(0.01)
+
+
+class _KvEventResult:
+    """Async iterable of KV-event dicts; ends after `timeout` seconds without a new one."""
+
+    def __init__(self, llm: LLM, timeout: float):
+        self._llm, self._timeout, self._pending = llm, timeout, deque()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            if not self._pending and self._llm.kv_cache is not None:
+                self._pending.extend(kv_cache.to_dict(e) for e in self._llm.kv_cache.take())
+            if self._pending:
+                return self._pending.popleft()
             if time.monotonic() >= deadline:
                 raise StopAsyncIteration
             await asyncio.sleep(0.01)
