@@ -35,6 +35,7 @@ class EngineConfig:
     # --weights: fp32 = the checkpoint's weights in `dtype`; int8 = linear layers and lm_head quantized at load
     # time (symmetric per output channel, engine/quant.py), float32 activations and accumulation
     weights: str = "fp32"
+    max_lora_rank: int = 64  # --max-lora-rank: the largest LoRA rank an adapter may have
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -66,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
         if self.weights == "int8" and self.dtype != "float32":
             raise ValueError(f"weights 'int8' keeps float32 activations and needs dtype float32, got {self.dtype!r}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {', '.join(MATMUL_BACKENDS)}, got {self.matmul_backend!r}")
 
