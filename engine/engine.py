@@ -29,6 +29,7 @@ from .lora import LoraRegistry, LoraWeights, read_adapter
 from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
 from .postprocess import cancelled_steps, error_steps, steps_for_samples
+from .quant import QWeight
 from .sampler import sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -56,7 +57,9 @@ class Engine:
         self.max_context_length = min(self.model_config.max_context_length,
                                       self.config.max_model_len or self.model_config.max_context_length)
         dtype = self.config.torch_dtype
-        weights = load_weights(model_dir, self.model_config, dtype)
+        started = time.perf_counter()
+        weights = load_weights(model_dir, self.model_config, dtype, self.config.weights)
+        log.info("engine: weights %s loaded in %.1f s", self.dtype, time.perf_counter() - started)
         num_blocks = self.config.num_kv_blocks(Model.kv_bytes_per_token(self.model_config, dtype))
         self.model = Model(self.model_config, weights, dtype, num_blocks, self.config.block_size,
                            self._matmul_policy(weights["layers.0.gate_up"]), self._paged_attention(dtype),
@@ -81,8 +84,8 @@ class Engine:
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
         self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
         self._thread = threading.Thread(target=self._loop, name="tokenloop-engine", daemon=True)
-        log.info("engine: %s, %d KV blocks of %d tokens, matmul %s, decode attention %s",
-                 self.model_config.architecture, num_blocks, self.config.block_size, self.model.matmul.describe(),
+        log.info("engine: %s, weights %s, activations %s, %d KV blocks of %d tokens, matmul %s, decode attention %s",
+                 self.model_config.architecture, self.dtype, self.config.dtype, num_blocks, self.config.block_size, self.model.matmul.describe(),
                  "native" if self.model.paged is not None else "torch")
         if start:
             self._thread.start()
@@ -103,7 +106,14 @@ class Engine:
                                "see the log, or use 'torch'")
         return paged
 
-    def _matmul_policy(self, sample_weight: torch.Tensor) -> MatmulPolicy:
+    @property
+    def dtype(self) -> str:
+        """The weights' data type (GetModelInfo.dtype): `int8` with --weights int8, else the engine's dtype."""
+        return "int8" if self.config.weights == "int8" else self.config.dtype
+
+    def _matmul_policy(self, sample_weight: torch.Tensor | QWeight) -> MatmulPolicy:
+        if isinstance(sample_weight, QWeight):
+            return MatmulPolicy.calibrate_int8(sample_weight, kernels.load_int8())
         if self.config.matmul_backend == "auto":
             return MatmulPolicy.calibrate(sample_weight)
         usable = sample_weight.dtype in (torch.float32, torch.float64)
