@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .quant import WEIGHT_MODES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 MATMUL_BACKENDS = ("auto", "torch", "numpy", "numpy2")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
@@ -30,6 +32,10 @@ class EngineConfig:
     # decode attention: native = the C kernel over the paged cache (kernels.py; float32), torch = gather + SDPA,
     # auto = native where it builds and the dtype is float32, else torch
     attention_backend: str = "auto"
+    # --weights: fp32 = the checkpoint's weights in `dtype`; int8 = linear layers and lm_head quantized at load
+    # time (symmetric per output channel, engine/quant.py), float32 activations and accumulation
+    weights: str = "fp32"
+    max_lora_rank: int = 64  # --max-lora-rank: the largest LoRA rank an adapter may have
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -57,6 +63,12 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.attention_backend == "native" and self.dtype != "float32":
             raise ValueError(f"attention_backend 'native' needs dtype float32, got {self.dtype!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
+        if self.weights == "int8" and self.dtype != "float32":
+            raise ValueError(f"weights 'int8' keeps float32 activations and needs dtype float32, got {self.dtype!r}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {', '.join(MATMUL_BACKENDS)}, got {self.matmul_backend!r}")
 

@@ -25,9 +25,11 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .kernels import PagedAttention
 from .loader import ModelConfig, load_weights
+from .lora import LoraRegistry, LoraWeights, read_adapter
 from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
 from .postprocess import cancelled_steps, error_steps, steps_for_samples
+from .quant import QWeight
 from .sampler import sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -55,7 +57,9 @@ class Engine:
         self.max_context_length = min(self.model_config.max_context_length,
                                       self.config.max_model_len or self.model_config.max_context_length)
         dtype = self.config.torch_dtype
-        weights = load_weights(model_dir, self.model_config, dtype)
+        started = time.perf_counter()
+        weights = load_weights(model_dir, self.model_config, dtype, self.config.weights)
+        log.info("engine: weights %s loaded in %.1f s", self.dtype, time.perf_counter() - started)
         num_blocks = self.config.num_kv_blocks(Model.kv_bytes_per_token(self.model_config, dtype))
         self.model = Model(self.model_config, weights, dtype, num_blocks, self.config.block_size,
                            self._matmul_policy(weights["layers.0.gate_up"]), self._paged_attention(dtype),
@@ -64,12 +68,13 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_tokens, self.config.max_batch_size)
         self.kv_events = KvEventHub()  # the prefix cache's stored / removed blocks, for SubscribeKvEvents
         self.eos_token_ids = self.card.eos_token_ids
+        self.loras = LoraRegistry()  # the adapters requests may name (GenerateRequest.lora)
         self._requests: dict[int, list[Sequence]] = {}  # engine thread only
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._has_input = threading.Condition(self._lock)
         self._has_output = threading.Condition(self._lock)
-        self._new: list[tuple[int, ValidRequest]] = []
+        self._new: list[tuple[int, ValidRequest, LoraWeights | None]] = []
         self._cancels: list[int] = []
         self._outputs: list[Step] = []
         self._stopping = False
@@ -79,8 +84,8 @@ class Engine:
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
         self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
         self._thread = threading.Thread(target=self._loop, name="tokenloop-engine", daemon=True)
-        log.info("engine: %s, %d KV blocks of %d tokens, matmul %s, decode attention %s",
-                 self.model_config.architecture, num_blocks, self.config.block_size, self.model.matmul.describe(),
+        log.info("engine: %s, weights %s, activations %s, %d KV blocks of %d tokens, matmul %s, decode attention %s",
+                 self.model_config.architecture, self.dtype, self.config.dtype, num_blocks, self.config.block_size, self.model.matmul.describe(),
                  "native" if self.model.paged is not None else "torch")
         if start:
             self._thread.start()
@@ -101,7 +106,14 @@ class Engine:
                                "see the log, or use 'torch'")
         return paged
 
-    def _matmul_policy(self, sample_weight: torch.Tensor) -> MatmulPolicy:
+    @property
+    def dtype(self) -> str:
+        """The weights' data type (GetModelInfo.dtype): `int8` with --weights int8, else the engine's dtype."""
+        return "int8" if self.config.weights == "int8" else self.config.dtype
+
+    def _matmul_policy(self, sample_weight: torch.Tensor | QWeight) -> MatmulPolicy:
+        if isinstance(sample_weight, QWeight):
+            return MatmulPolicy.calibrate_int8(sample_weight, kernels.load_int8())
         if self.config.matmul_backend == "auto":
             return MatmulPolicy.calibrate(sample_weight)
         usable = sample_weight.dtype in (torch.float32, torch.float64)
@@ -113,13 +125,35 @@ class Engine:
     def enqueue(self, request: ValidRequest) -> int:
         """Submit a request; raises ValueError for one this engine cannot serve."""
         self._check_request(request)
+        lora = self.loras.acquire(request.lora) if request.lora else None  # LoraError (ValueError) when unknown
         request_id = next(self._ids)
         with self._lock:
             if self._dead or self._stopping:
+                if lora is not None:
+                    self.loras.release(lora)
                 raise EngineDeadError(self._dead or "the engine is shutting down")
-            self._new.append((request_id, request))
+            self._new.append((request_id, request, lora))
             self._has_input.notify()
         return request_id
+
+    # --- LoRA adapters (any thread) ---
+
+    def read_lora(self, name: str, path: str | Path) -> LoraWeights:
+        """Read and check a PEFT adapter for this model (slow: call it off the event loop); raises LoraError."""
+        return read_adapter(name, path, self.model_config, self.config.torch_dtype, self.config.max_lora_rank)
+
+    def add_lora(self, weights: LoraWeights) -> None:
+        """Make a read adapter available to requests that name it."""
+        self.loras.add(weights)
+
+    def load_lora(self, name: str, path: str | Path) -> LoraWeights:
+        weights = self.read_lora(name, path)
+        self.add_lora(weights)
+        return weights
+
+    def unload_lora(self, name: str) -> LoraWeights:
+        """Remove an adapter no request uses; LoraInUseError while requests use it (they keep running)."""
+        return self.loras.remove(name)
 
     def _check_request(self, request: ValidRequest) -> None:
         prompt = request.prompt_token_ids
@@ -202,17 +236,26 @@ class Engine:
             log.exception("engine thread died")
             self._die(f"the engine failed: {type(exc).__name__}: {exc}")
 
-    def _admit(self, new: list[tuple[int, ValidRequest]]) -> None:
-        for request_id, request in new:
+    def _admit(self, new: list[tuple[int, ValidRequest, LoraWeights | None]]) -> None:
+        for request_id, request, lora in new:
             seqs = [Sequence.from_request(request_id, i, request) for i in range(request.n)]
+            for seq in seqs:
+                seq.lora, seq.cache_key = lora, (lora.cache_key if lora is not None else None)
             self._requests[request_id] = seqs
             for seq in seqs:
                 self.scheduler.add(seq)
 
+    def _forget(self, request_id: int) -> list[Sequence]:
+        """The request leaves the engine (finished, cancelled or failed): its adapter is one request less in use."""
+        seqs = self._requests.pop(request_id, None) or []
+        if seqs and seqs[0].lora is not None:
+            self.loras.release(seqs[0].lora)
+        return seqs
+
     def _cancel(self, request_ids: list[int]) -> None:
         steps = []
         for request_id in request_ids:
-            seqs = self._requests.pop(request_id, None)
+            seqs = self._forget(request_id)
             if seqs:
                 steps.extend(cancelled_steps(seqs, self.scheduler))
         self._publish(steps)
@@ -234,7 +277,7 @@ class Engine:
         steps = steps_for_samples(samplers, samples, self.scheduler, self.eos_token_ids, self.max_context_length)
         for seq in samplers:
             if seq.is_finished and all(s.is_finished for s in self._requests.get(seq.request_id, ())):
-                self._requests.pop(seq.request_id, None)
+                self._forget(seq.request_id)
         self._latencies.append(time.perf_counter() - start)
         self._publish(steps)
 
@@ -245,7 +288,7 @@ class Engine:
         request_ids = dict.fromkeys(seq.request_id for seq, _ in scheduled)
         steps = []
         for request_id in request_ids:
-            seqs = self._requests.pop(request_id, [])
+            seqs = self._forget(request_id)
             steps.extend(error_steps(request_id, seqs, self.scheduler, message))
         self._publish(steps)
         if self._num_failures >= MAX_CONSECUTIVE_STEP_FAILURES:

@@ -1,6 +1,7 @@
 """Native kernels, compiled at run time with the system C compiler and loaded with ctypes.
 
-`paged_attention.c` holds decode attention that reads the paged KV cache in place. It is built once
+`paged_attention.c` holds decode attention that reads the paged KV cache in place; `int8_linear.c` the
+matrix products of int8 weights (`--weights int8`) with float32 activations. Each is built once
 per source, compiler flags and CPU (`-march=native`), into a cache directory (`$TOKENLOOP_KERNEL_CACHE`,
 else `$XDG_CACHE_HOME/tokenloop` or `~/.cache/tokenloop`), which takes well under a second. No C
 compiler, or a failed build, means `load()` returns None and the engine uses its pure-torch path:
@@ -27,6 +28,7 @@ from ..looper.threads import name_this_thread  # noqa: F401 - the engine's threa
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
+INT8_SOURCE = Path(__file__).with_name("int8_linear.c")
 # -ffast-math lets the dot products and exp vectorise. It is given to the compile step only: linked with it,
 # the library would pull in crtfastmath.o, which switches the whole process to flush-denormals-to-zero on
 # load (torch's and Python's arithmetic included).
@@ -34,7 +36,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared",)
 FLAGS = COMPILE_FLAGS + LINK_FLAGS
 _lock = threading.Lock()
-_loaded: dict[str, PagedAttention | None] = {}
+_loaded: dict[str, PagedAttention | Int8Linear | None] = {}
 
 
 def _cpu_id() -> str:
@@ -113,15 +115,46 @@ class PagedAttention:
             raise RuntimeError(f"paged_decode_f32 failed (code {rc})")
 
 
-def load() -> PagedAttention | None:
-    """The compiled kernel, or None (logged once) when it cannot be built here."""
-    key = str(SOURCE)
+class Int8Linear:
+    """ctypes binding of int8_linear.c."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._linear = lib.int8_linear_f32
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
+        self._linear.restype = ctypes.c_int
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+               begin: int = 0, end: int | None = None) -> None:
+        """out[:, begin:end] = x @ (w * scale[:, None]).T[:, begin:end]. x [M, K] float32, w [N, K] int8, scale [N]
+        float32, out [M, N] float32, all contiguous. Releases the GIL (ctypes does), so threads can split N."""
+        num_out = w.shape[0]
+        rc = self._linear(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                          num_out, begin, num_out if end is None else end)
+        if rc != 0:
+            raise RuntimeError(f"int8_linear_f32 failed (code {rc})")
+
+
+def _load(source: Path, binding, what: str):
+    key = str(source)
     with _lock:
         if key not in _loaded:
             try:
-                _loaded[key] = PagedAttention(build(SOURCE))
-                log.debug("paged attention kernel: %s", _loaded[key].path)
+                _loaded[key] = binding(build(source))
+                log.debug("%s kernel: %s", what, _loaded[key].path)
             except Exception as exc:  # noqa: BLE001 - the torch path serves instead
-                log.warning("native paged attention unavailable, using torch: %s", exc)
+                log.warning("native %s unavailable, using torch: %s", what, exc)
                 _loaded[key] = None
         return _loaded[key]
+
+
+def load() -> PagedAttention | None:
+    """The compiled decode-attention kernel, or None (logged once) when it cannot be built here."""
+    return _load(SOURCE, PagedAttention, "paged attention")
+
+
+def load_int8() -> Int8Linear | None:
+    """The compiled int8 matrix-product kernel, or None (logged once) when it cannot be built here."""
+    return _load(INT8_SOURCE, Int8Linear, "int8 linear")

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .quant import QWeight, qweight
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -137,23 +139,30 @@ def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return tensors.pop(name)
 
 
-def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Weights by engine name, fused and cast to `dtype`: embed, norm, lm_head, layers.{i}.{qkv,o,gate_up,down,...}."""
+def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
+                 weights: str = "fp32") -> dict[str, torch.Tensor | QWeight]:
+    """Weights by engine name, fused and cast to `dtype`: embed, norm, lm_head, layers.{i}.{qkv,o,gate_up,down,...}.
+    weights="int8": the matrices of the linear layers and the lm_head become QWeight (quantized from the
+    checkpoint's own values, after fusing); the embedding lookup, norms and biases keep `dtype`."""
     raw = read_tensors(model_dir)
     cast = lambda t: t.to(dtype).contiguous()  # noqa: E731
+    linear = qweight if weights == "int8" else cast
     out = {"embed": cast(_take(raw, "model.embed_tokens.weight")), "norm": cast(_take(raw, "model.norm.weight"))}
     lm_head = raw.pop("lm_head.weight", None)
-    out["lm_head"] = out["embed"] if lm_head is None or config.tie_word_embeddings else cast(lm_head)
+    if weights == "int8":
+        out["lm_head"] = qweight(out["embed"] if lm_head is None or config.tie_word_embeddings else lm_head)
+    else:
+        out["lm_head"] = out["embed"] if lm_head is None or config.tie_word_embeddings else cast(lm_head)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        out[f"layers.{i}.qkv"] = cast(torch.cat([_take(raw, a + f"{x}_proj.weight") for x in "qkv"]))
+        out[f"layers.{i}.qkv"] = linear(torch.cat([_take(raw, a + f"{x}_proj.weight") for x in "qkv"]))
         if config.qkv_bias:
             out[f"layers.{i}.qkv_bias"] = cast(torch.cat([_take(raw, a + f"{x}_proj.bias") for x in "qkv"]))
-        out[f"layers.{i}.o"] = cast(_take(raw, a + "o_proj.weight"))
+        out[f"layers.{i}.o"] = linear(_take(raw, a + "o_proj.weight"))
         gate, up = _take(raw, p + "mlp.gate_proj.weight"), _take(raw, p + "mlp.up_proj.weight")
-        out[f"layers.{i}.gate_up"] = cast(torch.cat([gate, up]))
-        out[f"layers.{i}.down"] = cast(_take(raw, p + "mlp.down_proj.weight"))
+        out[f"layers.{i}.gate_up"] = linear(torch.cat([gate, up]))
+        out[f"layers.{i}.down"] = linear(_take(raw, p + "mlp.down_proj.weight"))
         out[f"layers.{i}.input_norm"] = cast(_take(raw, p + "input_layernorm.weight"))
         out[f"layers.{i}.post_norm"] = cast(_take(raw, p + "post_attention_layernorm.weight"))
     return out

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .kernels import name_this_thread
+from .kernels import Int8Linear, name_this_thread
+from .quant import QWeight
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # tokens per step at which the backends are compared
 MIN_SPLIT_TOKENS = 1
@@ -92,9 +93,13 @@ class _Helper:
 class MatmulPolicy:
     """`linear(x, w, backend)` = x @ w.T; `backend(num_tokens)` says how a step multiplies."""
 
-    def __init__(self, buckets: dict[int, Backend], helper: _Helper | None = None):
+    def __init__(self, buckets: dict[int, Backend], helper: _Helper | None = None, int8: Int8Linear | None = None,
+                 int8_split: dict[int, bool] | None = None):
         self.buckets = buckets
-        self._helper = helper or (_Helper() if Backend.NUMPY2 in buckets.values() else None)
+        self.int8 = int8  # the native int8 kernel for QWeight products; None: torch (dequantize, then F.linear)
+        self.int8_split = int8_split or {}  # bucket -> split a QWeight product's output channels over two threads
+        wants_helper = Backend.NUMPY2 in buckets.values() or any(self.int8_split.values())
+        self._helper = helper or (_Helper() if wants_helper else None)
 
     def helper(self) -> _Helper:
         """The second thread (started on first use when no backend needed it)."""
@@ -124,14 +129,55 @@ class MatmulPolicy:
                 buckets[b] = _fastest(candidates)
         return cls(buckets, probe._helper if probe is not None else None)
 
-    def backend(self, num_tokens: int) -> Backend:
+    @classmethod
+    def calibrate_int8(cls, weight: QWeight, int8: Int8Linear | None) -> MatmulPolicy:
+        """For int8 weights: time the native kernel on one thread against two (output channels halved) per bucket."""
+        policy = cls.fixed(Backend.TORCH)
+        if int8 is None:
+            return policy
+        policy.int8 = int8
+        if (os.cpu_count() or 1) < 2:
+            return policy
+        split = {}
+        with torch.inference_mode():
+            for b in BUCKETS:
+                x = torch.randn(b, weight.shape[1])
+                split[b] = _fastest({False: lambda x=x: policy._qlinear(x, weight, False),
+                                     True: lambda x=x: policy._qlinear(x, weight, True)})
+        policy.int8_split = split
+        return policy
+
+    def _bucket(self, num_tokens: int) -> int:
         for b in BUCKETS:
             if num_tokens <= b:
-                return self.buckets[b]
-        return self.buckets[BUCKETS[-1]]
+                return b
+        return BUCKETS[-1]
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, backend: Backend) -> torch.Tensor:
+    def backend(self, num_tokens: int) -> Backend:
+        return self.buckets[self._bucket(num_tokens)]
+
+    def _qlinear(self, x: torch.Tensor, w: QWeight, split: bool | None = None) -> torch.Tensor:
+        """x [T, K] float32 @ int8 w [N, K] -> [T, N] float32; split: over two threads (None: as calibrated)."""
+        if self.int8 is None:  # fallback: the same product in torch, the weight widened on the fly
+            return F.linear(x, w.q.to(x.dtype)) * w.scale.to(x.dtype)
+        x = x.contiguous()
+        num_out = w.q.shape[0]
+        out = torch.empty(x.shape[0], num_out, dtype=torch.float32)
+        if split is None:
+            split = self.int8_split.get(self._bucket(x.shape[0]), False)
+        if split:
+            half = num_out // 2 // 4 * 4  # keep the kernel's 4-channel groups whole
+            kernel = self.int8
+            self.helper().split(lambda: kernel.linear(x, w.q, w.scale, out, 0, half),
+                                lambda: kernel.linear(x, w.q, w.scale, out, half, num_out))
+        else:
+            self.int8.linear(x, w.q, w.scale, out)
+        return out
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor | QWeight, backend: Backend) -> torch.Tensor:
         """x: [T, D_in], w: [D_out, D_in] -> [T, D_out]."""
+        if isinstance(w, QWeight):
+            return self._qlinear(x, w)
         if backend is Backend.TORCH:
             return F.linear(x, w)
         x_np = x.contiguous().numpy()
@@ -140,6 +186,9 @@ class MatmulPolicy:
         return torch.from_numpy(np.matmul(x_np, w.numpy().T))
 
     def describe(self) -> str:
+        if self.int8 is not None:
+            return "int8 native kernel, " + ", ".join(
+                f"<={b}: {'2 threads' if self.int8_split.get(b) else '1 thread'}" for b in BUCKETS)
         return ", ".join(f"<={b}: {backend.value}" for b, backend in self.buckets.items())
 
 

@@ -8,7 +8,7 @@ Notation: T tokens in the flat batch, D hidden size, H query heads, K kv heads, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written
     groups: list[AttentionGroup]
     logits_rows: torch.Tensor  # [S] rows whose next-token logits are wanted
+    # rows start..end-1 run with a LoRA adapter (lora.LoraWeights); rows in no segment run the base model
+    lora_segments: list[tuple[int, int, object]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -74,6 +76,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, segments: list, layer: int, proj: str) -> torch.Tensor:
+    """Add each segment's low-rank update to the projection output, in place: y[s:e] += (x[s:e] A^T) B^T.
+    x: [T, D_in], y: [T, D_out]; one pair of small products per adapter in the batch (rows grouped by adapter)."""
+    for start, end, weights in segments:
+        ab = weights.layers[layer].get(proj)
+        if ab is not None:
+            y[start:end] += F.linear(F.linear(x[start:end], ab[0]), ab[1])
+    return y
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,12 +140,15 @@ class Model:
         c, num_tokens = self.config, batch.input_ids.shape[0]
         backend = self.matmul.backend(num_tokens)
         linear = self.matmul.linear
+        loras = batch.lora_segments
         h = self.embed[batch.input_ids]  # [T, D]
         cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, E]
         sin = self.sin[batch.positions].unsqueeze(1)
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, c.rms_norm_eps)
             qkv = linear(x, w.qkv, backend)  # [T, (H+2K)*E]
+            if loras:
+                add_lora(qkv, x, loras, i, "qkv")
             if w.qkv_bias is not None:
                 qkv = qkv + w.qkv_bias
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -142,10 +157,14 @@ class Model:
             self.k_cache[i].index_copy_(0, batch.slot_mapping, k)
             self.v_cache[i].index_copy_(0, batch.slot_mapping, v.view(num_tokens, c.num_kv_heads, c.head_dim))
             attn = self._attention(i, q, k, v.view(num_tokens, c.num_kv_heads, c.head_dim), batch.groups)
-            h = h + linear(attn, w.o, backend)
+            o = linear(attn, w.o, backend)
+            h = h + (add_lora(o, attn, loras, i, "o") if loras else o)
             x = rms_norm(h, w.post_norm, c.rms_norm_eps)
-            gate, up = linear(x, w.gate_up, backend).chunk(2, dim=-1)  # [T, I] each
-            h = h + linear((F.silu(gate) * up).contiguous(), w.down, backend)
+            gate_up = linear(x, w.gate_up, backend)
+            gate, up = (add_lora(gate_up, x, loras, i, "gate_up") if loras else gate_up).chunk(2, dim=-1)  # [T, I]
+            act = (F.silu(gate) * up).contiguous()
+            down = linear(act, w.down, backend)
+            h = h + (add_lora(down, act, loras, i, "down") if loras else down)
         x = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [S, D]
         return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
 

@@ -49,12 +49,19 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
 
     Returns the batch and the sequences that sample after it (those whose last token is computed).
     """
-    decodes = [(s, n) for s, n in scheduled if n == 1]
-    prefills = [(s, n) for s, n in scheduled if n > 1]
+    by_adapter = lambda item: item[0].lora.uid if item[0].lora is not None else 0  # noqa: E731 - rows of one adapter side by side
+    decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=by_adapter)
+    prefills = sorted(((s, n) for s, n in scheduled if n > 1), key=by_adapter)
     ids, positions, slots = [], [], []
     samplers, logits_rows = [], []
+    segments: list[tuple[int, int, object]] = []  # (first row, end row, adapter): consecutive rows of one adapter
     for seq, n in decodes + prefills:
         start = seq.num_computed_tokens
+        if seq.lora is not None:
+            if segments and segments[-1][2] is seq.lora and segments[-1][1] == len(ids):
+                segments[-1] = (segments[-1][0], len(ids) + n, seq.lora)
+            else:
+                segments.append((len(ids), len(ids) + n, seq.lora))
         ids.extend(seq.token_ids[start:start + n])
         positions.extend(range(start, start + n))
         slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
@@ -71,7 +78,7 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long), groups=groups,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long))
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long), lora_segments=segments)
     return batch, samplers
 
 

@@ -40,6 +40,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     matcher: object | None = None  # llguidance.LLMatcher of a `structured` request: what may come next
+    lora: object | None = None  # lora.LoraWeights of a request that names an adapter; None: the base model
 
 
     @classmethod
