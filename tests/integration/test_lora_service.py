@@ -180,3 +180,28 @@ def test_lora_flag_errors():
         with pytest.raises(ValueError) as info:
             ServerConfig(loras=loras, max_loras=2)
         assert str(info.value) == message
+
+
+def test_python_client_and_cli_parsing(checkpoint, adapters):
+    from tokenloop_client import AsyncClient, NotFoundError
+    from tokenloop_client.cli import build_parser
+
+    async def body():
+        async with engine_server(checkpoint) as (server, stub, _):
+            async with AsyncClient(f"127.0.0.1:{server.port}") as client:
+                loaded = await client.load_lora_adapter("a", str(adapters["a"]), id=5)
+                assert (loaded.name, loaded.id, loaded.rank, loaded.target_modules) == \
+                    ("a", 5, 4, ("q_proj", "v_proj", "down_proj"))
+                info = await client.model_info()
+                assert [a.name for a in info.lora_adapters] == ["a"]
+                result = await client.generate(PROMPT, lora="a", temperature=0.0, max_new_tokens=16, ignore_eos=True)
+                assert list(result.completions[0].token_ids) == await ids_of(stub, greedy("a"))
+                assert [a.name for a in await client.list_lora_adapters()] == ["a"]
+                assert (await client.unload_lora_adapter("a")).id == 5
+                with pytest.raises(NotFoundError, match="LoRA adapter `a` is not loaded"):
+                    await client.generate(PROMPT, lora="a")
+    run(body())
+    args = build_parser().parse_args(["generate", "hi", "--lora", "a"])
+    assert args.lora == "a"
+    args = build_parser().parse_args(["lora", "load", "a", "/x", "--id", "3"])
+    assert (args.lora_command, args.name, args.path, args.id) == ("load", "a", "/x", 3)
