@@ -9,7 +9,7 @@ TORCH_VERSION := 2.13.0
 PROTOC := $(BIN)/python -m grpc_tools.protoc -Iprotos
 TEST_ARGS ?=
 
-.PHONY: setup setup-dev model serve test test-fast lint proto proto-check bench soak router-demo gpu-smoke docker-trtllm clean
+.PHONY: setup setup-dev model serve test test-fast lint proto proto-check bench soak router-demo cluster-demo gpu-smoke docker-trtllm clean
 
 # The virtual environment: torch first (exact CPU build), then the project with its dev and convert extras.
 $(BIN)/tokenloop: pyproject.toml clients/python/pyproject.toml
@@ -72,6 +72,10 @@ docker-trtllm:
 
 router-demo: setup model
 	scripts/router_demo.sh
+
+# Three workers (one engine thread each) behind one `smg --policy cache_aware` router on this machine.
+cluster-demo: setup model
+	scripts/cluster_demo.sh
 
 soak: setup model
 	$(BIN)/python bench/soak.py $(if $(OUT),--out $(OUT))

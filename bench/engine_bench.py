@@ -13,6 +13,8 @@ recorded ones).
 --structured measures structured output instead (bench/structured_bench.py: 32 streams under one JSON schema
 against the same streams free, compile times, a cached schema's admission; recorded in
 bench/results-structured.json).
+--shared-prefix measures prefix caching instead (bench/shared_prefix.py: 64 requests sharing a 448-token prefix,
+16 in flight, with and without the cache; recorded in bench/results-shared-prefix.json).
 """
 
 from __future__ import annotations
@@ -241,11 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
     add_out_argument(parser, "results-engine.json (results-structured.json with --structured)")
     parser.add_argument("--structured", action="store_true", help="structured output's costs (structured_bench.py)")
+    parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on and off (shared_prefix.py)")
     parser.add_argument("--rounds", type=int, default=3, help="--structured: free / constrained rounds")
     args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
     if args.structured:
         from bench import structured_bench
         return structured_bench.main(args.model, engine_flags, args.out, args.rounds)
+    if args.shared_prefix:
+        from bench import shared_prefix
+        return shared_prefix.main(args.model, engine_flags, args.out)
     from tokenloop.looper.tokenizer import Tokenizer
 
     corpus = Tokenizer.from_dir(args.model).encode(TEXT)
