@@ -10,7 +10,7 @@
  * (8 lanes along k, lane sums added at the end), so a row's result does not depend on how many other rows came
  * with it: greedy decoding stays batch invariant.
  *
- * - Fewer than four rows (a decode step of few sequences): each row walks four channels at once, widening each
+ * - Fewer than four rows (a decode step of few sequences): each row walks eight channels at once, widening each
  *   weight byte in registers (AVX2 vpmovsxbd + vcvtdq2ps, then the scale): bound by memory, 4x fewer bytes
  *   than float32.
  * - Four rows or more: the weights of a block of channels (~48 KB as float32) are widened once into a scratch
@@ -51,24 +51,49 @@ static inline __m256 widen8(const int8_t *p, __m256 s) { /* 8 int8 -> 8 float, t
 /* the 8-lane main part of a dot product; `tail` gets the index where the scalar remainder starts */
 #define K8(K) ((K) / 8 * 8)
 
-/* one row x against channels c = 0..nc-1 (nc <= 4) of w (stride K), widened on the fly; G % 8 == 0 */
-static void row_q(const float *x, const int8_t *w, const float *scale, int64_t K, int64_t G, int64_t NG, int nc,
-                  float *out) {
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+/* one row x against eight channels of w (stride K), widened on the fly: eight independent FMA chains keep both
+   FMA pipes busy (four would leave them waiting on the FMA latency); G % 8 == 0 or G >= K */
+static void row_q8(const float *x, const int8_t *w, const float *scale, int64_t K, int64_t G, int64_t NG,
+                   float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     const int64_t k8 = K8(K);
     for (int64_t k0 = 0, g = 0; k0 < k8; k0 += G, g++) {
         const int64_t k1 = k0 + G < k8 ? k0 + G : k8;
-        for (int c = 0; c < nc; c++) {
-            const __m256 s = _mm256_set1_ps(scale[c * NG + g]);
-            const int8_t *wc = w + c * K;
-            __m256 acc = a[c];
-            for (int64_t k = k0; k < k1; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), widen8(wc + k, s), acc);
-            a[c] = acc;
+        const float *s = scale + g;
+        for (int64_t k = k0; k < k1; k += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + k);
+            a0 = _mm256_fmadd_ps(xv, widen8(w + k, _mm256_broadcast_ss(s)), a0);
+            a1 = _mm256_fmadd_ps(xv, widen8(w + K + k, _mm256_broadcast_ss(s + NG)), a1);
+            a2 = _mm256_fmadd_ps(xv, widen8(w + 2 * K + k, _mm256_broadcast_ss(s + 2 * NG)), a2);
+            a3 = _mm256_fmadd_ps(xv, widen8(w + 3 * K + k, _mm256_broadcast_ss(s + 3 * NG)), a3);
+            a4 = _mm256_fmadd_ps(xv, widen8(w + 4 * K + k, _mm256_broadcast_ss(s + 4 * NG)), a4);
+            a5 = _mm256_fmadd_ps(xv, widen8(w + 5 * K + k, _mm256_broadcast_ss(s + 5 * NG)), a5);
+            a6 = _mm256_fmadd_ps(xv, widen8(w + 6 * K + k, _mm256_broadcast_ss(s + 6 * NG)), a6);
+            a7 = _mm256_fmadd_ps(xv, widen8(w + 7 * K + k, _mm256_broadcast_ss(s + 7 * NG)), a7);
         }
     }
-    for (int c = 0; c < nc; c++) {
-        float sum = hsum(a[c]);
+    const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int c = 0; c < 8; c++) {
+        float sum = hsum(acc[c]);
         for (int64_t k = k8; k < K; k++) sum += x[k] * ((float)w[c * K + k] * scale[c * NG + k / G]);
+        out[c] = sum;
+    }
+}
+
+/* one row x against channels c = 0..nc-1 (nc < 8) of w (stride K), widened on the fly */
+static void row_q(const float *x, const int8_t *w, const float *scale, int64_t K, int64_t G, int64_t NG, int nc,
+                  float *out) {
+    const int64_t k8 = K8(K);
+    for (int c = 0; c < nc; c++) {
+        const int8_t *wc = w + c * K;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k0 = 0, g = 0; k0 < k8; k0 += G, g++) {
+            const int64_t k1 = k0 + G < k8 ? k0 + G : k8;
+            const __m256 s = _mm256_set1_ps(scale[c * NG + g]);
+            for (int64_t k = k0; k < k1; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), widen8(wc + k, s), acc);
+        }
+        float sum = hsum(acc);
+        for (int64_t k = k8; k < K; k++) sum += x[k] * ((float)wc[k] * scale[c * NG + k / G]);
         out[c] = sum;
     }
 }
@@ -126,6 +151,11 @@ static void row_q(const float *x, const int8_t *w, const float *scale, int64_t K
     }
 }
 
+static void row_q8(const float *x, const int8_t *w, const float *scale, int64_t K, int64_t G, int64_t NG,
+                   float *out) {
+    row_q(x, w, scale, K, G, NG, 8, out);
+}
+
 static void tile_4x3(const float *x, const float *wf, int64_t K, float *out) {
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 3; c++) out[r * 3 + c] = row_f(x + r * K, wf + c * K, K);
@@ -162,14 +192,13 @@ int int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *w, const
         }
         free(wf);
     }
-    /* the rows left over (all of them below four rows): four channels at a time, widened on the fly */
+    /* the rows left over (all of them below four rows): eight channels at a time, widened on the fly */
     for (int64_t m = M4; m < M; m++) {
         const float *xm = x + m * K;
         float *ym = y + m * N;
-        for (int64_t n = n_begin; n < n_end; n += 4) {
-            const int nc = n_end - n < 4 ? (int)(n_end - n) : 4;
-            row_q(xm, w + n * K, scale + n * NG, K, G, NG, nc, ym + n);
-        }
+        int64_t n = n_begin;
+        for (; n + 8 <= n_end; n += 8) row_q8(xm, w + n * K, scale + n * NG, K, G, NG, ym + n);
+        if (n < n_end) row_q(xm, w + n * K, scale + n * NG, K, G, NG, (int)(n_end - n), ym + n);
     }
     return 0;
 }

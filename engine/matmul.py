@@ -166,7 +166,7 @@ class MatmulPolicy:
         if split is None:
             split = self.int8_split.get(self._bucket(x.shape[0]), False)
         if split:
-            half = num_out // 2 // 4 * 4  # keep the kernel's 4-channel groups whole
+            half = num_out // 2 // 8 * 8  # keep the kernel's 8-channel groups whole
             kernel = self.int8
             self.helper().split(lambda: kernel.linear(x, w, out, 0, half),
                                 lambda: kernel.linear(x, w, out, half, num_out))
