@@ -130,20 +130,24 @@ class MatmulPolicy:
         return cls(buckets, probe._helper if probe is not None else None)
 
     @classmethod
-    def calibrate_int8(cls, weight: QWeight, int8: Int8Linear | None) -> MatmulPolicy:
-        """For int8 weights: time the native kernel on one thread against two (output channels halved) per bucket."""
+    def calibrate_int8(cls, weights: QWeight | list[QWeight], int8: Int8Linear | None) -> MatmulPolicy:
+        """For int8 weights: time the native kernel on one thread against two (output channels halved) per bucket,
+        each candidate running over all of `weights` (every layer's: a real step streams them from memory, where
+        one matrix alone would sit in the cache and make a second thread look useless)."""
         policy = cls.fixed(Backend.TORCH)
         if int8 is None:
             return policy
         policy.int8 = int8
         if (os.cpu_count() or 1) < 2:
             return policy
+        weights = weights if isinstance(weights, list) else [weights]
         split = {}
         with torch.inference_mode():
             for b in BUCKETS:
-                x = torch.randn(b, weight.shape[1])
-                split[b] = _fastest({False: lambda x=x: policy._qlinear(x, weight, False),
-                                     True: lambda x=x: policy._qlinear(x, weight, True)})
+                x = torch.randn(b, weights[0].shape[1])
+                some = weights[:max(1, len(weights) * 16 // b)]  # long chunks are bound by arithmetic, not memory
+                split[b] = _fastest({s: lambda x=x, s=s, some=some: [policy._qlinear(x, w, s) for w in some]
+                                     for s in (False, True)}, rounds=3 if b >= 256 else 5)
         policy.int8_split = split
         return policy
 
