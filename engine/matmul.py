@@ -27,6 +27,7 @@ from .quant import QWeight
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # tokens per step at which the backends are compared
 MIN_SPLIT_TOKENS = 1
+INT8_TIMED_TOKENS = 4  # int8 products of more rows always split over two threads; fewer are timed at start-up
 
 
 class Backend(enum.Enum):
@@ -144,10 +145,12 @@ class MatmulPolicy:
         split = {}
         with torch.inference_mode():
             for b in BUCKETS:
+                if b > INT8_TIMED_TOKENS:  # milliseconds of arithmetic per product: two threads halve it
+                    split[b] = True
+                    continue
                 x = torch.randn(b, weights[0].shape[1])
-                some = weights[:max(1, len(weights) * 16 // b)]  # long chunks are bound by arithmetic, not memory
-                split[b] = _fastest({s: lambda x=x, s=s, some=some: [policy._qlinear(x, w, s) for w in some]
-                                     for s in (False, True)}, rounds=3 if b >= 256 else 5)
+                split[b] = _fastest({s: lambda x=x, s=s: [policy._qlinear(x, w, s) for w in weights]
+                                     for s in (False, True)})
         policy.int8_split = split
         return policy
 
@@ -165,7 +168,7 @@ class MatmulPolicy:
         if self.int8 is None:  # fallback: the same product in torch, the weight widened on the fly
             return F.linear(x, w.dequantize().to(x.dtype))
         x = x.contiguous()
-        num_out = w.q.shape[0]
+        num_out = w.num_out
         out = torch.empty(x.shape[0], num_out, dtype=torch.float32)
         if split is None:
             split = self.int8_split.get(self._bucket(x.shape[0]), False)
