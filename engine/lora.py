@@ -69,6 +69,7 @@ class LoraWeights:
     alpha: float
     target_modules: tuple[str, ...]
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    task_id: int = 0  # set by the catalog (service/lora.py): the router API's lora_config.task_id
     digest: str = ""  # of its files: an adapter reloaded with other weights under the same name gets other blocks
     uid: int = field(default_factory=lambda: next(_uids))  # unique per load: orders rows by adapter
 

@@ -78,7 +78,8 @@ class LoraCatalog:
     def __init__(self, executor, max_loras: int):
         self.executor = executor
         self.max_loras = max_loras
-        self.supported = all(hasattr(executor, m) for m in ("read_lora", "add_lora", "unload_lora", "loras"))
+        self.supported = all(hasattr(executor, m) for m in ("read_lora", "add_lora", "unload_lora", "loras")) \
+            and getattr(executor, "lora_enabled", True)
         self._adapters: dict[str, Adapter] = {}
         self._lock = asyncio.Lock()  # one load, unload or swap at a time
 
@@ -101,9 +102,10 @@ class LoraCatalog:
                 raise AlreadyExists(f"LoRA adapter `{name}`: id {adapter_id} is taken by `{taken[adapter_id]}`")
             weights = await self._read(name, path)
             await self._make_room(name)
+            weights.task_id = adapter_id or max(taken, default=0) + 1
             self.executor.add_lora(weights)
-            adapter = Adapter(name, adapter_id or max(taken, default=0) + 1, path, weights.rank, weights.alpha,
-                              weights.target_modules, weights, time.monotonic())
+            adapter = Adapter(name, weights.task_id, path, weights.rank, weights.alpha, weights.target_modules,
+                              weights, time.monotonic())
             self._adapters[name] = adapter
             return adapter
 
@@ -149,6 +151,7 @@ class LoraCatalog:
                 if adapter.weights is None:
                     weights = await self._read(adapter.name, adapter.path)
                     await self._make_room(adapter.name)
+                    weights.task_id = adapter.id
                     self.executor.add_lora(weights)
                     adapter.weights = weights
         return valid
@@ -186,7 +189,8 @@ class LoraCatalog:
 
     def _require_support(self) -> None:
         if not self.supported:
-            raise Unsupported("LoRA adapters are not supported by this executor")
+            raise Unsupported(getattr(self.executor, "lora_disabled_reason", "") or
+                              "LoRA adapters are not supported by this executor")
 
 
 def with_lora(valid: ValidRequest, name: str) -> ValidRequest:
