@@ -3,7 +3,8 @@
 Makes `--num-adapters` PEFT adapters with peft (rank `--rank` on all seven projections, random non-zero B),
 starts one `tokenloop serve --lora ...` on the default model, and runs `tokenloop-cli bench`'s load generator
 (greedy, EOS ignored) in alternating rounds: base, adapters, base, adapters, ... Reports tok/s per round and
-the ratio adapters / base of the summed figures, which is the issue's target (>= 0.75).
+the ratio adapters / base of the summed figures, which is the issue's target (>= 0.75). One short untimed
+round of each kind comes first.
 
     .venv/bin/python -m bench.lora_bench --out bench/results-lora.json
 """
@@ -63,6 +64,9 @@ async def wait_ready(address: str, proc: subprocess.Popen) -> None:
 async def run_rounds(address: str, args, names: list[str]) -> list[dict]:
     rounds = []
     async with AsyncClient(address) as client:
+        for loras in ((), tuple(names)):  # warm-up, untimed: first-use costs (allocations, caches) land here
+            await load.run_level(client, load.BenchConfig(args.concurrency, args.concurrency, None, args.prompt_tokens,
+                                                          8, 0.0, True, loras))
         for r in range(args.rounds):
             for label, loras in (("base", ()), ("lora", tuple(names))):
                 cfg = load.BenchConfig(args.concurrency, args.requests, None, args.prompt_tokens, args.max_new_tokens,

@@ -158,7 +158,13 @@ class TrtllmExecutor(TrtllmLoras):
             raise ValueError(f"n must be <= the beam width ({beams})")
         lora = self._acquire_lora(request.lora)  # LoraError (a ValueError) when it is not loaded
         try:
-            request_id = self._executor.enqueue_request(self._to_request(request, lora))
+            try:
+                request_id = self._executor.enqueue_request(self._to_request(request, lora))
+            except RuntimeError as exc:
+                if lora is None or not lora.sent or "not found in cache" not in str(exc):
+                    raise
+                lora.sent = False  # TensorRT-LLM's LoRA cache evicted it: send the weights again, once
+                request_id = self._executor.enqueue_request(self._to_request(request, lora))
         except (RuntimeError, TypeError) as exc:  # TllmException, or a field this version lacks
             self._release_lora(lora)
             raise ValueError(f"TensorRT-LLM refused the request: {exc}") from None

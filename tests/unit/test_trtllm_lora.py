@@ -115,6 +115,10 @@ def test_cpp_executor_weights_on_first_use_then_the_task_id_only(fake, tmp_path,
     finish(executor, 3)
     assert executor.loras.num_in_use("a") == 0
     assert executor.unload_lora("a") is lora
+    executor.add_lora(lora)
+    engine.lora_cache.clear()  # TensorRT-LLM evicted it: the next request sends the weights again
+    resent = engine.requests[executor.enqueue(lora_request("a"))].lora_config
+    assert (resent.task_id, resent.weights is lora.weights) == (5, True)
 
 
 def test_rank_over_the_limit_is_refused_naming_the_adapter(tmp_path, adapter_dir):
