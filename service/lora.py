@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import time
 from dataclasses import dataclass
 
@@ -24,9 +23,9 @@ from tokenloop.engine.lora import LoraError, LoraInUseError
 from tokenloop.looper.request import ValidRequest
 from tokenloop.v1 import tokenloop_pb2 as pb
 
+from .config import LORA_NAME as NAME
 from .errors import AlreadyExists, Overloaded, ServiceError, ValidationError
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_TASK_ID = (1 << 63) - 1
 
 
@@ -60,16 +59,6 @@ class Adapter:
     target_modules: tuple[str, ...]
     weights: object | None
     last_used: float = 0.0
-
-
-def parse_lora_flag(value: str) -> tuple[str, str]:
-    """`NAME=DIR` of `--lora` -> (name, dir); ValueError naming the rule."""
-    name, sep, path = value.partition("=")
-    if not sep or not path:
-        raise ValueError(f"--lora {value!r}: expected NAME=DIR")
-    if not NAME.fullmatch(name):
-        raise ValueError(f"--lora {value!r}: the name must be 1-128 letters, digits, '.', '_' or '-'")
-    return name, path
 
 
 class LoraCatalog:
