@@ -14,6 +14,7 @@ import torch
 
 from tests.engine_helpers import greedy_request, run_all, tokens
 from tests.tiny_model import make_tiny_model
+from tokenloop.engine import runner as runner_module
 from tokenloop.engine.block_manager import block_hash
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
@@ -71,3 +72,36 @@ def test_a_cache_hit_changes_no_token_and_is_reported(checkpoint):
         assert b.block_hash == block_hash(parent, b.token_ids)
         parent = b.block_hash
     assert [batch.sequence_number for batch in seen] == list(range(1, len(seen) + 1))
+
+
+def test_equal_tails_over_one_cached_prefix_run_as_one_group_and_match_transformers(checkpoint):
+    """Tails of the same length over the same cached context share one attention group (runner.prepare); float64
+    on both sides, so batching cannot flip an argmax through rounding alone."""
+    rng = random.Random(5)
+    system = [rng.randrange(3, 250) for _ in range(32)]
+    prompts = [system + [rng.randrange(3, 250) for _ in range(12)] for _ in range(4)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            expected.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                                        do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
+    eng = Engine.from_dir(checkpoint, EngineConfig(dtype="float64", kv_cache_tokens=4096, block_size=BLOCK))
+    seen_groups = []
+    real_prepare = runner_module.prepare
+
+    def spy(scheduled, block_size):
+        batch, samplers = real_prepare(scheduled, block_size)
+        seen_groups.append([g.num_seqs for g in batch.groups if g.max_q > 1])
+        return batch, samplers
+
+    runner_module.prepare = spy
+    try:
+        run_all(eng, [greedy_request(system + [7], 2)])  # the system prompt's 4 blocks are now cached
+        ids, steps = run_all(eng, [greedy_request(p, 16) for p in prompts])
+    finally:
+        runner_module.prepare = real_prepare
+        eng.shutdown()
+    assert [tokens(steps[(i, 0)]) for i in ids] == expected
+    assert [4] in seen_groups  # the four 12-token tails over 32 cached tokens: one group
