@@ -35,9 +35,9 @@ def event_message(event_id: int, event) -> common_pb2.KvCacheEvent:
             stored.parent_block_hash = event.parent_hash
         stored.tier = common_pb2.KV_CACHE_TIER_DEVICE
         stored.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
-        lora = event.blocks[0].extra_key if event.blocks else None
-        if lora is not None:
-            stored.lora_name = lora
+        key = event.blocks[0].extra_key if event.blocks else None
+        if key is not None and key.startswith("lora:"):  # engine/lora.py's cache key: lora:NAME:DIGEST
+            stored.lora_name = key.split(":")[1]
     elif isinstance(event, BlocksRemoved):
         msg.removed.block_hashes.extend(event.block_hashes)
         msg.removed.tier = common_pb2.KV_CACHE_TIER_DEVICE
