@@ -43,4 +43,4 @@ def test_one_current_result_file_per_benchmark():
     files = sorted(p.name for p in (ROOT / "bench").glob("results-*"))
     assert files == ["results-clients.json", "results-clients.png", "results-engine-gil.json", "results-engine.json",
                      "results-grammar-libs.json", "results-overhead.json", "results-prompt-stall.json",
-                     "results-structured.json"]
+                     "results-shared-prefix.json", "results-structured.json"]
