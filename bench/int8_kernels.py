@@ -13,7 +13,8 @@ and the lm_head, each on two threads, the best of several rounds (rounds interle
   int8pack           torch.ops.aten._weight_int8pack_mm (int8 weights, per-channel scales, fp32 activations;
                      timed up to 8 tokens only, it takes seconds per pass beyond)
   dequant torch      w.float() * scale, then F.linear: the naive fp32-activation route
-  tokenloop C        engine/int8_linear.c, output channels split over two Python threads
+  tokenloop C        engine/int8_linear.c (the engine's layout: a scale per channel and 32 columns), output
+                     channels split over two Python threads; "per channel": the same kernel, one scale a channel
 Prints ms per step and tokens/s of products alone; recorded figures: bench/results-int8-kernels.json.
 """
 
@@ -41,22 +42,24 @@ def shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int
     return [((h + 2 * kv) * e, d), (d, h * e), (2 * i, d), (d, i)], (c["vocab_size"], d), c["num_hidden_layers"]
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from tokenloop.engine.quant import quantize_per_channel
-    return quantize_per_channel(w)
+def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], scale [N]): one scale per output channel, the layout the library kernels take."""
+    from tokenloop.engine.quant import quantize
+    qw = quantize(w, group_size=w.shape[1])
+    return qw.q, qw.scale[:, 0].contiguous()
 
 
 def candidates(weights: list[torch.Tensor]) -> dict[str, callable]:
     """name -> fn(x) running x through every weight (each its own product)."""
     from tokenloop.engine import kernels
     from tokenloop.engine.matmul import BUCKETS, Backend, MatmulPolicy
-    from tokenloop.engine.quant import QWeight
+    from tokenloop.engine.quant import QWeight, quantize
 
     out: dict[str, callable] = {}
     out["fp32 torch"] = lambda x: [F.linear(x[:, :w.shape[1]], w) for w in weights]
     np2 = MatmulPolicy.fixed(Backend.NUMPY2)
     out["fp32 numpy2"] = lambda x: [np2.linear(x[:, :w.shape[1]].contiguous(), w, Backend.NUMPY2) for w in weights]
-    q = [quantize(w) for w in weights]
+    q = [per_channel(w) for w in weights]
     for engine in ("fbgemm", "x86", "onednn"):
         if engine not in torch.backends.quantized.supported_engines:
             continue
@@ -79,8 +82,10 @@ def candidates(weights: list[torch.Tensor]) -> dict[str, callable]:
     native = kernels.load_int8()
     if native is not None:
         both = MatmulPolicy(dict.fromkeys(BUCKETS, Backend.TORCH), int8=native, int8_split=dict.fromkeys(BUCKETS, True))
-        qw = [QWeight(wq, s) for wq, s in q]
-        out["tokenloop C"] = lambda x: [both.linear(x[:, :w.shape[1]], w, Backend.TORCH) for w in qw]
+        grouped = [quantize(w) for w in weights]  # the engine's layout: a scale per 32 columns
+        out["tokenloop C"] = lambda x: [both.linear(x[:, :w.shape[1]], w, Backend.TORCH) for w in grouped]
+        channel = [QWeight(wq, s[:, None].contiguous(), wq.shape[1]) for wq, s in q]
+        out["tokenloop C per channel"] = lambda x: [both.linear(x[:, :w.shape[1]], w, Backend.TORCH) for w in channel]
     return out
 
 

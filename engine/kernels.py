@@ -123,16 +123,15 @@ class Int8Linear:
         lib = ctypes.CDLL(str(path))
         self._linear = lib.int8_linear_f32
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64]
+        self._linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
         self._linear.restype = ctypes.c_int
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-               begin: int = 0, end: int | None = None) -> None:
-        """out[:, begin:end] = x @ (w * scale[:, None]).T[:, begin:end]. x [M, K] float32, w [N, K] int8, scale [N]
-        float32, out [M, N] float32, all contiguous. Releases the GIL (ctypes does), so threads can split N."""
-        num_out = w.shape[0]
-        rc = self._linear(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), scale.data_ptr(), out.data_ptr(),
-                          num_out, begin, num_out if end is None else end)
+    def linear(self, x: torch.Tensor, w, out: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
+        """out[:, begin:end] = x @ w.dequantize().T[:, begin:end] for a quant.QWeight w. x [M, K] float32 and
+        out [M, N] float32, contiguous. Releases the GIL (ctypes does), so threads can split the N channels."""
+        num_out = w.q.shape[0]
+        rc = self._linear(x.data_ptr(), x.shape[0], x.shape[1], w.q.data_ptr(), w.scale.data_ptr(), w.group_size,
+                          out.data_ptr(), num_out, begin, num_out if end is None else end)
         if rc != 0:
             raise RuntimeError(f"int8_linear_f32 failed (code {rc})")
 

@@ -159,7 +159,7 @@ class MatmulPolicy:
     def _qlinear(self, x: torch.Tensor, w: QWeight, split: bool | None = None) -> torch.Tensor:
         """x [T, K] float32 @ int8 w [N, K] -> [T, N] float32; split: over two threads (None: as calibrated)."""
         if self.int8 is None:  # fallback: the same product in torch, the weight widened on the fly
-            return F.linear(x, w.q.to(x.dtype)) * w.scale.to(x.dtype)
+            return F.linear(x, w.dequantize().to(x.dtype))
         x = x.contiguous()
         num_out = w.q.shape[0]
         out = torch.empty(x.shape[0], num_out, dtype=torch.float32)
@@ -168,10 +168,10 @@ class MatmulPolicy:
         if split:
             half = num_out // 2 // 4 * 4  # keep the kernel's 4-channel groups whole
             kernel = self.int8
-            self.helper().split(lambda: kernel.linear(x, w.q, w.scale, out, 0, half),
-                                lambda: kernel.linear(x, w.q, w.scale, out, half, num_out))
+            self.helper().split(lambda: kernel.linear(x, w, out, 0, half),
+                                lambda: kernel.linear(x, w, out, half, num_out))
         else:
-            self.int8.linear(x, w.q, w.scale, out)
+            self.int8.linear(x, w, out)
         return out
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | QWeight, backend: Backend) -> torch.Tensor:

@@ -24,6 +24,7 @@ from tokenloop.v1 import tokenloop_pb2 as pb
 from .admission import Admission
 from .config import ServerConfig
 from .errors import Unavailable
+from .lora import LoraCatalog, parse_lora_flag
 from .placement import FrontPlacement
 from .structured import GrammarGate
 from .validation import Limits, Validator
@@ -67,6 +68,7 @@ class App:
         self.executor: Executor | None = None
         self.grammars: GrammarGate | None = None  # compiles `structured` constraints (service.structured)
         self.looper: Looper | None = None
+        self.loras: LoraCatalog | None = None  # the LoRA adapters requests may name (service.lora)
         self.not_ready_reason = "the model is loading"
         self.dead = asyncio.Event()
         self.observers: list = []  # objects with on_request_end(valid, completes, code) / on_error(code)
@@ -102,6 +104,9 @@ class App:
         await self.set_serving(False)
         self.placement.choose()  # a --front-cpu outside the process's CPUs fails here, before the model loads
         await asyncio.to_thread(self.load_model)
+        self.loras = LoraCatalog(self.executor, self.config.max_loras)
+        for value in self.config.loras:  # a bad adapter fails start-up, naming it
+            await self.loras.load(*parse_lora_flag(value))
         loop = asyncio.get_running_loop()
         self.looper = Looper(self.executor, self.tokenizer, poll_timeout=self.config.poll_timeout,
                              on_death=self._on_death)
@@ -193,6 +198,8 @@ class App:
             max_new_tokens_limit=lim.max_new_tokens, max_n=lim.max_n, dtype=self.dtype)
         if card.bos_token_id is not None:
             info.bos_token_id = card.bos_token_id
+        if self.loras is not None:
+            info.lora_adapters.extend(self.loras.describe(a) for a in self.loras.list())
         return info
 
     @property

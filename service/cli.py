@@ -12,10 +12,12 @@ from .startup import StartupError, check_startup
 
 # flags handed to the executor factory as keyword arguments when given
 ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens", "max_batch_size", "dtype",
-                "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend", "weights")
+                "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend", "weights",
+                "max_lora_rank")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
-                "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size")
+                "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size",
+                "max_lora_rank")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a constraint may take to compile before its request is refused")
     g.add_argument("--grammar-cache-size", type=int, default=d.grammar_cache_size,
                    help="compiled constraints kept, most recently used first (0: none)")
+    lo = s.add_argument_group("LoRA adapters (docs/lora.md)")
+    lo.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                    help="serve the PEFT adapter in DIR as NAME (repeatable); requests select it with `lora`")
+    lo.add_argument("--max-loras", type=int, default=d.max_loras,
+                    help="adapters resident at once; a request for another one swaps out the least recently used idle one")
+    lo.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted (default 64)")
     sec = s.add_argument_group("security and tracing (docs/operations.md)")
     sec.add_argument("--tls-cert", default="", help="PEM certificate chain (reloaded on SIGHUP or when the file changes)")
     sec.add_argument("--tls-key", default="", help="PEM private key")
@@ -109,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = TRTLLM_FLAGS if args.backend == "trtllm" else ENGINE_FLAGS
     options = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    if args.backend == "trtllm" and args.lora:  # TensorRT-LLM sets LoRA up at construction (looper/trtllm_lora.py)
+        options.update(lora_dirs=tuple(v.partition("=")[2] for v in args.lora), max_loras=args.max_loras)
     return ServerConfig(
         model=args.model or str(DEFAULT_MODEL_DIR), backend=args.backend, host=args.host, port=args.port,
         metrics_port=args.metrics_port, max_concurrent_requests=args.max_concurrent_requests,
@@ -122,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_stop_string_length=args.max_stop_string_length, max_grammar_bytes=args.max_grammar_bytes,
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
+        loras=tuple(args.lora), max_loras=args.max_loras,
         tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file, otel_endpoint=args.otel_endpoint)
 
 

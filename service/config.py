@@ -49,8 +49,18 @@ class ServerConfig:
     api_key_file: str = ""  # one key per line, `#` comments; also $TOKENLOOP_API_KEYS (comma-separated)
     otel_endpoint: str = ""  # OTLP endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; needs the otel extra)
     executor_options: dict = field(default_factory=dict)  # passed to the backend's factory
+    loras: tuple[str, ...] = ()  # --lora NAME=DIR, loaded at start-up (service/lora.py)
+    max_loras: int = 8  # --max-loras: adapters resident in the executor at once
 
     def __post_init__(self):
+        if self.max_loras < 1:
+            raise ValueError("--max-loras must be >= 1")
+        if len(self.loras) > self.max_loras:
+            raise ValueError(f"{len(self.loras)} --lora adapters exceed --max-loras {self.max_loras}")
+        from .lora import parse_lora_flag
+        names = [parse_lora_flag(value)[0] for value in self.loras]
+        if len(set(names)) < len(names):
+            raise ValueError("--lora names must be unique")
         if self.backend not in ("engine", "trtllm"):
             raise ValueError(f"--backend must be 'engine' or 'trtllm'; got {self.backend!r}")
         if not 0 <= self.port <= 65535:

@@ -158,6 +158,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                     valid = await app.tokenizing(text_size(request), app.validator.generate, request, rid,
                                                  deadline_of(context))
                     valid = await app.grammars.admit(valid)  # a `structured` constraint: compiled, or cached
+                    valid = await app.loras.admit(valid)  # a LoRA adapter: resident (read again if swapped out)
                     if app.looper.find(rid) is not None:
                         raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
                     stream = app.looper.submit(valid, arrival)
@@ -212,6 +213,34 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         try:
             self.app.require_ready()
             return self.app.model_info()
+        except ServiceError as exc:
+            await abort_with(context, exc)
+
+    async def LoadLoraAdapter(self, request, context):
+        try:
+            self.app.require_ready()
+            loras = self.app.loras
+            adapter = await loras.load(request.name, request.path, request.id if request.HasField("id") else None)
+            log.info("LoRA adapter %s loaded from %s (id %d, rank %d)", adapter.name, adapter.path, adapter.id,
+                     adapter.rank)
+            return loras.describe(adapter)
+        except ServiceError as exc:
+            await abort_with(context, exc)
+
+    async def UnloadLoraAdapter(self, request, context):
+        try:
+            self.app.require_ready()
+            adapter = await self.app.loras.unload(request.name)
+            log.info("LoRA adapter %s unloaded", adapter.name)
+            return pb.UnloadLoraAdapterResponse(adapter=self.app.loras.describe(adapter))
+        except ServiceError as exc:
+            await abort_with(context, exc)
+
+    async def ListLoraAdapters(self, request, context):
+        try:
+            self.app.require_ready()
+            loras = self.app.loras
+            return pb.ListLoraAdaptersResponse(adapters=[loras.describe(a) for a in loras.list()])
         except ServiceError as exc:
             await abort_with(context, exc)
 

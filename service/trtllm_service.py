@@ -47,7 +47,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 TOKENIZER_CHUNK_BYTES = 1 << 20
 # Fields of GenerateRequest / SamplingConfig / OutputConfig this executor cannot honour, and why.
 UNSUPPORTED_REQUEST = {
-    "lora_config": "LoRA adapters are not supported by this executor",
     "prompt_tuning_config": "prompt tuning is not supported by this executor",
     "multimodal_input": "multimodal inputs are not supported: this is a text-only model",
     "disaggregated_params": "disaggregated (prefill/decode) serving is not supported by this executor",
@@ -103,7 +102,22 @@ def _stopping(validator, request, num_prompt: int) -> StoppingParams:
                           stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
 
 
-def to_valid_request(validator, request, request_id: str, deadline: float | None) -> ValidRequest:
+def lora_name(request, catalog) -> str:
+    """The adapter `lora_config.task_id` names (a loaded adapter's id); "" without `lora_config`. Weights or a config
+    in the request are refused: adapters are loaded by the operator (`--lora`, `LoadLoraAdapter`), not per request."""
+    if not request.HasField("lora_config"):
+        return ""
+    lc = request.lora_config
+    if lc.weights or lc.config_json:
+        _refuse("lora_config.weights" if lc.weights else "lora_config.config_json", "load the adapter on the worker (`--lora`, LoadLoraAdapter) and send its "
+                "`task_id` only")
+    if catalog is None or not catalog.supported:
+        _refuse("lora_config", "LoRA adapters are not supported by this executor")
+    return catalog.name_of_task(lc.task_id)
+
+
+def to_valid_request(validator, request, request_id: str, deadline: float | None,
+                     lora_catalog=None) -> ValidRequest:
     """Validate a trtllm `GenerateRequest` with the server's limits; errors name THEIR proto's fields."""
     _check_supported(request)
     lim = validator.limits
@@ -123,7 +137,8 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
         request_id=validator.request_id(request_id), prompt_token_ids=ids,
         sampling=validator.sampling_from(request.sampling_config, "sampling_config."), stopping=_stopping(validator, request, len(ids)),
         output=OutputParams(logprobs=o.HasField("logprobs"), top_logprobs=top), n=n, stream=request.streaming,
-        deadline=deadline, structured=structured_of_guided(request, lim.max_grammar_bytes))
+        deadline=deadline, structured=structured_of_guided(request, lim.max_grammar_bytes),
+        lora=lora_name(request, lora_catalog))
 
 
 # Serialized pieces of GenerateResponse / GenerateStreamChunk (_Writer.encode)
@@ -286,8 +301,9 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             try:
                 app.require_ready()
                 async with app.admission.slot():
-                    valid = to_valid_request(app.validator, request, rid, deadline_of(context))
+                    valid = to_valid_request(app.validator, request, rid, deadline_of(context), app.loras)
                     valid = await app.grammars.admit(valid, "guided_decoding.guide")  # compiled, or cached
+                    valid = await app.loras.admit(valid)  # `lora_config.task_id`: its adapter resident
                     if app.looper.find(rid) is not None:
                         raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
                     writer = _Writer(valid, request.include_stop_token_in_output,

@@ -232,4 +232,4 @@ class Validator:
         return ValidRequest(
             request_id=self.request_id(request_id), prompt_token_ids=ids, sampling=self.sampling(request),
             stopping=self.stopping(request, len(ids)), output=self.output(request), n=n,
-            stream=request.stream, prompt_text=text, deadline=deadline, structured=structured)
+            stream=request.stream, prompt_text=text, deadline=deadline, structured=structured, lora=request.lora)

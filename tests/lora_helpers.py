@@ -49,3 +49,33 @@ def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompts: list[list[int
                                  min_new_tokens=num_new, do_sample=False, eos_token_id=None, pad_token_id=2)
             outs.append(out[0, len(p):].tolist())
     return outs
+
+
+def write_adapter(base_dir: Path, path: Path, r: int = 4, alpha: float = 8, targets=("q_proj", "v_proj", "down_proj"),
+                  seed: int = 0, scale: float = 0.5, **config) -> Path:
+    """Write a PEFT-format adapter for `base_dir` without peft (the layout peft 0.18 saves; tests/e2e checks the
+    engine against peft itself). Random A and B, so the output changes. `config` overrides adapter_config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tokenloop.engine.loader import ModelConfig
+    from tokenloop.engine.lora import TARGETS, part_shapes
+
+    model = ModelConfig.from_dir(base_dir)
+    shapes = part_shapes(model)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model.num_layers):
+        for module in targets:
+            d_in, d_out = shapes[module]
+            key = f"base_model.model.model.layers.{layer}.{TARGETS[module][0]}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, d_in, generator=gen) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, r, generator=gen) * scale
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
+        "use_rslora": False, "use_dora": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+        **config}))
+    return path

@@ -83,11 +83,11 @@ def test_every_option_lands_in_its_proto_field():
               "presence_penalty": 0.2, "frequency_penalty": 0.3, "seed": 7, "max_new_tokens": 12,
               "min_new_tokens": 2, "stop": "\n", "stop_token_ids": [5, 6], "ignore_eos": True,
               "include_stop_str_in_output": True, "logprobs": True, "top_logprobs": 3,
-              "skip_special_tokens": False, "echo": True, "n": 2}
+              "skip_special_tokens": False, "echo": True, "n": 2, "lora": "ad-1"}
     structured = {"json_schema", "json_object", "regex", "grammar", "structural_tag"}  # test_structured_client.py
     assert set(params) | structured == PARAM_NAMES
     req = build_generate(None, messages=[("user", "hi")], stream=True, request_id="r1", params=params)
-    assert req.request_id == "r1" and req.stream and req.n == 2
+    assert req.request_id == "r1" and req.stream and req.n == 2 and req.lora == "ad-1"
     assert req.chat.messages[0].role == "user" and req.WhichOneof("input") == "chat"
     assert req.sampling.top_k == 4 and req.sampling.seed == 7 and req.sampling.HasField("temperature")
     assert list(req.stopping.stop) == ["\n"] and list(req.stopping.stop_token_ids) == [5, 6]

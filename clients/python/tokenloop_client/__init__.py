@@ -24,6 +24,7 @@ from .types import (
     FinishReason,
     GenerateResult,
     Load,
+    LoraAdapter,
     ModelInfo,
     Timing,
     TokenizeResult,
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncClient", "AsyncTextStream", "CancelledError", "ChatMessage", "Client", "Completion",
     "DeadlineExceededError", "Delta", "FinishReason", "GenerateResult", "InternalError",
-    "InvalidArgumentError", "Load", "ModelInfo", "NotFoundError", "ParameterError", "PermissionDeniedError",
+    "InvalidArgumentError", "Load", "LoraAdapter", "ModelInfo", "NotFoundError", "ParameterError", "PermissionDeniedError",
     "ResourceExhaustedError", "RetryPolicy", "TextStream", "Timing", "TokenLogprob", "TokenizeResult",
     "TokenloopError", "TopLogprob", "UnauthenticatedError", "UnavailableError", "UnimplementedError",
     "Usage",

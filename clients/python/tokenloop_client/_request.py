@@ -51,6 +51,7 @@ class GenerationParams:
     regex: str | None = None
     grammar: str | None = None
     structural_tag: str | Mapping | None = None
+    lora: str | None = None  # a loaded LoRA adapter's name (ListLoraAdapters); None or "": the base model
 
     def apply(self, req: pb.GenerateRequest) -> None:
         """Copy the set options into a GenerateRequest."""
@@ -66,6 +67,8 @@ class GenerationParams:
                     setattr(target, name, value)
         if self.n is not None:
             req.n = self.n
+        if self.lora:
+            req.lora = self.lora
         self._apply_structured(req)
 
     def _apply_structured(self, req: pb.GenerateRequest) -> None:
@@ -83,7 +86,7 @@ def _param_fields() -> dict:
     """Each option's proto field (for the client-side type checks in `_params`)."""
     groups = {"sampling": _SAMPLING, "stopping": _STOPPING, "output": _OUTPUT}
     top = pb.GenerateRequest.DESCRIPTOR.fields_by_name
-    out = {name: top[name] for name in ("n", *_STRUCTURED)}
+    out = {name: top[name] for name in ("n", "lora", *_STRUCTURED)}
     for group, names in groups.items():
         message = pb.GenerateRequest.DESCRIPTOR.fields_by_name[group].message_type
         out.update({name: message.fields_by_name[name] for name in names})
@@ -178,3 +181,15 @@ def build_detokenize(token_ids: Sequence[int], skip_special_tokens: bool | None)
         raise ParameterError("skip_special_tokens", "`skip_special_tokens` must be True or False; got "
                                                     f"{skip_special_tokens!r}")
     return pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def build_load_lora(name: str, path: str, adapter_id: int | None) -> pb.LoadLoraAdapterRequest:
+    """A LoadLoraAdapterRequest; the types checked here, the rules by the server."""
+    fields_ = pb.LoadLoraAdapterRequest.DESCRIPTOR.fields_by_name
+    _params.check_field("name", name, fields_["name"])
+    _params.check_field("path", str(path), fields_["path"])
+    req = pb.LoadLoraAdapterRequest(name=name, path=str(path))
+    if adapter_id is not None:
+        _params.check_field("id", adapter_id, fields_["id"])
+        req.id = adapter_id
+    return req

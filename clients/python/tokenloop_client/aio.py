@@ -19,7 +19,7 @@ from ._channel import (
 from ._gen import tokenloop_pb2 as pb
 from ._gen import tokenloop_pb2_grpc as pb_grpc
 from .errors import TokenloopError, from_retried
-from .types import Delta, GenerateResult, Load, ModelInfo, TokenizeResult
+from .types import Delta, GenerateResult, Load, LoraAdapter, ModelInfo, TokenizeResult
 
 
 class AsyncTextStream:
@@ -177,6 +177,21 @@ class AsyncClient:
     async def load(self) -> Load:
         """What the server is doing now."""
         return Load.from_pb(await self._unary(self._stub.GetLoad, pb.GetLoadRequest()))
+
+    async def load_lora_adapter(self, name: str, path: str, *, id: int | None = None) -> LoraAdapter:  # noqa: A002
+        """Load the PEFT adapter in `path` (a directory on the server) as `name`; `id`: its router task id."""
+        req = _request.build_load_lora(name, path, id)
+        return LoraAdapter.from_pb(await self._unary(self._stub.LoadLoraAdapter, req))
+
+    async def unload_lora_adapter(self, name: str) -> LoraAdapter:
+        """Unload an adapter no request is using (FAILED_PRECONDITION while one is)."""
+        res = await self._unary(self._stub.UnloadLoraAdapter, pb.UnloadLoraAdapterRequest(name=name))
+        return LoraAdapter.from_pb(res.adapter)
+
+    async def list_lora_adapters(self) -> list[LoraAdapter]:
+        """The adapters the server serves."""
+        res = await self._unary(self._stub.ListLoraAdapters, pb.ListLoraAdaptersRequest())
+        return [LoraAdapter.from_pb(a) for a in res.adapters]
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a request by id; True when a live request was found."""

@@ -29,6 +29,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     ignore_eos: bool = True
+    loras: tuple[str, ...] = ()  # LoRA adapters the requests name in turn ("" = the base model); () = base only
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -80,12 +81,12 @@ async def make_prompts(client: AsyncClient, num_tokens: int, num_prompts: int) -
     return [base[i:i + num_tokens] for i in range(num_prompts)]
 
 
-async def one_request(client: AsyncClient, ids: list[int], cfg: BenchConfig) -> RequestRecord:
+async def one_request(client: AsyncClient, ids: list[int], cfg: BenchConfig, lora: str = "") -> RequestRecord:
     """Stream one completion and time it."""
     rec = RequestRecord(prompt_tokens=len(ids))
     start = last = time.perf_counter()
     stream = client.stream(token_ids=ids, max_new_tokens=cfg.max_new_tokens,
-                           temperature=cfg.temperature, ignore_eos=cfg.ignore_eos)
+                           temperature=cfg.temperature, ignore_eos=cfg.ignore_eos, lora=lora)
     try:
         async for delta in stream:
             now = time.perf_counter()
@@ -156,8 +157,9 @@ async def run_level(client: AsyncClient, cfg: BenchConfig, show_progress: bool =
             if deadline is not None and time.perf_counter() >= deadline:
                 return
             ids = prompts[num_started % len(prompts)]
+            lora = cfg.loras[num_started % len(cfg.loras)] if cfg.loras else ""
             num_started += 1
-            progress.records.append(await one_request(client, ids, cfg))
+            progress.records.append(await one_request(client, ids, cfg, lora))
 
     drawer = asyncio.ensure_future(progress.run())
     try:

@@ -27,7 +27,7 @@ def _client_kwargs(args: argparse.Namespace) -> dict:
 
 def _params(args: argparse.Namespace) -> dict:
     names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "ignore_eos", "json_object",
-             "regex")
+             "regex", "lora")
     values = {name: getattr(args, name, None) for name in names}
     for name in ("json_schema", "grammar"):  # given as files
         if getattr(args, name, None) is not None:
@@ -184,7 +184,8 @@ async def _bench(args: argparse.Namespace) -> dict:
         levels = []
         for concurrency in args.concurrency:
             cfg = bench.BenchConfig(concurrency, args.num_requests, args.duration, args.prompt_tokens,
-                                    args.max_new_tokens, args.temperature, not args.no_ignore_eos)
+                                    args.max_new_tokens, args.temperature, not args.no_ignore_eos,
+                                    tuple("" if name == "base" else name for name in args.lora))
             levels.append(await bench.run_level(client, cfg, show))
     return {"server": {"address": args.address, **dataclasses.asdict(info)}, "results": levels}
 
@@ -207,6 +208,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    p.add_argument("--lora", metavar="NAME", help="generate with this loaded LoRA adapter (see `lora list`)")
     s = p.add_mutually_exclusive_group()
     s.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid under this schema")
     s.add_argument("--json-object", action="store_true", help="constrain the output to one JSON object")
@@ -264,17 +266,45 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128, help="output length in tokens (default 128)")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--no-ignore-eos", action="store_true", help="let sequences end at EOS (shorter outputs)")
+    b.add_argument("--lora", action="append", default=[], metavar="NAME",
+                   help="requests name these LoRA adapters in turn (repeatable; 'base' = no adapter)")
     b.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     b.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE (no file unless asked)")
     b.add_argument("--plot", metavar="PNG", help="draw throughput and latency against concurrency")
     b.add_argument("--title", help="plot title (default: the model id)")
     b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="live progress bar on stderr (default: when stderr is a terminal)")
+    lo = sub.add_parser("lora", help="list, load or unload LoRA adapters")
+    lsub = lo.add_subparsers(dest="lora_command", required=True)
+    lsub.add_parser("list", help="the adapters the server serves").add_argument("--json", action="store_true")
+    ll = lsub.add_parser("load", help="load a PEFT adapter directory (a path on the server) as NAME")
+    ll.add_argument("name")
+    ll.add_argument("path")
+    ll.add_argument("--id", type=int, help="its integer id, the router API's lora_config.task_id (default: next free)")
+    lu = lsub.add_parser("unload", help="unload an adapter no request is using")
+    lu.add_argument("name")
     return p
 
 
+def cmd_lora(client: Client, args: argparse.Namespace) -> None:
+    """LoRA adapters: list, load, unload."""
+    if args.lora_command == "load":
+        adapters = [client.load_lora_adapter(args.name, args.path, id=args.id)]
+    elif args.lora_command == "unload":
+        adapters = [client.unload_lora_adapter(args.name)]
+    else:
+        adapters = client.list_lora_adapters()
+    if getattr(args, "json", False):
+        print(json.dumps([dataclasses.asdict(a) for a in adapters], indent=2))
+        return
+    verb = {"load": "loaded ", "unload": "unloaded "}.get(args.lora_command, "")
+    for a in adapters:
+        print(f"{verb}{a.name}  id={a.id} rank={a.rank} alpha={a.alpha:g} targets={','.join(a.target_modules)} "
+              f"running={a.num_running}  {a.path}")
+
+
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "tokenize": cmd_tokenize,
-            "health": cmd_health}
+            "health": cmd_health, "lora": cmd_lora}
 
 
 def main(argv: list[str] | None = None) -> int:

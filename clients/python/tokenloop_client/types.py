@@ -176,6 +176,7 @@ class ModelInfo:
     max_new_tokens_limit: int
     max_n: int
     dtype: str
+    lora_adapters: tuple[LoraAdapter, ...] = ()
 
     @classmethod
     def from_pb(cls, msg: pb.ModelInfo) -> ModelInfo:
@@ -184,8 +185,25 @@ class ModelInfo:
         return cls(
             msg.model_id, msg.architecture, msg.backend, msg.max_context_length, msg.vocab_size,
             tuple(msg.eos_token_ids), bos, msg.has_chat_template, msg.max_new_tokens_limit, msg.max_n,
-            msg.dtype,
+            msg.dtype, tuple(LoraAdapter.from_pb(a) for a in msg.lora_adapters),
         )
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter the server serves; requests select it with `lora=name`."""
+
+    name: str
+    id: int  # the router API's lora_config.task_id
+    path: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    num_running: int
+
+    @classmethod
+    def from_pb(cls, msg: pb.LoraAdapter) -> LoraAdapter:
+        return cls(msg.name, msg.id, msg.path, msg.rank, msg.alpha, tuple(msg.target_modules), msg.num_running)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,197 @@
+"""The LoRA adapter catalog: names, ids and directories of the adapters this worker serves, and which are resident.
+
+Every adapter loaded (`--lora NAME=DIR` or `LoadLoraAdapter`) stays known until `UnloadLoraAdapter`; at most
+`--max-loras` are resident in the executor at once. A request for a known adapter that is not resident reads it
+again (off the event loop), pushing out the least recently used resident adapter that no request is using; when
+every resident adapter is in use, the request gets RESOURCE_EXHAUSTED. Reading an adapter (safetensors, a few MB)
+always happens on a worker thread, so the event loop keeps serving every other stream.
+
+Unloading an adapter that requests are using is refused with FAILED_PRECONDITION (they keep running); unload it
+once they finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from tokenloop.engine.lora import LoraError, LoraInUseError
+from tokenloop.looper.request import ValidRequest
+from tokenloop.v1 import tokenloop_pb2 as pb
+
+from .errors import AlreadyExists, Overloaded, ServiceError, ValidationError
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_TASK_ID = (1 << 63) - 1
+
+
+class NotFound(ServiceError):
+    """An adapter name or task id that is not loaded."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class InUse(ServiceError):
+    """Unloading an adapter that requests are using."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unsupported(ServiceError):
+    """The executor serves no LoRA adapters."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+@dataclass(slots=True)
+class Adapter:
+    """One known adapter; `weights` is None while it is not resident."""
+
+    name: str
+    id: int
+    path: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    weights: object | None
+    last_used: float = 0.0
+
+
+def parse_lora_flag(value: str) -> tuple[str, str]:
+    """`NAME=DIR` of `--lora` -> (name, dir); ValueError naming the rule."""
+    name, sep, path = value.partition("=")
+    if not sep or not path:
+        raise ValueError(f"--lora {value!r}: expected NAME=DIR")
+    if not NAME.fullmatch(name):
+        raise ValueError(f"--lora {value!r}: the name must be 1-128 letters, digits, '.', '_' or '-'")
+    return name, path
+
+
+class LoraCatalog:
+    """Adapters by name and by id, on one executor that can run them (`read_lora`, `add_lora`, `unload_lora`)."""
+
+    def __init__(self, executor, max_loras: int):
+        self.executor = executor
+        self.max_loras = max_loras
+        self.supported = all(hasattr(executor, m) for m in ("read_lora", "add_lora", "unload_lora", "loras")) \
+            and getattr(executor, "lora_enabled", True)
+        self._adapters: dict[str, Adapter] = {}
+        self._lock = asyncio.Lock()  # one load, unload or swap at a time
+
+    # -- RPCs ------------------------------------------------------------------------------------------------
+    async def load(self, name: str, path: str, adapter_id: int | None = None) -> Adapter:
+        """Read `path` (a PEFT adapter) and serve it as `name`; raises a ServiceError naming the adapter."""
+        self._require_support()
+        if not NAME.fullmatch(name):
+            raise ValidationError("lora_name", f"`name` must be 1-128 letters, digits, '.', '_' or '-' starting with "
+                                  f"a letter or digit; got {name!r}")
+        if not path:
+            raise ValidationError("lora_path", f"LoRA adapter `{name}`: `path` must name an adapter directory")
+        if adapter_id is not None and not 1 <= adapter_id <= MAX_TASK_ID:
+            raise ValidationError("lora_id", f"LoRA adapter `{name}`: `id` must be in 1..{MAX_TASK_ID}")
+        async with self._lock:
+            if name in self._adapters:
+                raise AlreadyExists(f"LoRA adapter `{name}` is already loaded (unload it first)")
+            taken = {a.id: a.name for a in self._adapters.values()}
+            if adapter_id in taken:
+                raise AlreadyExists(f"LoRA adapter `{name}`: id {adapter_id} is taken by `{taken[adapter_id]}`")
+            weights = await self._read(name, path)
+            await self._make_room(name)
+            weights.task_id = adapter_id or max(taken, default=0) + 1
+            self.executor.add_lora(weights)
+            adapter = Adapter(name, weights.task_id, path, weights.rank, weights.alpha, weights.target_modules,
+                              weights, time.monotonic())
+            self._adapters[name] = adapter
+            return adapter
+
+    async def unload(self, name: str) -> Adapter:
+        self._require_support()
+        async with self._lock:
+            adapter = self._get(name)
+            if adapter.weights is not None:
+                try:
+                    self.executor.unload_lora(name)
+                except LoraInUseError as exc:
+                    raise InUse(str(exc)) from None
+            del self._adapters[name]
+            return adapter
+
+    def list(self) -> list[Adapter]:
+        return sorted(self._adapters.values(), key=lambda a: a.name)
+
+    def describe(self, adapter: Adapter) -> pb.LoraAdapter:
+        running = self.executor.loras.num_in_use(adapter.name) if adapter.weights is not None else 0
+        return pb.LoraAdapter(name=adapter.name, id=adapter.id, path=adapter.path, rank=adapter.rank,
+                              alpha=adapter.alpha, target_modules=adapter.target_modules, num_running=running)
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def name_of_task(self, task_id: int) -> str:
+        """The adapter a router's `lora_config.task_id` names."""
+        for adapter in self._adapters.values():
+            if adapter.id == task_id:
+                return adapter.name
+        known = ", ".join(f"{a.id} (`{a.name}`)" for a in self.list()) or "none"
+        raise NotFound(f"`lora_config.task_id` {task_id} names no loaded LoRA adapter (loaded: {known})")
+
+    async def admit(self, valid: ValidRequest) -> ValidRequest:
+        """A request naming an adapter: make sure it is resident (reading it again if it was pushed out)."""
+        if not valid.lora:
+            return valid
+        self._require_support()
+        adapter = self._get(valid.lora)
+        adapter.last_used = time.monotonic()
+        if adapter.weights is None:
+            async with self._lock:
+                adapter = self._get(valid.lora)  # unloaded meanwhile?
+                if adapter.weights is None:
+                    weights = await self._read(adapter.name, adapter.path)
+                    await self._make_room(adapter.name)
+                    weights.task_id = adapter.id
+                    self.executor.add_lora(weights)
+                    adapter.weights = weights
+        return valid
+
+    # -- inside ----------------------------------------------------------------------------------------------
+    async def _read(self, name: str, path: str):
+        try:
+            return await asyncio.to_thread(self.executor.read_lora, name, path)
+        except LoraError as exc:
+            raise ValidationError(exc.rule, str(exc)) from None
+
+    async def _make_room(self, name: str) -> None:
+        """Push out least recently used idle adapters until one more fits under --max-loras."""
+        resident = [a for a in self._adapters.values() if a.weights is not None]
+        while len(resident) >= self.max_loras:
+            idle = [a for a in resident if self.executor.loras.num_in_use(a.name) == 0]
+            if not idle:
+                raise Overloaded(f"LoRA adapter `{name}` cannot be made resident: all {self.max_loras} resident "
+                                 "adapters are in use (--max-loras); retry later")
+            victim = min(idle, key=lambda a: a.last_used)
+            try:
+                self.executor.unload_lora(victim.name)
+            except LoraInUseError:  # a request took it meanwhile: try the next one
+                victim.last_used = time.monotonic()
+                continue
+            victim.weights = None
+            resident.remove(victim)
+
+    def _get(self, name: str) -> Adapter:
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            known = ", ".join(f"`{n}`" for n in sorted(self._adapters)) or "none"
+            raise NotFound(f"LoRA adapter `{name}` is not loaded (loaded: {known})")
+        return adapter
+
+    def _require_support(self) -> None:
+        if not self.supported:
+            raise Unsupported(getattr(self.executor, "lora_disabled_reason", "") or
+                              "LoRA adapters are not supported by this executor")
+
+
+def with_lora(valid: ValidRequest, name: str) -> ValidRequest:
+    return dataclasses.replace(valid, lora=name)
