@@ -87,7 +87,7 @@ async def kv_event_stream(app, hub, request, heartbeat: float, peer: str = ""):
         wake.set()
 
     def notify() -> None:  # the publishing (engine) thread: one cheap hand-off, never a wait
-        loop.call_soon_threadsafe(on_loop)
+        loop.call_soon_threadsafe(on_loop)  # RuntimeError once the loop is closed: the hub drops the subscription
 
     sub = hub.subscribe(notify, request.start_sequence_number)
     log.info("KV-event subscriber %s joined (start_sequence_number %d; last published %d)", peer or "?",
