@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     add_out_argument(parser, "results-engine.json (results-structured.json with --structured)")
     parser.add_argument("--structured", action="store_true", help="structured output's costs (structured_bench.py)")
     parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on and off (shared_prefix.py)")
+    parser.add_argument("--new-tokens", default="10,64", help="--shared-prefix: output lengths to run, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="--structured: free / constrained rounds")
     parser.add_argument("--weights", default=None, metavar="MODES",
                         help="comma-separated `tokenloop serve --weights` modes, one server each (fp32,int8)")
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return structured_bench.main(args.model, engine_flags, args.out, args.rounds)
     if args.shared_prefix:
         from bench import shared_prefix
-        return shared_prefix.main(args.model, engine_flags, args.out)
+        return shared_prefix.main(args.model, engine_flags, args.out, args.new_tokens)
     from tokenloop.looper.tokenizer import Tokenizer
 
     corpus = Tokenizer.from_dir(args.model).encode(TEXT)

@@ -1,11 +1,13 @@
 """Prefix caching measured: requests that share a long system prompt, with and without the cache, in one run.
 
-    .venv/bin/python bench/engine_bench.py --shared-prefix [--out bench/results-shared-prefix.json]
+    .venv/bin/python bench/engine_bench.py --shared-prefix [--new-tokens 10,64] [--out bench/results-shared-prefix.json]
 
 64 requests whose prompts are one 448-token system prompt followed by a different 64-token tail, 16 in flight,
-64 new tokens each (greedy, EOS ignored), through the real gRPC server: once with `--enable-prefix-caching`
-and once with `--no-enable-prefix-caching`, same prompts, same machine, one after the other. Reports TTFT
-p50, generated tok/s and the prompt tokens served from the cache (`usage.cached_prompt_tokens`).
+greedy, EOS ignored, through the real gRPC server: with `--enable-prefix-caching` and with
+`--no-enable-prefix-caching`, same prompts, same machine, one after the other, for each output length in
+`--new-tokens` (10: the default `--output-len` of vLLM's benchmarks/benchmark_prefix_caching.py, where prefill
+dominates; 64: where decoding does). Reports TTFT p50 / p90, generated tok/s, total tok/s (prompt + generated,
+vLLM's "total token throughput") and the prompt tokens served from the cache (`usage.cached_prompt_tokens`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import statistics
 import time
 
-NUM_REQUESTS, SYSTEM_TOKENS, TAIL_TOKENS, IN_FLIGHT, NUM_NEW = 64, 448, 64, 16, 64
+NUM_REQUESTS, SYSTEM_TOKENS, TAIL_TOKENS, IN_FLIGHT = 64, 448, 64, 16
 
 
 def prompts(corpus: list[int]) -> list[list[int]]:
@@ -25,7 +27,7 @@ def prompts(corpus: list[int]) -> list[list[int]]:
     return [system + t for t in tails]
 
 
-async def run(port: int, batch: list[list[int]]) -> dict:
+async def run(port: int, batch: list[list[int]], num_new: int) -> dict:
     import grpc
 
     from tokenloop.v1 import tokenloop_pb2 as pb
@@ -41,7 +43,7 @@ async def run(port: int, batch: list[list[int]]) -> dict:
                 sent, first, count = time.perf_counter(), None, 0
                 request = pb.GenerateRequest(
                     token_ids=pb.TokenIds(ids=prompt), stream=True, sampling=pb.SamplingParams(temperature=0.0),
-                    stopping=pb.StoppingCriteria(max_new_tokens=NUM_NEW, ignore_eos=True))
+                    stopping=pb.StoppingCriteria(max_new_tokens=num_new, ignore_eos=True))
                 async for response in stub.Generate(request):
                     if response.HasField("chunk") and response.chunk.token_ids:
                         first = first or time.perf_counter()
@@ -54,44 +56,56 @@ async def run(port: int, batch: list[list[int]]) -> dict:
         start = time.perf_counter()
         await asyncio.gather(*(one(p) for p in batch))
         wall = time.perf_counter() - start
-    if sum(counts) != NUM_NEW * len(batch):
-        raise RuntimeError(f"the server returned {sum(counts)} tokens, expected {NUM_NEW * len(batch)}")
-    return {"num_tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
+    if sum(counts) != num_new * len(batch):
+        raise RuntimeError(f"the server returned {sum(counts)} tokens, expected {num_new * len(batch)}")
+    prompt_tokens = sum(len(p) for p in batch)
+    return {"new_tokens": num_new, "num_tokens": sum(counts), "wall_s": wall, "tokens_per_s": sum(counts) / wall,
+            "total_tokens_per_s": (sum(counts) + prompt_tokens) / wall,
             "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": statistics.quantiles(ttfts, n=10)[-1],
-            "cached_prompt_tokens": sum(cached), "prompt_tokens": sum(len(p) for p in batch)}
+            "cached_prompt_tokens": sum(cached), "prompt_tokens": prompt_tokens}
 
 
-def main(model_dir: str, engine_flags: list[str], out: str | None) -> int:
+def main(model_dir: str, engine_flags: list[str], out: str | None, new_tokens: str = "10,64") -> int:
     from bench.engine_bench import TEXT, free_port, start_server, wait_ready
     from bench.results import write
     from tokenloop.looper.tokenizer import Tokenizer
+
     batch = prompts(Tokenizer.from_dir(model_dir).encode(TEXT))
     warm = [[5, 6, 7, 8] * 8, [9, 10, 11] * 8]  # unrelated to the prompts: loads the kernels, caches nothing they share
-    results = {}
-    for mode in ("enable", "no-enable"):
-        port = free_port()
-        server = start_server(model_dir, port, [f"--{mode}-prefix-caching", *engine_flags])
-        try:
-            asyncio.run(wait_ready(port))
-            asyncio.run(run(port, warm))
-            results[mode] = asyncio.run(run(port, batch))
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-        r = results[mode]
-        print(f"prefix caching {'on' if mode == 'enable' else 'off'}: {r['tokens_per_s']:.1f} tok/s, "
-              f"TTFT p50 {r['ttft_p50_s']:.2f} s, {r['cached_prompt_tokens']} of {r['prompt_tokens']} prompt tokens "
-              "from the cache", flush=True)
-    on, off = results["enable"], results["no-enable"]
-    speedup, ttft_ratio = on["tokens_per_s"] / off["tokens_per_s"], off["ttft_p50_s"] / on["ttft_p50_s"]
+    lengths = [int(n) for n in new_tokens.split(",")]
+    runs = []
+    for num_new in lengths:
+        results = {}
+        for mode in ("enable", "no-enable"):  # a fresh server each: nothing cached from the previous run
+            port = free_port()
+            server = start_server(model_dir, port, [f"--{mode}-prefix-caching", *engine_flags])
+            try:
+                asyncio.run(wait_ready(port))
+                asyncio.run(run(port, warm, 4))
+                results[mode] = asyncio.run(run(port, batch, num_new))
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+            r = results[mode]
+            print(f"{num_new} new tokens, prefix caching {'on' if mode == 'enable' else 'off'}: "
+                  f"{r['tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.2f} s, {r['cached_prompt_tokens']} of "
+                  f"{r['prompt_tokens']} prompt tokens from the cache", flush=True)
+        on, off = results["enable"], results["no-enable"]
+        runs.append({"new_tokens": num_new, "caching_on": on, "caching_off": off,
+                     "tokens_per_s_speedup": on["tokens_per_s"] / off["tokens_per_s"],
+                     "ttft_p50_reduction": off["ttft_p50_s"] / on["ttft_p50_s"]})
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {NUM_REQUESTS} requests, {SYSTEM_TOKENS}-token "
-          f"shared prefix + {TAIL_TOKENS}-token tails, {IN_FLIGHT} in flight, {NUM_NEW} new tokens\n\n"
-          "| prefix caching | tok/s | TTFT p50 s | TTFT p90 s | prompt tokens from cache |\n| --- | --- | --- | --- | --- |")
-    for name, r in (("on", on), ("off", off)):
-        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | "
-              f"{r['cached_prompt_tokens']} / {r['prompt_tokens']} |")
-    print(f"\ntok/s {speedup:.2f}x higher, TTFT p50 {ttft_ratio:.2f}x lower with prefix caching")
+          f"shared prefix + {TAIL_TOKENS}-token tails, {IN_FLIGHT} in flight\n\n"
+          "| new tokens | prefix caching | generated tok/s | total tok/s | TTFT p50 s | TTFT p90 s | prompt tokens from "
+          "cache | tok/s ratio | TTFT p50 ratio |\n" + "| --- " * 9 + "|")
+    for r in runs:
+        for name, key in (("on", "caching_on"), ("off", "caching_off")):
+            x = r[key]
+            ratios = (f"{r['tokens_per_s_speedup']:.2f}x | {r['ttft_p50_reduction']:.2f}x lower" if name == "on"
+                      else " | ")
+            print(f"| {r['new_tokens']} | {name} | {x['tokens_per_s']:.1f} | {x['total_tokens_per_s']:.1f} | "
+                  f"{x['ttft_p50_s']:.2f} | {x['ttft_p90_s']:.2f} | {x['cached_prompt_tokens']} / {x['prompt_tokens']} | "
+                  f"{ratios} |")
     write(out, {"engine_flags": engine_flags, "num_requests": NUM_REQUESTS, "shared_prefix_tokens": SYSTEM_TOKENS,
-                "tail_tokens": TAIL_TOKENS, "in_flight": IN_FLIGHT, "new_tokens": NUM_NEW, "caching_on": on,
-                "caching_off": off, "tokens_per_s_speedup": speedup, "ttft_p50_reduction": ttft_ratio})
+                "tail_tokens": TAIL_TOKENS, "in_flight": IN_FLIGHT, "runs": runs})
     return 0

@@ -5,7 +5,8 @@ A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, use_rslora,
 PEFT adds `lora_B(lora_A(x)) * scaling` to the projection's output, scaling = lora_alpha / r
 (lora_alpha / sqrt(r) with rslora). The engine fuses q/k/v and gate/up (loader.py), so an adapter is fused
 the same way once, at load: per layer and fused projection, A [R, D_in] stacks the targeted parts' lora_A
-and B [D_out, R] places their lora_B (scaling folded in) block-diagonally; the update is (x @ A^T) @ B^T.
+and B [D_out, R] places their lora_B (scaling folded in) block-diagonally; the update is (x @ A^T) @ B^T, and
+both are kept transposed (A^T, B^T) for it.
 
 `LoraRegistry` holds the adapters the engine can run and counts the requests using each, so an adapter in
 use is never removed under them (`remove` refuses instead).
@@ -59,7 +60,8 @@ def part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 @dataclass(eq=False, slots=True)
 class LoraWeights:
-    """One loaded adapter: `layers[i][proj] = (A [R, D_in], B [D_out, R])` for each fused projection it adapts."""
+    """One loaded adapter: `layers[i][proj] = (A^T [D_in, R], B^T [R, D_out])` for each fused projection it adapts
+    (stored transposed, so the forward pass multiplies contiguous matrices with no transpose)."""
 
     name: str
     path: str
@@ -67,6 +69,7 @@ class LoraWeights:
     alpha: float
     target_modules: tuple[str, ...]
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    task_id: int = 0  # set by the catalog (service/lora.py): the router API's lora_config.task_id
     digest: str = ""  # of its files: an adapter reloaded with other weights under the same name gets other blocks
     uid: int = field(default_factory=lambda: next(_uids))  # unique per load: orders rows by adapter
 
@@ -198,7 +201,7 @@ def _fuse(config: ModelConfig, layer: int, scaled: dict, dtype: torch.dtype) -> 
                 b_all[row:row + d_out, col:col + a.shape[0]] = b
                 col += a.shape[0]
             row += d_out
-        out[proj] = (a_all.to(dtype).contiguous(), b_all.to(dtype).contiguous())
+        out[proj] = (a_all.t().to(dtype).contiguous(), b_all.t().to(dtype).contiguous())  # A^T, B^T: see model.add_lora
     return out
 
 

@@ -51,7 +51,10 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
     """
     by_adapter = lambda item: item[0].lora.uid if item[0].lora is not None else 0  # noqa: E731 - rows of one adapter side by side
     decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=by_adapter)
-    prefills = sorted(((s, n) for s, n in scheduled if n > 1), key=by_adapter)
+    # within an adapter, chunks of the same length over the same cached context (a shared prefix's tails) side by
+    # side, so that they form one attention group
+    prefills = sorted(((s, n) for s, n in scheduled if n > 1),
+                      key=lambda p: (by_adapter(p), p[0].num_computed_tokens == 0, p[1], p[0].num_computed_tokens))
     ids, positions, slots = [], [], []
     samplers, logits_rows = [], []
     segments: list[tuple[int, int, object]] = []  # (first row, end row, adapter): consecutive rows of one adapter
@@ -72,9 +75,19 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
     if decodes:
         groups.append(_group([s for s, _ in decodes], [1] * len(decodes), 0, block_size))
     row = len(decodes)
-    for seq, n in prefills:  # one group each: padding chunks of different lengths to one would waste work
-        groups.append(fresh_group(row, n) if seq.num_computed_tokens == 0 else _group([seq], [n], row, block_size))
-        row += n
+    i = 0
+    while i < len(prefills):  # one group per chunk, or per run of equal chunks: padding unequal ones wastes work
+        seq, n = prefills[i]
+        j = i + 1
+        while seq.num_computed_tokens and j < len(prefills) and prefills[j][1] == n and \
+                prefills[j][0].num_computed_tokens == seq.num_computed_tokens:
+            j += 1
+        if seq.num_computed_tokens == 0:
+            groups.append(fresh_group(row, n))
+        else:
+            groups.append(_group([s for s, _ in prefills[i:j]], [n] * (j - i), row, block_size))
+        row += n * (j - i)
+        i = j
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long), groups=groups,

@@ -110,7 +110,10 @@ class KvEventHub:
                 else:
                     sub.queue.append(batch)
         for sub in subs:
-            sub.notify()
+            try:
+                sub.notify()
+            except Exception:  # e.g. its event loop closed at shutdown: never the publisher's (engine's) problem
+                self.unsubscribe(sub)
         return batch
 
     def subscribe(self, notify: Callable[[], None], start_sequence_number: int = 0) -> Subscription:

@@ -41,6 +41,11 @@ class TrtllmConfig:
     # KvCacheConfig(event_buffer_max_size=...): TensorRT-LLM keeps this many KV-cache events for SubscribeKvEvents
     # (0: none; ignored when block reuse is off)
     kv_event_buffer_max_size: int = 1024
+    # LoRA (looper/trtllm_lora.py): the --lora directories turn it on; --max-loras adapters on the GPU (and on the
+    # host), --max-lora-rank the largest rank
+    lora_dirs: tuple[str, ...] = ()
+    max_loras: int | None = None
+    max_lora_rank: int = 64
 
     def __post_init__(self):
         if self.api not in APIS:

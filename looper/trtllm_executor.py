@@ -46,6 +46,7 @@ from .trtllm_common import (
     stop_reason,
     wants_logprobs,
 )
+from .trtllm_lora import TrtllmLoras
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -64,9 +65,10 @@ class _Tracked:
     open_seqs: set[int]
     last_token: dict[int, int] = field(default_factory=dict)
     cancelled: bool = False
+    lora: object | None = None  # trtllm_lora.TrtllmLora it uses, released when it ends
 
 
-class TrtllmExecutor:
+class TrtllmExecutor(TrtllmLoras):
     """`Executor` on `tensorrt_llm.bindings.executor.Executor` (prebuilt TensorRT engines)."""
 
     def __init__(self, engine_dir: str, config: TrtllmConfig, eos_token_ids: tuple[int, ...] = ()):
@@ -76,6 +78,8 @@ class TrtllmExecutor:
         self._config = config
         self._eos = tuple(eos_token_ids)
         self._tracked: dict[int, _Tracked] = {}
+        self._with_tensors = True  # LoRA weights go in the first request of a task id (looper/trtllm_lora.py)
+        self._init_loras(bool(config.lora_dirs), config.max_lora_rank)
         self._stats: ExecutorStats | None = None
         self._stats_at = 0.0
         self._stats_lock = threading.Lock()
@@ -152,14 +156,30 @@ class TrtllmExecutor:
             raise ValueError("top_logprobs is not supported by the TensorRT-LLM C++ executor; use logprobs")
         if beams > 1 and request.n > beams:
             raise ValueError(f"n must be <= the beam width ({beams})")
+        lora = self._acquire_lora(request.lora)  # LoraError (a ValueError) when it is not loaded
         try:
-            request_id = self._executor.enqueue_request(self._to_request(request))
+            try:
+                request_id = self._executor.enqueue_request(self._to_request(request, lora))
+            except RuntimeError as exc:
+                if lora is None or not lora.sent or "not found in cache" not in str(exc):
+                    raise
+                lora.sent = False  # TensorRT-LLM's LoRA cache evicted it: send the weights again, once
+                request_id = self._executor.enqueue_request(self._to_request(request, lora))
         except (RuntimeError, TypeError) as exc:  # TllmException, or a field this version lacks
+            self._release_lora(lora)
             raise ValueError(f"TensorRT-LLM refused the request: {exc}") from None
-        self._tracked[request_id] = _Tracked(request, set(range(request.n)))
+        if lora is not None:
+            lora.sent = True  # cached by TensorRT-LLM from now on: later requests send the task id only
+        self._tracked[request_id] = _Tracked(request, set(range(request.n)), lora=lora)
         return request_id
 
-    def _to_request(self, request: ValidRequest):
+    def _lora_config(self, lora):
+        """request.cpp LoraConfig(task_id, weights=None, config=None): the weights with the first request only."""
+        if lora.sent:
+            return self._tle.LoraConfig(lora.task_id)
+        return self._tle.LoraConfig(lora.task_id, lora.weights, lora.config)
+
+    def _to_request(self, request: ValidRequest, lora=None):
         tle, beams = self._tle, self._config.beam_width
         end_id, stop_ids = end_and_stop_ids(request, self._eos)
         sampling = sampling_kwargs(request)
@@ -168,6 +188,8 @@ class TrtllmExecutor:
             sampling = {self._seed_arg: sampling[self._seed_arg]}
         num_sequences = {"num_return_sequences": request.n} if request.n > 1 else {}
         guided = {"guided_decoding_params": self._guide(request)} if request.structured is not None else {}
+        if lora is not None:
+            guided["lora_config"] = self._lora_config(lora)
         return tle.Request(
             input_token_ids=list(request.prompt_token_ids),
             **{self._max_tokens_arg: request.stopping.max_new_tokens},
@@ -239,6 +261,7 @@ class TrtllmExecutor:
             return []  # a late response for a request that already ended
         if response.has_error():
             del self._tracked[request_id]
+            self._release_lora(tracked.lora)
             return [Step(request_id, 0, [], is_final=True, error=response.error_msg)]
         result = response.result
         if self._config.beam_width > 1:
@@ -248,6 +271,7 @@ class TrtllmExecutor:
         steps = [self._step(request_id, tracked, result, seq, beam) for seq, beam in seqs]
         if result.is_final:
             del self._tracked[request_id]
+            self._release_lora(tracked.lora)
             steps += [self._unfinished(request_id, tracked, seq) for seq in sorted(tracked.open_seqs)]
         return steps
 

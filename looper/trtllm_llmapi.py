@@ -53,6 +53,7 @@ from .trtllm_common import (
     stop_reason,
     wants_logprobs,
 )
+from .trtllm_lora import TrtllmLoras
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -71,7 +72,7 @@ def request_scoped(exc: BaseException) -> bool:
     return isinstance(exc, (ValueError, TypeError)) or type(exc).__name__ == "RequestError"
 
 
-class TrtllmLlmApi:
+class TrtllmLlmApi(TrtllmLoras):
     """`Executor` on `tensorrt_llm.LLM` with its own asyncio loop thread."""
 
     def __init__(self, model_dir: str, config: TrtllmConfig, eos_token_ids: tuple[int, ...] = ()):
@@ -81,6 +82,7 @@ class TrtllmLlmApi:
         self._config = config
         self._eos = tuple(eos_token_ids)
         self._ids = itertools.count(1)
+        self._init_loras(bool(config.lora_dirs), config.max_lora_rank)  # LoRA adapters: looper/trtllm_lora.py
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # Steps, and _WAKE
         self._results: dict[int, object] = {}  # id -> RequestOutput (loop thread only)
         self._aborted: set[int] = set()  # (loop thread only)
@@ -119,6 +121,10 @@ class TrtllmLlmApi:
             "enable_chunked_prefill": c.enable_chunked_context,
             "guided_decoding_backend": guided_backend(c, "llm"),
         }
+        if c.lora_dirs:  # the --lora adapters; others load later by directory (LoRARequest.lora_path)
+            kwargs["enable_lora"] = True
+            kwargs["lora_config"] = llmapi.LoraConfig(lora_dir=list(c.lora_dirs), max_lora_rank=c.max_lora_rank,
+                                                      max_loras=c.max_loras, max_cpu_loras=c.max_loras)
         if c.scheduler_policy is not None:
             policy = getattr(llmapi.CapacitySchedulerPolicy, c.scheduler_policy.upper())
             kwargs["scheduler_config"] = llmapi.SchedulerConfig(capacity_scheduler_policy=policy)
@@ -135,8 +141,13 @@ class TrtllmLlmApi:
         """Submit a request; ValueError when the LLM API refuses it."""
         self._check_alive(force=True)
         params = self._sampling_params(request)
+        lora = self._acquire_lora(request.lora)  # LoraError (a ValueError) when it is not loaded
         request_id = next(self._ids)
-        self._call(lambda: self._start(request_id, request, params))
+        try:
+            self._call(lambda: self._start(request_id, request, params, lora))
+        except BaseException:
+            self._release_lora(lora)
+            raise
         return request_id
 
     def _sampling_params(self, request: ValidRequest):
@@ -169,18 +180,22 @@ class TrtllmLlmApi:
         kind, guide = guide_for(request.structured, guided_backend(self._config, "llm"))
         return GuidedDecodingParams(**{kind: guide})
 
-    def _start(self, request_id: int, request: ValidRequest, params) -> None:
+    def _start(self, request_id: int, request: ValidRequest, params, lora=None) -> None:
         """On the loop thread: submit and start reading the result."""
+        lora_request = None
+        if lora is not None:  # executor/request.py: LoRARequest(lora_name, lora_int_id, lora_path)
+            from tensorrt_llm.executor.request import LoRARequest
+            lora_request = LoRARequest(lora.name, lora.task_id, lora.path)
         try:
             result = self._llm.generate_async(list(request.prompt_token_ids), sampling_params=params,
-                                              streaming=self._config.beam_width == 1)
+                                              lora_request=lora_request, streaming=self._config.beam_width == 1)
         except Exception as exc:
             if request_scoped(exc):
                 raise ValueError(f"TensorRT-LLM refused the request: {exc}") from None
             self._died(exc)
             raise EngineDeadError(self._dead) from None
         self._results[request_id] = result
-        self._loop.create_task(self._consume(request_id, request, result))
+        self._loop.create_task(self._consume(request_id, request, result, lora))
         if self._stats_task is None:  # stats exist only once something was submitted
             self._stats_task = self._loop.create_task(self._poll_stats())
         if self._events_task is None and self.kv_events is not None:
@@ -270,7 +285,7 @@ class TrtllmLlmApi:
             self._dead = "the TensorRT-LLM executor is no longer healthy"
 
     # -- results (loop thread) -------------------------------------------------------------
-    async def _consume(self, request_id: int, request: ValidRequest, result) -> None:
+    async def _consume(self, request_id: int, request: ValidRequest, result, lora=None) -> None:
         """Turn each update of one request into steps, one final step per sequence."""
         sent = [0] * request.n
         try:
@@ -293,6 +308,7 @@ class TrtllmLlmApi:
         finally:
             self._results.pop(request_id, None)
             self._aborted.discard(request_id)
+            self._release_lora(lora)
 
     def _steps(self, request_id: int, request: ValidRequest, output, sent: list[int]) -> list[Step]:
         steps = []

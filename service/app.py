@@ -22,9 +22,9 @@ from tokenloop.looper.tokenizer import ModelCard, Tokenizer
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from .admission import Admission
-from .config import ServerConfig
+from .config import ServerConfig, parse_lora_flag
 from .errors import Unavailable
-from .lora import LoraCatalog, parse_lora_flag
+from .lora import LoraCatalog
 from .placement import FrontPlacement
 from .structured import GrammarGate
 from .validation import Limits, Validator

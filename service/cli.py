@@ -16,7 +16,8 @@ ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens",
                 "max_lora_rank")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
-                "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size")
+                "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size",
+                "max_lora_rank")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = TRTLLM_FLAGS if args.backend == "trtllm" else ENGINE_FLAGS
     options = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    if args.backend == "trtllm" and args.lora:  # TensorRT-LLM sets LoRA up at construction (looper/trtllm_lora.py)
+        options.update(lora_dirs=tuple(v.partition("=")[2] for v in args.lora), max_loras=args.max_loras)
     return ServerConfig(
         model=args.model or str(DEFAULT_MODEL_DIR), backend=args.backend, host=args.host, port=args.port,
         metrics_port=args.metrics_port, max_concurrent_requests=args.max_concurrent_requests,

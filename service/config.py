@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .placement import check_spec
+
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # an adapter's name (--lora, LoadLoraAdapter)
+
+
+def parse_lora_flag(value: str) -> tuple[str, str]:
+    """`NAME=DIR` of `--lora` -> (name, dir); ValueError naming the rule."""
+    name, sep, path = value.partition("=")
+    if not sep or not path:
+        raise ValueError(f"--lora {value!r}: expected NAME=DIR")
+    if not LORA_NAME.fullmatch(name):
+        raise ValueError(f"--lora {value!r}: the name must be 1-128 letters, digits, '.', '_' or '-'")
+    return name, path
+
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 
@@ -57,7 +71,6 @@ class ServerConfig:
             raise ValueError("--max-loras must be >= 1")
         if len(self.loras) > self.max_loras:
             raise ValueError(f"{len(self.loras)} --lora adapters exceed --max-loras {self.max_loras}")
-        from .lora import parse_lora_flag
         names = [parse_lora_flag(value)[0] for value in self.loras]
         if len(set(names)) < len(names):
             raise ValueError("--lora names must be unique")

@@ -35,9 +35,9 @@ def event_message(event_id: int, event) -> common_pb2.KvCacheEvent:
             stored.parent_block_hash = event.parent_hash
         stored.tier = common_pb2.KV_CACHE_TIER_DEVICE
         stored.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
-        lora = event.blocks[0].extra_key if event.blocks else None
-        if lora is not None:
-            stored.lora_name = lora
+        key = event.blocks[0].extra_key if event.blocks else None
+        if key is not None and key.startswith("lora:"):  # engine/lora.py's cache key: lora:NAME:DIGEST
+            stored.lora_name = key.split(":")[1]
     elif isinstance(event, BlocksRemoved):
         msg.removed.block_hashes.extend(event.block_hashes)
         msg.removed.tier = common_pb2.KV_CACHE_TIER_DEVICE
@@ -87,7 +87,7 @@ async def kv_event_stream(app, hub, request, heartbeat: float, peer: str = ""):
         wake.set()
 
     def notify() -> None:  # the publishing (engine) thread: one cheap hand-off, never a wait
-        loop.call_soon_threadsafe(on_loop)
+        loop.call_soon_threadsafe(on_loop)  # RuntimeError once the loop is closed: the hub drops the subscription
 
     sub = hub.subscribe(notify, request.start_sequence_number)
     log.info("KV-event subscriber %s joined (start_sequence_number %d; last published %d)", peer or "?",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import time
 from dataclasses import dataclass
 
@@ -24,9 +23,9 @@ from tokenloop.engine.lora import LoraError, LoraInUseError
 from tokenloop.looper.request import ValidRequest
 from tokenloop.v1 import tokenloop_pb2 as pb
 
+from .config import LORA_NAME as NAME
 from .errors import AlreadyExists, Overloaded, ServiceError, ValidationError
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_TASK_ID = (1 << 63) - 1
 
 
@@ -62,23 +61,14 @@ class Adapter:
     last_used: float = 0.0
 
 
-def parse_lora_flag(value: str) -> tuple[str, str]:
-    """`NAME=DIR` of `--lora` -> (name, dir); ValueError naming the rule."""
-    name, sep, path = value.partition("=")
-    if not sep or not path:
-        raise ValueError(f"--lora {value!r}: expected NAME=DIR")
-    if not NAME.fullmatch(name):
-        raise ValueError(f"--lora {value!r}: the name must be 1-128 letters, digits, '.', '_' or '-'")
-    return name, path
-
-
 class LoraCatalog:
     """Adapters by name and by id, on one executor that can run them (`read_lora`, `add_lora`, `unload_lora`)."""
 
     def __init__(self, executor, max_loras: int):
         self.executor = executor
         self.max_loras = max_loras
-        self.supported = all(hasattr(executor, m) for m in ("read_lora", "add_lora", "unload_lora", "loras"))
+        self.supported = all(hasattr(executor, m) for m in ("read_lora", "add_lora", "unload_lora", "loras")) \
+            and getattr(executor, "lora_enabled", True)
         self._adapters: dict[str, Adapter] = {}
         self._lock = asyncio.Lock()  # one load, unload or swap at a time
 
@@ -101,9 +91,10 @@ class LoraCatalog:
                 raise AlreadyExists(f"LoRA adapter `{name}`: id {adapter_id} is taken by `{taken[adapter_id]}`")
             weights = await self._read(name, path)
             await self._make_room(name)
+            weights.task_id = adapter_id or max(taken, default=0) + 1
             self.executor.add_lora(weights)
-            adapter = Adapter(name, adapter_id or max(taken, default=0) + 1, path, weights.rank, weights.alpha,
-                              weights.target_modules, weights, time.monotonic())
+            adapter = Adapter(name, weights.task_id, path, weights.rank, weights.alpha, weights.target_modules,
+                              weights, time.monotonic())
             self._adapters[name] = adapter
             return adapter
 
@@ -149,6 +140,7 @@ class LoraCatalog:
                 if adapter.weights is None:
                     weights = await self._read(adapter.name, adapter.path)
                     await self._make_room(adapter.name)
+                    weights.task_id = adapter.id
                     self.executor.add_lora(weights)
                     adapter.weights = weights
         return valid
@@ -186,7 +178,8 @@ class LoraCatalog:
 
     def _require_support(self) -> None:
         if not self.supported:
-            raise Unsupported("LoRA adapters are not supported by this executor")
+            raise Unsupported(getattr(self.executor, "lora_disabled_reason", "") or
+                              "LoRA adapters are not supported by this executor")
 
 
 def with_lora(valid: ValidRequest, name: str) -> ValidRequest:

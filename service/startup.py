@@ -3,7 +3,7 @@
 `check_startup(config)` runs first in `tokenloop serve` (before the port opens or the model loads) and raises
 `StartupError` with one sentence: what is wrong, and the flag or path to fix. The CLI prints it and exits 2.
 Order: the model directory (exists, config.json, tokenizer.json, readable weights, a supported architecture for
-the embedded engine), then TLS files, the API-key file, the ports, and for `--backend trtllm` that TensorRT-LLM is
+the embedded engine), the `--lora` adapter directories, then TLS files, the API-key file, the ports, and for `--backend trtllm` that TensorRT-LLM is
 installed.
 """
 
@@ -27,6 +27,7 @@ class StartupError(Exception):
 def check_startup(config: ServerConfig) -> None:
     """Every check, in order; raises StartupError on the first failure."""
     check_model_dir(Path(config.model), config.backend)
+    check_lora_dirs(config.loras)
     check_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
     check_api_key_file(config.api_key_file)
     check_listen(config.host, config.port, "--port")
@@ -34,6 +35,20 @@ def check_startup(config: ServerConfig) -> None:
         check_listen(config.host, config.metrics_port, "--metrics-port")
     if config.backend == "trtllm":
         check_trtllm_installed()
+
+
+def check_lora_dirs(loras: tuple[str, ...]) -> None:
+    """Each `--lora NAME=DIR` names a PEFT adapter directory (its contents are checked when it loads)."""
+    from .config import parse_lora_flag
+
+    for value in loras:
+        name, path = parse_lora_flag(value)
+        where = Path(path)
+        if not where.is_dir():
+            raise StartupError(f"--lora {name}={path}: no such directory")
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            if not (where / file).is_file():
+                raise StartupError(f"--lora {name}={path}: not a PEFT adapter (no {file})")
 
 
 def check_trtllm_installed() -> None:

@@ -2,7 +2,8 @@
 
 Three adapters made here with peft (different ranks, targets, rslora; random non-zero B). Each alone equals
 peft token for token; a batch mixing the base model and all three gives every request what it gets alone;
-the prefix cache never hands one adapter's KV blocks to another; an adapter in use is not unloaded.
+the prefix cache never hands one adapter's KV blocks to another; an adapter in use is not unloaded; and the same
+tokens come back through the gRPC server with the adapters loaded by LoadLoraAdapter.
 """
 
 from __future__ import annotations
@@ -102,3 +103,28 @@ def test_unknown_adapter_and_unload_while_in_use(engine, prompts, adapters):
     removed = engine.unload_lora("mlp")
     assert removed.name == "mlp" and "mlp" not in engine.loras.names()
     engine.add_lora(engine.read_lora("mlp", adapters["mlp"]))  # back, for any test after this one
+
+
+def test_through_the_grpc_server_loaded_by_rpc(default_model_dir, engine, adapters, prompts, reference):
+    """Last in this file: stopping the server shuts the shared engine down."""
+    import grpc
+
+    from tests.conftest import run
+    from tests.integration.service_harness import serving
+    from tokenloop.v1 import tokenloop_pb2 as pb
+
+    async def body():
+        async with serving(default_model_dir, engine) as (_, stub, _e):
+            for name in ADAPTERS:
+                await stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name=f"rpc-{name}", path=str(adapters[name])))
+            for name in [""] + list(ADAPTERS):
+                for prompt, expected in zip(prompts, reference[name]):
+                    msgs = [m async for m in stub.Generate(pb.GenerateRequest(
+                        token_ids=pb.TokenIds(ids=prompt), lora=f"rpc-{name}" if name else "",
+                        sampling=pb.SamplingParams(temperature=0.0),
+                        stopping=pb.StoppingCriteria(max_new_tokens=NUM_NEW, ignore_eos=True)))]
+                    assert list(msgs[-1].complete.token_ids) == expected, f"adapter {name or 'base'!r} via gRPC"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [m async for m in stub.Generate(pb.GenerateRequest(text="hi", lora="attn"))]  # engine-only name
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    run(body())

@@ -148,3 +148,12 @@ def test_empty_api_key_file(tiny, tmp_path):
 def test_trtllm_backend_without_tensorrt_llm(tiny):
     from tokenloop.looper.trtllm import MISSING_TRTLLM
     assert_refused(serve("--backend", "trtllm", "--model", str(tiny)), MISSING_TRTLLM)
+
+
+def test_lora_flags_are_checked_before_anything_loads(tiny, tmp_path):
+    missing = tmp_path / "nope"
+    assert_refused(serve("--model", str(tiny), "--backend", "trtllm", "--lora", f"a={missing}"),
+                   f"--lora a={missing}: no such directory")
+    assert_refused(serve("--model", str(tiny), "--backend", "trtllm", "--lora", f"a={tmp_path}"),
+                   f"--lora a={tmp_path}: not a PEFT adapter (no adapter_config.json)")
+    assert_refused(serve("--model", str(tiny), "--lora", "a"), "--lora 'a': expected NAME=DIR")

@@ -59,6 +59,15 @@ def test_batches_carry_the_events_smg_reads_and_resume_from_a_sequence_number(to
     run(body())
 
 
+def test_an_adapter_key_travels_as_extra_key_and_lora_name():
+    from tokenloop.service.kv_events import event_message
+
+    block = StoredBlock(5, (1, 2, 3, 4), "lora:sql:abc123")
+    msg = event_message(7, BlocksStored((block,), 4, 4))
+    assert msg.event_id == 7 and msg.stored.lora_name == "sql" and msg.stored.parent_block_hash == 4
+    assert [k.text for k in msg.stored.blocks[0].extra_keys] == ["lora:sql:abc123"]
+
+
 def test_an_idle_worker_sends_load_heartbeats(tokenizer_dir):
     async def body():
         ex = scripted_with_hub()

@@ -88,6 +88,7 @@ class Executor:
             raise TypeError("Executor.__init__(): incompatible function arguments")
         self.model_path, self.model_type, self.config = str(model_path), model_type, executor_config
         self.requests: dict[int, Request] = {}  # everything enqueued, for tests to inspect
+        self.lora_cache: dict[int, tuple] = {}  # task id -> (weights, config), as the PEFT cache keeps them
         self.cancel_calls: list[int] = []
         self._active: dict[int, _Req] = {}
         self._stats: deque[IterationStats] = deque(maxlen=executor_config.iter_stats_max_iterations or 1)
@@ -115,6 +116,13 @@ class Executor:
             raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: beam width exceeds max_beam_width")
         if request.guided_decoding_params is not None and self.config.guided_decoding_config is None:
             raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: Guided decoding is not enabled")
+        lora = request.lora_config
+        if lora is not None:  # the PEFT cache (docs/source/advanced/lora.md): weights on first use, then the id
+            if lora.weights is not None:
+                self.lora_cache[lora.task_id] = (lora.weights, lora.config)
+            elif lora.task_id not in self.lora_cache:
+                raise RuntimeError(f"[TensorRT-LLM][ERROR] LoRA task {lora.task_id} not found in cache. Please send "
+                                   "LoRA weights with request")
         with self._cv:
             request_id, self._next_id = self._next_id, self._next_id + 1
             self.requests[request_id] = request

@@ -96,7 +96,21 @@ _SAMPLING = {"beam_width": 1, "top_k": None, "top_p": None, "top_p_min": None, "
 _REQUEST = {"input_token_ids": None, "max_tokens": None, "streaming": False, "sampling_config": None,
             "output_config": None, "end_id": None, "pad_id": None, "position_ids": None, "bad_words": None,
             "stop_words": None, "embedding_bias": None, "client_id": None, "return_all_generated_tokens": False,
-            "num_return_sequences": 1, "guided_decoding_params": None, "allotted_time_ms": None}
+            "num_return_sequences": 1, "guided_decoding_params": None, "allotted_time_ms": None,
+            "lora_config": None}
+
+
+class LoraConfig:
+    """request.cpp: LoraConfig(task_id, weights=None, config=None), all positional; weights [num_module_layers,
+    D*Hi + Ho*D] and config [num_module_layers, 3] (docs/source/advanced/lora.md) come together or not at all."""
+
+    def __init__(self, task_id, weights=None, config=None):
+        if not isinstance(task_id, int):
+            raise TypeError("LoraConfig.__init__(): task_id must be an int")
+        if (weights is None) != (config is None):
+            raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: lora weights and lora config must both be "
+                               "given or both omitted")
+        self.task_id, self.weights, self.config = task_id, weights, config
 
 
 class GuidedDecodingParams:

@@ -35,6 +35,14 @@ class KvCacheConfig(_StrictModel):
               "host_cache_size": None, "enable_partial_reuse": True, "event_buffer_max_size": 0}
 
 
+class LoraConfig(_StrictModel):
+    """llm-api/reference LoraConfig (tensorrt_llm/lora_helper.py): keyword-only, extra fields forbidden."""
+
+    FIELDS: ClassVar[dict] = {"lora_dir": [], "lora_ckpt_source": "hf", "max_lora_rank": 64,
+                              "lora_target_modules": [], "trtllm_modules_to_hf_modules": {}, "max_loras": None,
+                              "max_cpu_loras": None, "swap_gate_up_proj_lora_b_weight": True}
+
+
 class SchedulerConfig(_StrictModel):
     FIELDS: ClassVar[dict] = {"capacity_scheduler_policy": CapacitySchedulerPolicy.GUARANTEED_NO_EVICT,
               "context_chunking_policy": None, "dynamic_batch_config": None}
@@ -46,6 +54,7 @@ __all__ = [
     "CompletionOutput",
     "GuidedDecodingParams",
     "KvCacheConfig",
+    "LoraConfig",
     "RequestError",
     "RequestOutput",
     "SamplingParams",

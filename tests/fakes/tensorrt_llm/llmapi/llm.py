@@ -34,7 +34,7 @@ from ..sampling_params import SamplingParams
 LLM_ARGS = {"tokenizer", "skip_tokenizer_init", "trust_remote_code", "tensor_parallel_size", "dtype", "backend",
             "pipeline_parallel_size", "kv_cache_config", "enable_chunked_prefill", "scheduler_config",
             "max_batch_size", "max_num_tokens", "max_beam_width", "enable_iter_perf_stats", "max_seq_len",
-            "guided_decoding_backend"}
+            "guided_decoding_backend", "enable_lora", "lora_config"}
 GUIDED_DECODING_BACKENDS = (None, "xgrammar", "llguidance")  # llm_args.py: Optional[Literal[...]]
 
 
@@ -243,6 +243,7 @@ class LLM:
         self.model, self.args = str(model), kwargs
         self.create_thread = threading.current_thread().name
         self.submits: list[tuple[list[int], SamplingParams, bool]] = []
+        self.lora_requests: list = []  # the lora_request of each generate_async, in order
         self.generate_threads: set[str] = set()
         self._ids = itertools.count(1)
         self._active: dict[int, _Gen] = {}
@@ -278,6 +279,7 @@ class LLM:
             raise RuntimeError("LLM is shutting down")
         self._handle_background_error()  # proxy.submit: a queued engine failure is raised here
         self.submits.append((list(ids), params, streaming))
+        self.lora_requests.append(lora_request)
         if self.kv_cache is not None:
             self.kv_cache.on_prompt(list(ids))
         self.generate_threads.add(threading.current_thread().name)

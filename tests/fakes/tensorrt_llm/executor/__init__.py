@@ -1,0 +1,1 @@
+"""Fake `tensorrt_llm.executor`: only `request.LoRARequest`."""
