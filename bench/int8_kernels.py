@@ -49,6 +49,18 @@ def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale[:, 0].contiguous()
 
 
+def one_torch_thread(fn):
+    """Run fn with torch on one thread, as the engine runs (its second thread is the matmul helper): torch's
+    OpenMP workers would otherwise spin on the core the helper needs."""
+    def run(x):
+        torch.set_num_threads(1)
+        try:
+            return fn(x)
+        finally:
+            torch.set_num_threads(2)
+    return run
+
+
 def candidates(weights: list[torch.Tensor]) -> dict[str, callable]:
     """name -> fn(x) running x through every weight (each its own product)."""
     from tokenloop.engine import kernels
@@ -58,7 +70,8 @@ def candidates(weights: list[torch.Tensor]) -> dict[str, callable]:
     out: dict[str, callable] = {}
     out["fp32 torch"] = lambda x: [F.linear(x[:, :w.shape[1]], w) for w in weights]
     np2 = MatmulPolicy.fixed(Backend.NUMPY2)
-    out["fp32 numpy2"] = lambda x: [np2.linear(x[:, :w.shape[1]].contiguous(), w, Backend.NUMPY2) for w in weights]
+    out["fp32 numpy2"] = one_torch_thread(
+        lambda x: [np2.linear(x[:, :w.shape[1]].contiguous(), w, Backend.NUMPY2) for w in weights])
     q = [per_channel(w) for w in weights]
     for engine in ("fbgemm", "x86", "onednn"):
         if engine not in torch.backends.quantized.supported_engines:
@@ -83,9 +96,11 @@ def candidates(weights: list[torch.Tensor]) -> dict[str, callable]:
     if native is not None:
         both = MatmulPolicy(dict.fromkeys(BUCKETS, Backend.TORCH), int8=native, int8_split=dict.fromkeys(BUCKETS, True))
         grouped = [quantize(w) for w in weights]  # the engine's layout: a scale per 32 columns
-        out["tokenloop C"] = lambda x: [both.linear(x[:, :w.shape[1]], w, Backend.TORCH) for w in grouped]
+        out["tokenloop C"] = one_torch_thread(
+            lambda x: [both.linear(x[:, :w.shape[1]], w, Backend.TORCH) for w in grouped])
         channel = [quantize(w, group_size=w.shape[1]) for w in weights]
-        out["tokenloop C per channel"] = lambda x: [both.linear(x[:, :w.shape[1]], w, Backend.TORCH) for w in channel]
+        out["tokenloop C per channel"] = one_torch_thread(
+            lambda x: [both.linear(x[:, :w.shape[1]], w, Backend.TORCH) for w in channel])
     return out
 
 
