@@ -8,6 +8,7 @@ Scenarios (greedy, EOS ignored, token-id prompts cut from one text at different 
            16-256 tokens (seed 0); the reference runs static batches of 32 in arrival order, each to
            its longest output, and counts only each request's own tokens;
   single:  1 request, 128 new tokens.
+`--weights fp32,int8` runs one server per weight mode (`tokenloop serve --weights`) on the same scenarios.
 Prints a Markdown table; `--out FILE` also writes the figures as JSON (bench/results-engine.json holds the
 recorded ones).
 --structured measures structured output instead (bench/structured_bench.py: 32 streams under one JSON schema
@@ -225,13 +226,19 @@ def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: lis
 # --- report ---
 
 def table(results: list[Result]) -> str:
-    rows = ["| scenario | system | tokens | wall s | tokens/s | TTFT p50 s | speed-up |", "| --- " * 7 + "|"]
+    """Markdown; speed-up is against transformers, and against the engine in fp32 when both modes ran."""
     by = {(r.system, r.scenario): r for r in results}
+    modes = any(r.system == "tokenloop fp32" for r in results)
+    head = "| scenario | system | tokens | wall s | tokens/s | TTFT p50 s | speed-up |" + (" vs fp32 |" if modes else "")
+    rows = [head, "| --- " * (8 if modes else 7) + "|"]
     for r in results:
-        ref = by.get(("transformers", r.scenario))
+        ref, fp32 = by.get(("transformers", r.scenario)), by.get(("tokenloop fp32", r.scenario))
         speedup = f"{r.tokens_per_s / ref.tokens_per_s:.2f}x" if ref and r.system != "transformers" else ""
-        rows.append(f"| {r.scenario} | {r.system} | {r.num_tokens} | {r.wall_s:.1f} | {r.tokens_per_s:.1f} | "
-                    f"{r.ttft_p50_s:.2f} | {speedup} |")
+        row = (f"| {r.scenario} | {r.system} | {r.num_tokens} | {r.wall_s:.1f} | {r.tokens_per_s:.1f} | "
+               f"{r.ttft_p50_s:.2f} | {speedup} |")
+        if modes:
+            row += f" {r.tokens_per_s / fp32.tokens_per_s:.2f}x |" if fp32 and r.system.startswith("tokenloop") else " |"
+        rows.append(row)
     return "\n".join(rows)
 
 
@@ -246,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on and off (shared_prefix.py)")
     parser.add_argument("--new-tokens", default="10,64", help="--shared-prefix: output lengths to run, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="--structured: free / constrained rounds")
+    parser.add_argument("--weights", default=None, metavar="MODES",
+                        help="comma-separated `tokenloop serve --weights` modes, one server each (fp32,int8)")
     args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
     if args.structured:
         from bench import structured_bench
@@ -258,15 +267,22 @@ def main(argv: list[str] | None = None) -> int:
     corpus = Tokenizer.from_dir(args.model).encode(TEXT)
     all_scenarios = make_scenarios(corpus)
     scenarios = [all_scenarios[name] for name in args.scenarios.split(",")]
-    results = run_engine_grpc(args.model, scenarios, engine_flags)
-    print(table(results), flush=True)
+    results = []
+    for weights in args.weights.split(",") if args.weights else [None]:  # one server per weight mode
+        flags = engine_flags + (["--weights", weights] if weights else [])
+        for r in run_engine_grpc(args.model, scenarios, flags):
+            r.system = f"tokenloop {weights}" if weights else r.system
+            results.append(r)
+        print(table(results), flush=True)
     if args.reference == "transformers":
         results += [run_transformers(args.model, s, args.num_threads) for s in scenarios]
-        results.sort(key=lambda r: (args.scenarios.split(",").index(r.scenario), r.system != "transformers"))
+    order = ["transformers"] + [f"tokenloop {w}" for w in args.weights.split(",")] if args.weights else []
+    results.sort(key=lambda r: (args.scenarios.split(",").index(r.scenario), r.system != "transformers",
+                                order.index(r.system) if r.system in order else 0))
     report = table(results)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, engine flags: {' '.join(engine_flags) or '(defaults)'}\n\n{report}")
-    write(args.out, {"engine_flags": engine_flags, "results": [
+    write(args.out, {"engine_flags": engine_flags, "weights": args.weights, "results": [
         asdict(r) | {"tokens_per_s": r.tokens_per_s, "ttft_p50_s": r.ttft_p50_s} for r in results]})
     return 0
 

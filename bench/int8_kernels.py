@@ -45,15 +45,15 @@ def shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int
 def per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [N, K], scale [N]): one scale per output channel, the layout the library kernels take."""
     from tokenloop.engine.quant import quantize
-    qw = quantize(w, group_size=w.shape[1])
-    return qw.q, qw.scale[:, 0].contiguous()
+    q, scale = quantize(w, group_size=w.shape[1]).unpacked()
+    return q.contiguous(), scale[:, 0].contiguous()
 
 
 def candidates(weights: list[torch.Tensor]) -> dict[str, callable]:
     """name -> fn(x) running x through every weight (each its own product)."""
     from tokenloop.engine import kernels
     from tokenloop.engine.matmul import BUCKETS, Backend, MatmulPolicy
-    from tokenloop.engine.quant import QWeight, quantize
+    from tokenloop.engine.quant import quantize
 
     out: dict[str, callable] = {}
     out["fp32 torch"] = lambda x: [F.linear(x[:, :w.shape[1]], w) for w in weights]
@@ -84,7 +84,7 @@ def candidates(weights: list[torch.Tensor]) -> dict[str, callable]:
         both = MatmulPolicy(dict.fromkeys(BUCKETS, Backend.TORCH), int8=native, int8_split=dict.fromkeys(BUCKETS, True))
         grouped = [quantize(w) for w in weights]  # the engine's layout: a scale per 32 columns
         out["tokenloop C"] = lambda x: [both.linear(x[:, :w.shape[1]], w, Backend.TORCH) for w in grouped]
-        channel = [QWeight(wq, s[:, None].contiguous(), wq.shape[1]) for wq, s in q]
+        channel = [quantize(w, group_size=w.shape[1]) for w in weights]
         out["tokenloop C per channel"] = lambda x: [both.linear(x[:, :w.shape[1]], w, Backend.TORCH) for w in channel]
     return out
 

@@ -61,6 +61,7 @@ class Engine:
         weights = load_weights(model_dir, self.model_config, dtype, self.config.weights)
         log.info("engine: weights %s loaded in %.1f s", self.dtype, time.perf_counter() - started)
         num_blocks = self.config.num_kv_blocks(Model.kv_bytes_per_token(self.model_config, dtype))
+        self._gate_ups = [weights[f"layers.{i}.gate_up"] for i in range(self.model_config.num_layers)]
         self.model = Model(self.model_config, weights, dtype, num_blocks, self.config.block_size,
                            self._matmul_policy(weights["layers.0.gate_up"]), self._paged_attention(dtype),
                            split_attention=(os.cpu_count() or 1) >= 2)
@@ -112,8 +113,8 @@ class Engine:
         return "int8" if self.config.weights == "int8" else self.config.dtype
 
     def _matmul_policy(self, sample_weight: torch.Tensor | QWeight) -> MatmulPolicy:
-        if isinstance(sample_weight, QWeight):
-            return MatmulPolicy.calibrate_int8(sample_weight, kernels.load_int8())
+        if isinstance(sample_weight, QWeight):  # timed over every layer's gate_up: they stream from memory
+            return MatmulPolicy.calibrate_int8(self._gate_ups, kernels.load_int8())
         if self.config.matmul_backend == "auto":
             return MatmulPolicy.calibrate(sample_weight)
         usable = sample_weight.dtype in (torch.float32, torch.float64)

@@ -129,7 +129,7 @@ class Int8Linear:
     def linear(self, x: torch.Tensor, w, out: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
         """out[:, begin:end] = x @ w.dequantize().T[:, begin:end] for a quant.QWeight w. x [M, K] float32 and
         out [M, N] float32, contiguous. Releases the GIL (ctypes does), so threads can split the N channels."""
-        num_out = w.q.shape[0]
+        num_out = w.num_out
         rc = self._linear(x.data_ptr(), x.shape[0], x.shape[1], w.q.data_ptr(), w.scale.data_ptr(), w.group_size,
                           out.data_ptr(), num_out, begin, num_out if end is None else end)
         if rc != 0:

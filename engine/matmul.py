@@ -27,6 +27,7 @@ from .quant import QWeight
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # tokens per step at which the backends are compared
 MIN_SPLIT_TOKENS = 1
+INT8_TIMED_TOKENS = 4  # int8 products of more rows always split over two threads; fewer are timed at start-up
 
 
 class Backend(enum.Enum):
@@ -130,20 +131,26 @@ class MatmulPolicy:
         return cls(buckets, probe._helper if probe is not None else None)
 
     @classmethod
-    def calibrate_int8(cls, weight: QWeight, int8: Int8Linear | None) -> MatmulPolicy:
-        """For int8 weights: time the native kernel on one thread against two (output channels halved) per bucket."""
+    def calibrate_int8(cls, weights: QWeight | list[QWeight], int8: Int8Linear | None) -> MatmulPolicy:
+        """For int8 weights: time the native kernel on one thread against two (output channels halved) per bucket,
+        each candidate running over all of `weights` (every layer's: a real step streams them from memory, where
+        one matrix alone would sit in the cache and make a second thread look useless)."""
         policy = cls.fixed(Backend.TORCH)
         if int8 is None:
             return policy
         policy.int8 = int8
         if (os.cpu_count() or 1) < 2:
             return policy
+        weights = weights if isinstance(weights, list) else [weights]
         split = {}
         with torch.inference_mode():
             for b in BUCKETS:
-                x = torch.randn(b, weight.shape[1])
-                split[b] = _fastest({False: lambda x=x: policy._qlinear(x, weight, False),
-                                     True: lambda x=x: policy._qlinear(x, weight, True)})
+                if b > INT8_TIMED_TOKENS:  # milliseconds of arithmetic per product: two threads halve it
+                    split[b] = True
+                    continue
+                x = torch.randn(b, weights[0].shape[1])
+                split[b] = _fastest({s: lambda x=x, s=s: [policy._qlinear(x, w, s) for w in weights]
+                                     for s in (False, True)})
         policy.int8_split = split
         return policy
 
@@ -161,12 +168,12 @@ class MatmulPolicy:
         if self.int8 is None:  # fallback: the same product in torch, the weight widened on the fly
             return F.linear(x, w.dequantize().to(x.dtype))
         x = x.contiguous()
-        num_out = w.q.shape[0]
+        num_out = w.num_out
         out = torch.empty(x.shape[0], num_out, dtype=torch.float32)
         if split is None:
             split = self.int8_split.get(self._bucket(x.shape[0]), False)
         if split:
-            half = num_out // 2 // 4 * 4  # keep the kernel's 4-channel groups whole
+            half = num_out // 2 // 8 * 8  # keep the kernel's 8-channel groups whole
             kernel = self.int8
             self.helper().split(lambda: kernel.linear(x, w, out, 0, half),
                                 lambda: kernel.linear(x, w, out, half, num_out))

@@ -1,12 +1,14 @@
 """int8 weights (`--weights int8`): symmetric int8 quantization at load time, one scale per output channel and
 group of 32 input columns.
 
-A float weight [N, K] becomes int8 values q [N, K] and float32 scales s [N, K / G]: for each output channel n
-and group g of G consecutive input columns, s[n, g] = max |w[n, g*G : (g+1)*G]| / 127 and q = round(w / s), so
-w ~ s * q and zero maps to zero. G = 32 is llama.cpp's Q8_0 block; G = K is one scale per channel (measured in
-docs/engine.md: per channel alone keeps perplexity within 0.2 % but changes greedy output on 6 of 16 chat
-prompts, groups of 32 on 3). Activations and accumulation stay float32. The product runs in the native kernel
-(int8_linear.c) where it builds, else in torch on the weight widened back to float.
+A float weight [N, K] becomes int8 values q and float32 scales s: for each output channel n and group g of G
+consecutive input columns, s[n, g] = max |w[n, g*G : (g+1)*G]| / 127 and q = round(w / s), so w ~ s * q and zero
+maps to zero. G = 32 is llama.cpp's Q8_0 block; G = K is one scale per channel (docs/engine.md: per channel alone
+changes greedy output on 6 of 16 chat prompts, groups of 32 on 3). Activations and accumulation stay float32.
+
+Both are stored packed eight output channels at a time, the layout the native kernel (int8_linear.c) reads:
+q [ceil(N/8), K, 8], scale [ceil(N/8), K/G, 8] (channels past N are zero). Without the kernel, torch multiplies by
+the weight widened back to float.
 """
 
 from __future__ import annotations
@@ -17,25 +19,34 @@ import torch
 
 WEIGHT_MODES = ("fp32", "int8")
 GROUP_SIZE = 32
+PACK = 8  # output channels interleaved per column
 
 
 @dataclass(frozen=True, slots=True)
 class QWeight:
-    """An int8 weight: q [N, K] int8 and scale [N, K // group_size] float32 (w ~ scale * q, group by group)."""
+    """An int8 weight of `num_out` x K: packed q [N8, K, 8] int8 and scale [N8, K // group_size, 8] float32."""
 
     q: torch.Tensor
     scale: torch.Tensor
     group_size: int
+    num_out: int
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return torch.Size((self.num_out, self.q.shape[1]))
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, K] int8, scale [N, K // group_size] float32), one row per output channel."""
+        n8, k, _ = self.q.shape
+        q = self.q.permute(0, 2, 1).reshape(n8 * PACK, k)[:self.num_out]
+        return q, self.scale.permute(0, 2, 1).reshape(n8 * PACK, -1)[:self.num_out]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] the int8 values stand for (what the kernel multiplies by)."""
-        n, k = self.q.shape
-        groups = self.q.view(n, k // self.group_size, self.group_size).float()
-        return (groups * self.scale[:, :, None]).view(n, k)
+        n8, k, _ = self.q.shape
+        q = self.q.permute(0, 2, 1).reshape(n8 * PACK, k // self.group_size, self.group_size).float()
+        s = self.scale.permute(0, 2, 1).reshape(n8 * PACK, -1, 1)
+        return (q * s).view(n8 * PACK, k)[:self.num_out]
 
 
 def group_size_for(num_in: int, group_size: int = GROUP_SIZE) -> int:
@@ -47,11 +58,14 @@ def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE) -> QWeight:
     """w [N, K] float -> QWeight, symmetric, one scale per output channel and group of columns."""
     n, k = w.shape
     g = group_size_for(k, group_size)
-    groups = w.float().view(n, k // g, g)
-    amax = groups.abs().amax(dim=-1)  # [N, K / g]
+    n8 = -(-n // PACK)
+    padded = torch.zeros(n8 * PACK, k, dtype=torch.float32)
+    padded[:n] = w.float()
+    groups = padded.view(n8 * PACK, k // g, g)
+    amax = groups.abs().amax(dim=-1)  # [N8*8, K / g]
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(groups / scale[:, :, None]).clamp_(-127, 127).to(torch.int8)
-    return QWeight(q.view(n, k).contiguous(), scale.contiguous(), g)
+    q = torch.round(groups / scale[:, :, None]).clamp_(-127, 127).to(torch.int8).view(n8, PACK, k)
+    return QWeight(q.permute(0, 2, 1).contiguous(), scale.view(n8, PACK, -1).permute(0, 2, 1).contiguous(), g, n)
 
 
 def qweight(w: torch.Tensor) -> QWeight:

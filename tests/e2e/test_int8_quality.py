@@ -57,6 +57,7 @@ def test_perplexity_within_one_percent_of_fp32(default_model_dir):
     fp32, scored = perplexity(load_engine(default_model_dir, "fp32"), ids)
     int8, _ = perplexity(load_engine(default_model_dir, "int8"), ids)
     assert scored >= 2000 and 5 < fp32 < 100  # a sane model on English prose
+    print(f"perplexity: fp32 {fp32:.4f}, int8 {int8:.4f} ({100 * (int8 / fp32 - 1):+.2f} %)")
     assert abs(int8 / fp32 - 1) < 0.01, f"int8 perplexity {int8:.4f} against fp32 {fp32:.4f}"
 
 
@@ -77,4 +78,5 @@ def test_greedy_int8_follows_fp32_and_is_batch_invariant(default_model_dir, prom
     assert all(len(t) == NUM_NEW for t in together)
     assert alone == together  # batch invariance
     same = sum(a == b for a, b in zip(together, expected))
+    print(f"int8 equals fp32 on {same} of 16 prompts (first {NUM_NEW} tokens)")
     assert same >= 12, f"int8 equals fp32 on {same} of 16 prompts (first {NUM_NEW} tokens)"

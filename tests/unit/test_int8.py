@@ -25,25 +25,28 @@ def test_quantize_is_symmetric_per_channel_and_group():
     w[3] = 0.0  # an all-zero group keeps scale 1 and quantizes to zeros
     w[5, 32:] *= 1000  # a loud second group does not drown the first one's resolution
     qw = quantize(w, group_size=32)
-    assert qw.q.dtype is torch.int8 and qw.scale.shape == (7, 2) and qw.group_size == 32
-    assert int(qw.q.abs().max()) == 127 and int(qw.q.min()) >= -127
-    assert torch.equal(qw.q[3], torch.zeros(64, dtype=torch.int8)) and bool((qw.scale[3] == 1.0).all())
+    q, scale = qw.unpacked()
+    assert q.dtype is torch.int8 and scale.shape == (7, 2) and qw.group_size == 32 and qw.shape == (7, 64)
+    assert qw.q.shape == (1, 64, 8)  # packed: eight channels per column, the eighth one padding
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    assert torch.equal(q[3], torch.zeros(64, dtype=torch.int8)) and bool((scale[3] == 1.0).all())
     err = (qw.dequantize() - w).abs()
-    step = qw.scale.repeat_interleave(32, dim=1)
+    step = scale.repeat_interleave(32, dim=1)
     assert bool((err <= step / 2 + 1e-6 * w.abs()).all())  # round to nearest: half a step at most
-    assert float(qw.scale[5, 1] / qw.scale[5, 0]) > 100
+    assert float(scale[5, 1] / scale[5, 0]) > 100
     for row in (0, 1, 2, 4, 5, 6):  # each group's largest value is exactly +-127 steps
-        assert bool((qw.q[row].view(2, 32).abs().amax(dim=1) == 127).all())
+        assert bool((q[row].view(2, 32).abs().amax(dim=1) == 127).all())
 
 
 def test_rows_that_do_not_divide_into_groups_get_one_scale():
     qw = quantize(torch.randn(5, 40), group_size=32)
-    assert qw.group_size == 40 and qw.scale.shape == (5, 1)
+    assert qw.group_size == 40 and qw.unpacked()[1].shape == (5, 1)
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_tokens", [1, 3, 4, 5, 8, 33, 100])
-@pytest.mark.parametrize("shape, group", [((960, 576), 32), ((577, 1536), 32), ((64, 96), 96), ((5, 13), 32)])
+@pytest.mark.parametrize("num_tokens", [1, 3, 4, 5, 6, 7, 8, 13, 33, 100])
+@pytest.mark.parametrize("shape, group", [((960, 576), 32), ((577, 1536), 32), ((64, 96), 96), ((5, 13), 32),
+                                          ((19, 64), 32)])
 def test_kernel_matches_float64_reference(num_tokens, shape, group):
     gen = torch.Generator().manual_seed(num_tokens)
     w = quantize(torch.randn(*shape, generator=gen), group)
@@ -57,10 +60,14 @@ def test_kernel_matches_float64_reference(num_tokens, shape, group):
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch():
     """The one-row path (weights widened on the fly) and the tiled path (widened into a buffer) agree exactly."""
     gen = torch.Generator().manual_seed(4)
-    w, x = quantize(torch.randn(300, 576, generator=gen)), torch.randn(9, 576, generator=gen)
-    together = torch.empty(9, 300)
+    w, x = quantize(torch.randn(300, 576, generator=gen)), torch.randn(14, 576, generator=gen)
+    together = torch.empty(14, 300)
     native.linear(x, w, together)
-    for i in range(9):
+    halves = torch.empty(14, 300)
+    native.linear(x, w, halves, 0, 144)
+    native.linear(x, w, halves, 144, 300)
+    assert torch.equal(halves, together)
+    for i in range(14):
         alone = torch.empty(1, 300)
         native.linear(x[i:i + 1].contiguous(), w, alone)
         assert torch.equal(alone[0], together[i]), i
@@ -71,11 +78,13 @@ def test_kernel_writes_only_its_columns():
     gen = torch.Generator().manual_seed(1)
     w, x = quantize(torch.randn(50, 64, generator=gen)), torch.randn(6, 64, generator=gen)
     out = torch.full((6, 50), 7.0)
-    native.linear(x, w, out, 10, 23)
-    torch.testing.assert_close(out[:, 10:23], reference(x, w)[:, 10:23], rtol=1e-4, atol=1e-4)
-    assert bool((out[:, :10] == 7.0).all()) and bool((out[:, 23:] == 7.0).all())
+    native.linear(x, w, out, 16, 43)
+    torch.testing.assert_close(out[:, 16:43], reference(x, w)[:, 16:43], rtol=1e-4, atol=1e-4)
+    assert bool((out[:, :16] == 7.0).all()) and bool((out[:, 43:] == 7.0).all())
     with pytest.raises(RuntimeError, match="int8_linear_f32 failed"):
-        native.linear(x, w, out, 20, 10)
+        native.linear(x, w, out, 24, 16)
+    with pytest.raises(RuntimeError, match="int8_linear_f32 failed"):  # a split inside a group of 8 channels
+        native.linear(x, w, out, 10, 23)
 
 
 @pytest.mark.parametrize("use_native", [True, False])
