@@ -207,3 +207,20 @@ def test_python_client_and_cli_parsing(checkpoint, adapters):
     assert args.lora == "a"
     args = build_parser().parse_args(["lora", "load", "a", "/x", "--id", "3"])
     assert (args.lora_command, args.name, args.path, args.id) == ("load", "a", "/x", 3)
+
+
+def test_adapters_apply_on_int8_weights(checkpoint, adapters):
+    """The low-rank products go on top of whatever the base projection is (--weights int8 here)."""
+    import dataclasses
+
+    from tests.engine_helpers import greedy_request, run_all, tokens
+
+    engine = Engine.from_dir(checkpoint, EngineConfig(kv_cache_tokens=2048, weights="int8"))
+    try:
+        engine.load_lora("a", adapters["a"])
+        request = greedy_request([5, 17, 99, 3], 16)
+        outs = [tokens(next(iter(run_all(engine, [r])[1].values())))
+                for r in (request, dataclasses.replace(request, lora="a"))]
+        assert outs[0] != outs[1]
+    finally:
+        engine.shutdown()
