@@ -100,13 +100,23 @@ class Router:
             return set()
 
     def chat(self, system: str, user: str) -> int:
+        status, _ = self.chat_body(system, user)
+        return status
+
+    def chat_body(self, system: str, user: str) -> tuple[int, str]:
         body = json.dumps({"model": DEFAULT_MODEL.name, "temperature": 0, "max_tokens": 2,
                            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
         resp = conn.getresponse()
-        resp.read()
-        return resp.status
+        return resp.status, resp.read().decode(errors="replace")[:500]
+
+    def wait_serving(self, timeout: float = 120) -> None:
+        """Until the router answers a chat. `/workers` can list three healthy workers a moment before smg routes
+        to them (a full test run on two cores showed a 503 there); a short warm-up prompt that shares nothing
+        with the measured ones."""
+        wait(lambda: self.chat_body("Warm-up.", "Say hi.")[0] == 200, timeout, f"the router ({self.log_path.name})"
+             " to answer a chat")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -151,7 +161,8 @@ def run_groups(router: Router, workers: list[Worker], seed: int) -> tuple[list[l
         served.append([])
         for q in range(PER_GROUP):
             before = counters(workers)
-            assert router.chat(system, f"Question {g}.{q}: which word comes {q + 1}th?") == 200
+            status, body = router.chat_body(system, f"Question {g}.{q}: which word comes {q + 1}th?")
+            assert status == 200, (status, body)
             after = counters(workers)
             deltas = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
             (index,) = [i for i, d in enumerate(deltas) if d[0] > 0]
@@ -183,6 +194,7 @@ def test_cache_aware_routing_beats_round_robin_and_survives_a_killed_worker(clus
     router = Router(workers, "cache_aware", logs / "smg-cache-aware.log")
     try:
         wait(lambda: len(router.healthy()) == 3, 120, "the router to see three healthy workers")
+        router.wait_serving()
         wait(lambda: all("KV-event subscriber" in w.log_path.read_text(errors="replace") for w in workers), 30,
              "the router to subscribe to every worker's KV events")
         served, aware_rate = run_groups(router, workers, seed=1)
@@ -194,6 +206,7 @@ def test_cache_aware_routing_beats_round_robin_and_survives_a_killed_worker(clus
     rr = Router(workers, "round_robin", logs / "smg-round-robin.log")
     try:
         wait(lambda: len(rr.healthy()) == 3, 120, "the round-robin router")
+        rr.wait_serving()
         served_rr, rr_rate = run_groups(rr, workers, seed=2)  # other system prompts: nothing cached yet
     finally:
         rr.stop()
@@ -205,6 +218,7 @@ def test_cache_aware_routing_beats_round_robin_and_survives_a_killed_worker(clus
     router = Router(workers, "cache_aware", logs / "smg-failover.log")
     try:
         wait(lambda: len(router.healthy()) == 3, 120, "the router to see three healthy workers")
+        router.wait_serving()
         victim = workers[1]
         victim.kill()
         rng = random.Random(3)

@@ -138,15 +138,17 @@ def test_unknown_adapter_and_unload_while_in_use(checkpoint, adapters):
             code, msg = await status_of(lambda: stub.Generate(greedy("zzz")))
             assert (code, msg) == (grpc.StatusCode.NOT_FOUND, "LoRA adapter `zzz` is not loaded (loaded: `a`, `b`)")
             base, with_b = await ids_of(stub, greedy("")), await ids_of(stub, greedy("b"))
-            long_a = asyncio.ensure_future(ids_of(stub, greedy("a", max_new_tokens=400)))
+            long_a = asyncio.ensure_future(ids_of(stub, greedy("a", max_new_tokens=1000)))
             others = [asyncio.ensure_future(ids_of(stub, greedy(n, max_new_tokens=16))) for n in ("", "b") * 6]
-            await asyncio.sleep(0.3)
+            while not any(x.name == "a" and x.num_running for x in  # until the long request is in the engine
+                          (await stub.ListLoraAdapters(pb.ListLoraAdaptersRequest())).adapters):
+                await asyncio.sleep(0.01)
             code, msg = await status_of(lambda: stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(name="a")))
             assert code == grpc.StatusCode.FAILED_PRECONDITION
             assert msg == "LoRA adapter `a` has 1 requests in flight; unload it once they finish"
             loaded = await stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name="c", path=str(adapters["c"])))
             assert loaded.id == 3
-            assert len(await long_a) == 400  # the refused unload did not disturb it
+            assert len(await long_a) == 1000  # the refused unload did not disturb it
             assert await asyncio.gather(*others) == [base, with_b] * 6
             done = await stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(name="a"))
             assert done.adapter.name == "a"
@@ -205,3 +207,20 @@ def test_python_client_and_cli_parsing(checkpoint, adapters):
     assert args.lora == "a"
     args = build_parser().parse_args(["lora", "load", "a", "/x", "--id", "3"])
     assert (args.lora_command, args.name, args.path, args.id) == ("load", "a", "/x", 3)
+
+
+def test_adapters_apply_on_int8_weights(checkpoint, adapters):
+    """The low-rank products go on top of whatever the base projection is (--weights int8 here)."""
+    import dataclasses
+
+    from tests.engine_helpers import greedy_request, run_all, tokens
+
+    engine = Engine.from_dir(checkpoint, EngineConfig(kv_cache_tokens=2048, weights="int8"))
+    try:
+        engine.load_lora("a", adapters["a"])
+        request = greedy_request([5, 17, 99, 3], 16)
+        outs = [tokens(next(iter(run_all(engine, [r])[1].values())))
+                for r in (request, dataclasses.replace(request, lora="a"))]
+        assert outs[0] != outs[1]
+    finally:
+        engine.shutdown()
