@@ -158,33 +158,43 @@ async def wait_ready(port: int, timeout: float = 300.0) -> None:
     raise TimeoutError(f"the server on port {port} did not become ready in {timeout} s")
 
 
-async def run_grpc(port: int, scenario: Scenario) -> Result:
+async def stream_all(port: int, prompts: list[list[int]], num_new: list[int],
+                     concurrency: int) -> tuple[float, list[float], list[int], list[int]]:
+    """Greedy streaming Generate calls through the real gRPC server, EOS ignored, `concurrency` in flight:
+    (wall s, TTFT per request, tokens per request, cached prompt tokens per request), in completion order."""
     import grpc
 
     from tokenloop.v1 import tokenloop_pb2 as pb
     from tokenloop.v1 import tokenloop_pb2_grpc
 
-    gate = asyncio.Semaphore(scenario.concurrency)
-    ttfts, counts = [], []
+    gate = asyncio.Semaphore(concurrency)
+    ttfts, counts, cached = [], [], []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = tokenloop_pb2_grpc.TextGenerationStub(channel)
 
-        async def one(prompt: list[int], num_new: int) -> None:
+        async def one(prompt: list[int], n: int) -> None:
             async with gate:
                 sent, first, count = time.perf_counter(), None, 0
                 request = pb.GenerateRequest(
                     token_ids=pb.TokenIds(ids=prompt), stream=True, sampling=pb.SamplingParams(temperature=0.0),
-                    stopping=pb.StoppingCriteria(max_new_tokens=num_new, ignore_eos=True))
+                    stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
                 async for response in stub.Generate(request):
                     if response.HasField("chunk") and response.chunk.token_ids:
                         first = first or time.perf_counter()
                         count += len(response.chunk.token_ids)
+                    elif response.HasField("complete"):
+                        cached.append(response.complete.usage.cached_prompt_tokens)
                 ttfts.append(first - sent)
                 counts.append(count)
 
         start = time.perf_counter()
-        await asyncio.gather(*(one(p, n) for p, n in zip(scenario.prompts, scenario.num_new)))
+        await asyncio.gather(*(one(p, n) for p, n in zip(prompts, num_new)))
         wall = time.perf_counter() - start
+    return wall, ttfts, counts, cached
+
+
+async def run_grpc(port: int, scenario: Scenario) -> Result:
+    wall, ttfts, counts, _ = await stream_all(port, scenario.prompts, scenario.num_new, scenario.concurrency)
     if counts != [n for n in scenario.num_new] and sorted(counts) != sorted(scenario.num_new):
         raise RuntimeError(f"{scenario.name}: the server returned {sum(counts)} tokens, expected {sum(scenario.num_new)}")
     return Result("tokenloop", scenario.name, sum(counts), wall, ttfts)

@@ -28,34 +28,9 @@ def prompts(corpus: list[int]) -> list[list[int]]:
 
 
 async def run(port: int, batch: list[list[int]], num_new: int) -> dict:
-    import grpc
+    from bench.engine_bench import stream_all
 
-    from tokenloop.v1 import tokenloop_pb2 as pb
-    from tokenloop.v1 import tokenloop_pb2_grpc
-
-    gate = asyncio.Semaphore(IN_FLIGHT)
-    ttfts, counts, cached = [], [], []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = tokenloop_pb2_grpc.TextGenerationStub(channel)
-
-        async def one(prompt: list[int]) -> None:
-            async with gate:
-                sent, first, count = time.perf_counter(), None, 0
-                request = pb.GenerateRequest(
-                    token_ids=pb.TokenIds(ids=prompt), stream=True, sampling=pb.SamplingParams(temperature=0.0),
-                    stopping=pb.StoppingCriteria(max_new_tokens=num_new, ignore_eos=True))
-                async for response in stub.Generate(request):
-                    if response.HasField("chunk") and response.chunk.token_ids:
-                        first = first or time.perf_counter()
-                        count += len(response.chunk.token_ids)
-                    elif response.HasField("complete"):
-                        cached.append(response.complete.usage.cached_prompt_tokens)
-                ttfts.append(first - sent)
-                counts.append(count)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(one(p) for p in batch))
-        wall = time.perf_counter() - start
+    wall, ttfts, counts, cached = await stream_all(port, batch, [num_new] * len(batch), IN_FLIGHT)
     if sum(counts) != num_new * len(batch):
         raise RuntimeError(f"the server returned {sum(counts)} tokens, expected {num_new * len(batch)}")
     prompt_tokens = sum(len(p) for p in batch)
