@@ -116,7 +116,7 @@ class Engine:
         if isinstance(sample_weight, QWeight):  # timed over every layer's gate_up: they stream from memory
             return MatmulPolicy.calibrate_int8(self._gate_ups, kernels.load_int8())
         if self.config.matmul_backend == "auto":
-            return MatmulPolicy.calibrate(sample_weight)
+            return MatmulPolicy.calibrate(self._gate_ups, kernels.load_int8())
         usable = sample_weight.dtype in (torch.float32, torch.float64)
         wanted = Backend(self.config.matmul_backend)
         return MatmulPolicy.fixed(wanted if usable else Backend.TORCH)

@@ -125,6 +125,33 @@ class Int8Linear:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
         self._linear.restype = ctypes.c_int
+        self._linear2 = lib.int8_linear_f32_2t
+        self._linear2.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64]
+        self._linear2.restype = ctypes.c_int
+        self._f32_linear2 = lib.f32_linear_f32_2t
+        self._f32_linear2.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64]
+        self._f32_linear2.restype = ctypes.c_int
+        lib.int8_set_spin_us.argtypes = [i64]
+        lib.int8_set_spin_us(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+
+    def linear2(self, x: torch.Tensor, w, out: torch.Tensor) -> None:
+        """`linear` over all channels on two threads: the caller's and the library's worker (int8_linear.c), which
+        spins briefly for the next product instead of being woken through Python."""
+        num_out = w.num_out
+        half = num_out // 2 // 32 * 32  # keep the kernel's 32-channel blocks whole
+        rc = self._linear2(x.data_ptr(), x.shape[0], x.shape[1], w.q.data_ptr(), w.scale.data_ptr(), w.group_size,
+                           out.data_ptr(), num_out, 0, half, num_out)
+        if rc != 0:
+            raise RuntimeError(f"int8_linear_f32_2t failed (code {rc})")
+
+    def f32_linear2(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x @ w.T for float32 x [M, K] (a few rows), w [N, K] and out [M, N], all contiguous, on two threads
+        as `linear2` (int8_linear.c's f32_linear_f32: memory-bound one-row products)."""
+        num_out = w.shape[0]
+        rc = self._f32_linear2(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), out.data_ptr(), num_out,
+                               num_out // 2)
+        if rc != 0:
+            raise RuntimeError(f"f32_linear_f32_2t failed (code {rc})")
 
     def linear(self, x: torch.Tensor, w, out: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
         """out[:, begin:end] = x @ w.dequantize().T[:, begin:end] for a quant.QWeight w. x [M, K] float32 and

@@ -8,6 +8,13 @@ Threads: OpenBLAS worker threads spin between calls, and OpenMP barriers wait fo
 workers; on a small shared machine either turns a 20 ms step into 700 ms. So OpenBLAS stays
 single-threaded, and `numpy2` splits a product over two plain Python threads (numpy releases the
 GIL) that block, rather than spin, while they wait.
+
+`native2`, for steps of a few tokens (one decoding stream): the float32 matrix-vector kernel of
+int8_linear.c on two threads, its own worker spinning at most 200 us between the products of one
+step. A step of one token reads every weight once, so it runs at memory bandwidth, which one core
+cannot reach alone; handing half of each of the ~120 products of a step to a Python thread costs
+~35 us each (a queue, then the GIL), more than half of what a product takes. Timed over every
+layer's weights, not one: one matrix sits in the cache and hides what memory costs.
 """
 
 from __future__ import annotations
@@ -36,7 +43,11 @@ class Backend(enum.Enum):
     TORCH = "torch"
     NUMPY = "numpy"
     NUMPY2 = "numpy2"  # numpy, output features split over two threads
+    NATIVE2 = "native2"  # the native float32 kernel on two threads (a few tokens per step; int8_linear.c)
 
+
+NATIVE_MAX_TOKENS = 16  # native2 is a candidate up to this bucket (past it BLAS's blocking wins)
+COLD_TOKENS = 4  # buckets up to this many tokens are timed over every layer's weights (memory-bound)
 
 def _fastest(candidates: dict, rounds: int = 7):
     """The key of the fastest callable. Rounds interleave the candidates (A B C A B C ...) and each keeps its
@@ -95,9 +106,10 @@ class MatmulPolicy:
     """`linear(x, w, backend)` = x @ w.T; `backend(num_tokens)` says how a step multiplies."""
 
     def __init__(self, buckets: dict[int, Backend], helper: _Helper | None = None, int8: Int8Linear | None = None,
-                 int8_split: dict[int, bool] | None = None):
+                 int8_split: dict[int, bool] | None = None, native: Int8Linear | None = None):
         self.buckets = buckets
         self.int8 = int8  # the native int8 kernel for QWeight products; None: torch (dequantize, then F.linear)
+        self.native = native or int8  # the native kernels' library, for Backend.NATIVE2 (None: numpy serves)
         self.int8_split = int8_split or {}  # bucket -> split a QWeight product's output channels over two threads
         wants_helper = Backend.NUMPY2 in buckets.values() or any(self.int8_split.values())
         self._helper = helper or (_Helper() if wants_helper else None)
@@ -110,25 +122,40 @@ class MatmulPolicy:
 
     @classmethod
     def fixed(cls, backend: Backend) -> MatmulPolicy:
-        return cls({b: backend for b in BUCKETS})
+        native = None
+        if backend is Backend.NATIVE2:
+            from .kernels import load_int8
+            native = load_int8()
+        return cls({b: backend for b in BUCKETS}, native=native)
 
     @classmethod
-    def calibrate(cls, weight: torch.Tensor) -> MatmulPolicy:
-        """Time each backend on `weight` [N, D] for every bucket (numpy only for float32/float64)."""
+    def calibrate(cls, weights: torch.Tensor | list[torch.Tensor], native: Int8Linear | None = None) -> MatmulPolicy:
+        """Time each backend for every bucket (numpy and native only for float32/float64; native2 only for float32
+        and up to NATIVE_MAX_TOKENS). `weights`: [N, D] matrices of one shape, e.g. every layer's gate_up; buckets
+        up to COLD_TOKENS are timed over all of them (a step streams them from memory), larger ones on the first."""
+        weights = weights if isinstance(weights, list) else [weights]
+        weight = weights[0]
         if weight.dtype not in (torch.float32, torch.float64):
             return cls.fixed(Backend.TORCH)
         split = (os.cpu_count() or 1) >= 2
-        probe = cls({b: Backend.NUMPY2 for b in BUCKETS}) if split else None
+        native = native if split and weight.dtype == torch.float32 else None
+        probe = cls({b: Backend.NUMPY2 for b in BUCKETS}, native=native) if split else None
         buckets = {}
         with torch.inference_mode():
             for b in BUCKETS:
                 x = torch.randn(b, weight.shape[1], dtype=weight.dtype)
-                candidates = {Backend.TORCH: lambda x=x: F.linear(x, weight),
-                              Backend.NUMPY: lambda x=x: np.matmul(x.numpy(), weight.numpy().T)}
+                over = weights if b <= COLD_TOKENS else [weight]
+
+                def each(fn, over=over):
+                    return lambda: [fn(w) for w in over]
+                candidates = {Backend.TORCH: each(lambda w, x=x: F.linear(x, w)),
+                              Backend.NUMPY: each(lambda w, x=x: np.matmul(x.numpy(), w.numpy().T))}
                 if probe is not None and b >= MIN_SPLIT_TOKENS:
-                    candidates[Backend.NUMPY2] = lambda x=x: probe.linear(x, weight, Backend.NUMPY2)
-                buckets[b] = _fastest(candidates)
-        return cls(buckets, probe._helper if probe is not None else None)
+                    candidates[Backend.NUMPY2] = each(lambda w, x=x: probe.linear(x, w, Backend.NUMPY2))
+                if native is not None and b <= NATIVE_MAX_TOKENS:
+                    candidates[Backend.NATIVE2] = each(lambda w, x=x: probe.linear(x, w, Backend.NATIVE2))
+                buckets[b] = _fastest(candidates, rounds=3 if len(over) > 1 else 7)
+        return cls(buckets, probe._helper if probe is not None else None, native=native)
 
     @classmethod
     def calibrate_int8(cls, weights: QWeight | list[QWeight], int8: Int8Linear | None) -> MatmulPolicy:
@@ -172,11 +199,8 @@ class MatmulPolicy:
         out = torch.empty(x.shape[0], num_out, dtype=torch.float32)
         if split is None:
             split = self.int8_split.get(self._bucket(x.shape[0]), False)
-        if split:
-            half = num_out // 2 // 8 * 8  # keep the kernel's 8-channel groups whole
-            kernel = self.int8
-            self.helper().split(lambda: kernel.linear(x, w, out, 0, half),
-                                lambda: kernel.linear(x, w, out, half, num_out))
+        if split:  # the kernel's own worker thread takes half the channels (no Python hand-over)
+            self.int8.linear2(x, w, out)
         else:
             self.int8.linear(x, w, out)
         return out
@@ -185,7 +209,12 @@ class MatmulPolicy:
         """x: [T, D_in], w: [D_out, D_in] -> [T, D_out]."""
         if isinstance(w, QWeight):
             return self._qlinear(x, w)
-        if backend is Backend.TORCH:
+        if backend is Backend.NATIVE2 and self.native is not None and w.dtype == torch.float32 and w.is_contiguous():
+            x = x.contiguous()
+            out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+            self.native.f32_linear2(x, w, out)
+            return out
+        if backend is Backend.TORCH or backend is Backend.NATIVE2:  # NATIVE2 without the kernel: torch serves
             return F.linear(x, w)
         x_np = x.contiguous().numpy()
         if backend is Backend.NUMPY2 and x.shape[0] >= MIN_SPLIT_TOKENS and self._helper is not None:

@@ -6,8 +6,9 @@ consecutive input columns, s[n, g] = max |w[n, g*G : (g+1)*G]| / 127 and q = rou
 maps to zero. G = 32 is llama.cpp's Q8_0 block; G = K is one scale per channel (docs/engine.md: per channel alone
 changes greedy output on 6 of 16 chat prompts, groups of 32 on 3). Activations and accumulation stay float32.
 
-Both are stored packed eight output channels at a time, the layout the native kernel (int8_linear.c) reads:
-q [ceil(N/8), K, 8], scale [ceil(N/8), K/G, 8] (channels past N are zero). Without the kernel, torch multiplies by
+Both are stored packed 32 output channels at a time, the layout the native kernel (int8_linear.c) reads:
+q [ceil(N/32), K, 32], scale [ceil(N/32), K/G, 32] (channels past N are zero); a block's columns are contiguous, so
+a one-row product reads its weights as sequential streams. Without the kernel, torch multiplies by
 the weight widened back to float.
 """
 
@@ -19,12 +20,12 @@ import torch
 
 WEIGHT_MODES = ("fp32", "int8")
 GROUP_SIZE = 32
-PACK = 8  # output channels interleaved per column
+PACK = 32  # output channels interleaved per column
 
 
 @dataclass(frozen=True, slots=True)
 class QWeight:
-    """An int8 weight of `num_out` x K: packed q [N8, K, 8] int8 and scale [N8, K // group_size, 8] float32."""
+    """An int8 weight of `num_out` x K: packed q [N32, K, 32] int8 and scale [N32, K // group_size, 32] float32."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -37,16 +38,16 @@ class QWeight:
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, K] int8, scale [N, K // group_size] float32), one row per output channel."""
-        n8, k, _ = self.q.shape
-        q = self.q.permute(0, 2, 1).reshape(n8 * PACK, k)[:self.num_out]
-        return q, self.scale.permute(0, 2, 1).reshape(n8 * PACK, -1)[:self.num_out]
+        nb, k, _ = self.q.shape
+        q = self.q.permute(0, 2, 1).reshape(nb * PACK, k)[:self.num_out]
+        return q, self.scale.permute(0, 2, 1).reshape(nb * PACK, -1)[:self.num_out]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] the int8 values stand for (what the kernel multiplies by)."""
-        n8, k, _ = self.q.shape
-        q = self.q.permute(0, 2, 1).reshape(n8 * PACK, k // self.group_size, self.group_size).float()
-        s = self.scale.permute(0, 2, 1).reshape(n8 * PACK, -1, 1)
-        return (q * s).view(n8 * PACK, k)[:self.num_out]
+        nb, k, _ = self.q.shape
+        q = self.q.permute(0, 2, 1).reshape(nb * PACK, k // self.group_size, self.group_size).float()
+        s = self.scale.permute(0, 2, 1).reshape(nb * PACK, -1, 1)
+        return (q * s).reshape(nb * PACK, k)[:self.num_out].contiguous()
 
 
 def group_size_for(num_in: int, group_size: int = GROUP_SIZE) -> int:
@@ -58,14 +59,14 @@ def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE) -> QWeight:
     """w [N, K] float -> QWeight, symmetric, one scale per output channel and group of columns."""
     n, k = w.shape
     g = group_size_for(k, group_size)
-    n8 = -(-n // PACK)
-    padded = torch.zeros(n8 * PACK, k, dtype=torch.float32)
+    nb = -(-n // PACK)
+    padded = torch.zeros(nb * PACK, k, dtype=torch.float32)
     padded[:n] = w.float()
-    groups = padded.view(n8 * PACK, k // g, g)
-    amax = groups.abs().amax(dim=-1)  # [N8*8, K / g]
+    groups = padded.view(nb * PACK, k // g, g)
+    amax = groups.abs().amax(dim=-1)  # [NB*32, K / g]
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(groups / scale[:, :, None]).clamp_(-127, 127).to(torch.int8).view(n8, PACK, k)
-    return QWeight(q.permute(0, 2, 1).contiguous(), scale.view(n8, PACK, -1).permute(0, 2, 1).contiguous(), g, n)
+    q = torch.round(groups / scale[:, :, None]).clamp_(-127, 127).to(torch.int8).view(nb, PACK, k)
+    return QWeight(q.permute(0, 2, 1).contiguous(), scale.view(nb, PACK, -1).permute(0, 2, 1).contiguous(), g, n)
 
 
 def qweight(w: torch.Tensor) -> QWeight:

@@ -27,7 +27,7 @@ def test_quantize_is_symmetric_per_channel_and_group():
     qw = quantize(w, group_size=32)
     q, scale = qw.unpacked()
     assert q.dtype is torch.int8 and scale.shape == (7, 2) and qw.group_size == 32 and qw.shape == (7, 64)
-    assert qw.q.shape == (1, 64, 8)  # packed: eight channels per column, the eighth one padding
+    assert qw.q.shape == (1, 64, 32)  # packed: 32 channels per column, the last 25 padding
     assert int(q.abs().max()) == 127 and int(q.min()) >= -127
     assert torch.equal(q[3], torch.zeros(64, dtype=torch.int8)) and bool((scale[3] == 1.0).all())
     err = (qw.dequantize() - w).abs()
@@ -64,9 +64,12 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch():
     together = torch.empty(14, 300)
     native.linear(x, w, together)
     halves = torch.empty(14, 300)
-    native.linear(x, w, halves, 0, 144)
-    native.linear(x, w, halves, 144, 300)
+    native.linear(x, w, halves, 0, 160)
+    native.linear(x, w, halves, 160, 300)
     assert torch.equal(halves, together)
+    both = torch.empty(14, 300)
+    native.linear2(x, w, both)  # the library's worker thread takes half the channels
+    assert torch.equal(both, together)
     for i in range(14):
         alone = torch.empty(1, 300)
         native.linear(x[i:i + 1].contiguous(), w, alone)
@@ -78,13 +81,51 @@ def test_kernel_writes_only_its_columns():
     gen = torch.Generator().manual_seed(1)
     w, x = quantize(torch.randn(50, 64, generator=gen)), torch.randn(6, 64, generator=gen)
     out = torch.full((6, 50), 7.0)
-    native.linear(x, w, out, 16, 43)
-    torch.testing.assert_close(out[:, 16:43], reference(x, w)[:, 16:43], rtol=1e-4, atol=1e-4)
-    assert bool((out[:, :16] == 7.0).all()) and bool((out[:, 43:] == 7.0).all())
+    native.linear(x, w, out, 32, 43)
+    torch.testing.assert_close(out[:, 32:43], reference(x, w)[:, 32:43], rtol=1e-4, atol=1e-4)
+    assert bool((out[:, :32] == 7.0).all()) and bool((out[:, 43:] == 7.0).all())
     with pytest.raises(RuntimeError, match="int8_linear_f32 failed"):
         native.linear(x, w, out, 24, 16)
-    with pytest.raises(RuntimeError, match="int8_linear_f32 failed"):  # a split inside a group of 8 channels
-        native.linear(x, w, out, 10, 23)
+    with pytest.raises(RuntimeError, match="int8_linear_f32 failed"):  # a split inside a block of 32 channels
+        native.linear(x, w, out, 16, 23)
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16])
+@pytest.mark.parametrize("shape", [(960, 576), (577, 1536), (7, 13), (4, 16)])
+def test_float32_kernel_matches_torch_on_two_threads(num_tokens, shape):
+    """f32_linear_f32 (--weights fp32, decode steps of a few tokens): x @ w.T, each row the same bits alone."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    w, x = torch.randn(*shape, generator=gen), torch.randn(num_tokens, shape[1], generator=gen)
+    out = torch.full((num_tokens, shape[0]), float("nan"))
+    native.f32_linear2(x, w, out)
+    torch.testing.assert_close(out, x @ w.T, rtol=1e-4, atol=1e-4)
+    alone = torch.empty(1, shape[0])
+    native.f32_linear2(x[-1:].contiguous(), w, alone)
+    assert torch.equal(alone[0], out[-1])
+
+
+@needs_kernel
+def test_worker_thread_serves_concurrent_callers():
+    """Two threads calling at once (two engines in one process): one gets the worker, the other computes alone."""
+    import threading
+    gen = torch.Generator().manual_seed(5)
+    w, x = quantize(torch.randn(320, 96, generator=gen), 32), torch.randn(3, 96, generator=gen)
+    want = reference(x, w)
+    errors = []
+
+    def run():
+        for _ in range(200):
+            out = torch.empty(3, 320)
+            native.linear2(x, w, out)
+            if not torch.allclose(out, want, rtol=1e-4, atol=1e-4):
+                errors.append(out)
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
 
 
 @pytest.mark.parametrize("use_native", [True, False])
