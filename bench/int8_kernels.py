@@ -7,14 +7,18 @@ the model's shapes, a separate random weight per layer so the weights stream fro
 and the lm_head, each on two threads, the best of several rounds (rounds interleave the candidates):
 
   fp32 torch         F.linear on float32 weights (torch threads = 2): the reference class of kernel
-  fp32 numpy2        the engine's float32 path (OpenBLAS, output features split over two Python threads)
+  fp32 numpy2        the engine's float32 path from 32 tokens (OpenBLAS, output features split over two Python
+                     threads)
+  fp32 native2       the engine's float32 path for few tokens (int8_linear.c's f32_linear_f32 on the library's
+                     own two threads; timed up to 32 tokens)
   dyn-quant ENGINE   torch.ao.nn.quantized.dynamic.Linear, per-channel int8 weights; ENGINE = fbgemm, x86,
                      onednn (activations quantized to uint8 per step: not fp32 activations)
   int8pack           torch.ops.aten._weight_int8pack_mm (int8 weights, per-channel scales, fp32 activations;
                      timed up to 8 tokens only, it takes seconds per pass beyond)
   dequant torch      w.float() * scale, then F.linear: the naive fp32-activation route
   tokenloop C        engine/int8_linear.c (the engine's layout: a scale per channel and 32 columns), output
-                     channels split over two Python threads; "per channel": the same kernel, one scale a channel
+                     channels split with the library's worker thread; "per channel": the same kernel, one scale
+                     a channel
 Prints ms per step and tokens/s of products alone; recorded figures: bench/results-int8-kernels.json.
 """
 
@@ -72,6 +76,9 @@ def candidates(weights: list[torch.Tensor]) -> dict[str, callable]:
     np2 = MatmulPolicy.fixed(Backend.NUMPY2)
     out["fp32 numpy2"] = one_torch_thread(
         lambda x: [np2.linear(x[:, :w.shape[1]].contiguous(), w, Backend.NUMPY2) for w in weights])
+    native2 = MatmulPolicy.fixed(Backend.NATIVE2)
+    if native2.native is not None:
+        out["fp32 native2"] = lambda x: [native2.linear(x[:, :w.shape[1]], w, Backend.NATIVE2) for w in weights]
     q = [per_channel(w) for w in weights]
     for engine in ("fbgemm", "x86", "onednn"):
         if engine not in torch.backends.quantized.supported_engines:
@@ -104,7 +111,9 @@ def candidates(weights: list[torch.Tensor]) -> dict[str, callable]:
     return out
 
 
-SLOW = {"int8pack": 8}  # timed up to this many tokens only: 30 s a pass at 256 tokens, 80x the others
+# timed up to this many tokens only: int8pack takes 30 s a pass at 256 tokens, 80x the others; native2 is the engine's
+# path for steps of a few tokens (matmul.NATIVE_MAX_TOKENS), not built for big ones
+SLOW = {"int8pack": 8, "fp32 native2": 32}
 
 
 def measure(weights: list[torch.Tensor], tokens: list[int], rounds: int) -> dict[str, dict[int, float]]:

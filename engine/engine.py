@@ -62,9 +62,11 @@ class Engine:
         log.info("engine: weights %s loaded in %.1f s", self.dtype, time.perf_counter() - started)
         num_blocks = self.config.num_kv_blocks(Model.kv_bytes_per_token(self.model_config, dtype))
         self._gate_ups = [weights[f"layers.{i}.gate_up"] for i in range(self.model_config.num_layers)]
+        paged = self._paged_attention(dtype)
         self.model = Model(self.model_config, weights, dtype, num_blocks, self.config.block_size,
-                           self._matmul_policy(weights["layers.0.gate_up"]), self._paged_attention(dtype),
-                           split_attention=(os.cpu_count() or 1) >= 2)
+                           self._matmul_policy(weights["layers.0.gate_up"]), paged,
+                           split_attention=(os.cpu_count() or 1) >= 2,
+                           ops=kernels.load_ops() if paged is not None else None)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_tokens, self.config.max_batch_size)
         self.kv_events = KvEventHub()  # the prefix cache's stored / removed blocks, for SubscribeKvEvents
@@ -85,9 +87,10 @@ class Engine:
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
         self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
         self._thread = threading.Thread(target=self._loop, name="tokenloop-engine", daemon=True)
-        log.info("engine: %s, weights %s, activations %s, %d KV blocks of %d tokens, matmul %s, decode attention %s",
-                 self.model_config.architecture, self.dtype, self.config.dtype, num_blocks, self.config.block_size, self.model.matmul.describe(),
-                 "native" if self.model.paged is not None else "torch")
+        log.info("engine: %s, weights %s, activations %s, %d KV blocks of %d tokens, matmul %s, decode attention %s, "
+                 "layer ops %s", self.model_config.architecture, self.dtype, self.config.dtype, num_blocks,
+                 self.config.block_size, self.model.matmul.describe(), "native" if self.model.paged is not None else "torch",
+                 "native" if self.model.ops is not None else "torch")
         if start:
             self._thread.start()
 

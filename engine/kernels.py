@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 INT8_SOURCE = Path(__file__).with_name("int8_linear.c")
+OPS_SOURCE = Path(__file__).with_name("layer_ops.c")
 # -ffast-math lets the dot products and exp vectorise. It is given to the compile step only: linked with it,
 # the library would pull in crtfastmath.o, which switches the whole process to flush-denormals-to-zero on
 # load (torch's and Python's arithmetic included).
@@ -36,7 +37,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared",)
 FLAGS = COMPILE_FLAGS + LINK_FLAGS
 _lock = threading.Lock()
-_loaded: dict[str, PagedAttention | Int8Linear | None] = {}
+_loaded: dict[str, PagedAttention | Int8Linear | LayerOps | None] = {}
 
 
 def _cpu_id() -> str:
@@ -163,6 +164,45 @@ class Int8Linear:
             raise RuntimeError(f"int8_linear_f32 failed (code {rc})")
 
 
+class LayerOps:
+    """ctypes binding of layer_ops.c: RMSNorm (+ residual), rotary embedding + K/V cache write, SiLU * up."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._norm = lib.add_rms_norm_f32
+        self._norm.argtypes = [ptr, ptr, ptr, f32, ptr, i64, i64]
+        self._norm.restype = None
+        self._rope = lib.rope_store_f32
+        self._rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+        self._rope.restype = ctypes.c_int
+        self._silu = lib.silu_mul_f32
+        self._silu.argtypes = [ptr, ptr, i64, i64]
+        self._silu.restype = None
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     out: torch.Tensor) -> None:
+        """h [T, D] += delta (in place, when given); out [T, D] = RMSNorm(h) * weight. All float32, contiguous."""
+        self._norm(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
+                   h.shape[0], h.shape[1])
+
+    def rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                   sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> None:
+        """Rotate the query and key heads of qkv [T, (H+2K)*E] (rows contiguous) in place; write K and V to the
+        caches [S, K, E] at `slots` [T] int64. cos, sin: [max_context, E] tables; positions [T] int64."""
+        rc = self._rope(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
+                        cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                        v_cache.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"rope_store_f32 failed (code {rc})")
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; gate_up [T, 2I] contiguous."""
+        self._silu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
+
+
 def _load(source: Path, binding, what: str):
     key = str(source)
     with _lock:
@@ -179,6 +219,11 @@ def _load(source: Path, binding, what: str):
 def load() -> PagedAttention | None:
     """The compiled decode-attention kernel, or None (logged once) when it cannot be built here."""
     return _load(SOURCE, PagedAttention, "paged attention")
+
+
+def load_ops() -> LayerOps | None:
+    """The compiled layer operations (layer_ops.c), or None (logged once) when they cannot be built here."""
+    return _load(OPS_SOURCE, LayerOps, "layer ops")
 
 
 def load_int8() -> Int8Linear | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .kernels import PagedAttention
+from .kernels import LayerOps, PagedAttention
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
 
@@ -102,12 +102,14 @@ class Model:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  num_blocks: int, block_size: int, matmul: MatmulPolicy, paged: PagedAttention | None = None,
-                 split_attention: bool = False):
+                 split_attention: bool = False, ops: LayerOps | None = None):
         self.config = config
         self.dtype = dtype
         self.matmul = matmul
         # decode attention straight from the paged cache (kernels.py); None: gather + SDPA in torch
         self.paged = paged if dtype == torch.float32 else None
+        # RMSNorm, rope + cache write and SiLU * up in C (kernels.py); None: the same operations in torch
+        self.ops = ops if dtype == torch.float32 else None
         self.split_attention = split_attention  # halve each decode batch over the matmul helper thread
         self.scale = config.head_dim ** -0.5
         self.embed = weights["embed"]  # [V, D]
@@ -139,6 +141,8 @@ class Model:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch, write its K/V into the cache; returns float32 logits [S, V]."""
+        if self.ops is not None:
+            return self._forward_ops(batch)
         c, num_tokens = self.config, batch.input_ids.shape[0]
         backend = self.matmul.backend(num_tokens)
         linear = self.matmul.linear
@@ -168,6 +172,46 @@ class Model:
             down = linear(act, w.down, backend)
             h = h + (add_lora(down, act, loras, i, "down") if loras else down)
         x = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [S, D]
+        return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
+
+    def _forward_ops(self, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` with the layer's small operations in C (layer_ops.c): the residual stream h is updated in place
+        and each residual add is fused into the RMSNorm after it. The same operations, in the same order."""
+        c, num_tokens = self.config, batch.input_ids.shape[0]
+        backend = self.matmul.backend(num_tokens)
+        linear, ops, eps = self.matmul.linear, self.ops, c.rms_norm_eps
+        loras = batch.lora_segments
+        h = self.embed[batch.input_ids]  # [T, D], a new tensor: updated in place below
+        x = torch.empty_like(h)
+        heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        delta = None  # the last layer's output, added to h by the next RMSNorm
+        for i, w in enumerate(self.layers):
+            ops.add_rms_norm(h, delta, w.input_norm, eps, x)
+            qkv = linear(x, w.qkv, backend)  # [T, (H+2K)*E]
+            if loras:
+                add_lora(qkv, x, loras, i, "qkv")
+            if w.qkv_bias is not None:
+                qkv = qkv + w.qkv_bias
+            ops.rope_store(qkv, heads, kv_heads, head_dim, self.cos, self.sin, batch.positions, batch.slot_mapping,
+                           self.k_cache[i], self.v_cache[i])
+            q = qkv[:, :q_end].view(num_tokens, heads, head_dim)
+            k = qkv[:, q_end:k_end].view(num_tokens, kv_heads, head_dim)
+            v = qkv[:, k_end:].view(num_tokens, kv_heads, head_dim)
+            attn = self._attention(i, q, k, v, batch.groups)
+            o = linear(attn, w.o, backend)
+            ops.add_rms_norm(h, add_lora(o, attn, loras, i, "o") if loras else o, w.post_norm, eps, x)
+            gate_up = linear(x, w.gate_up, backend)
+            if loras:
+                add_lora(gate_up, x, loras, i, "gate_up")
+            act = torch.empty(num_tokens, gate_up.shape[1] // 2)
+            ops.silu_mul(gate_up, act)
+            down = linear(act, w.down, backend)
+            delta = add_lora(down, act, loras, i, "down") if loras else down
+        h.add_(delta)
+        rows = h[batch.logits_rows]  # [S, D]
+        x = torch.empty_like(rows)
+        ops.add_rms_norm(rows, None, self.norm, eps, x)
         return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
