@@ -3,8 +3,10 @@
 One stream per subscriber (smg.grpc.common.KvEventBatch): each batch of the executor's `KvEventHub` with its
 sequence number, its events (stored blocks with hash, parent hash, token ids and block size; removed hashes;
 cleared) and an `EngineLoad` record; while the executor publishes nothing, a `load_only` heartbeat every
-`kv_events_heartbeat` seconds repeating the last sequence number. `start_sequence_number` > 0 replays the kept
-batches from that number on. A subscriber that falls `max_queued` batches behind (it stopped reading and HTTP/2
+`kv_events_heartbeat` seconds repeating the last sequence number. `start_sequence_number` is the last batch the
+subscriber applied: the kept batches after it come first; a number outside the history (from before a restart,
+or too old) ends the call with OUT_OF_RANGE before any batch, SMG's signal to drop this worker's blocks and
+subscribe from 0 (looper/kv_events.py). A subscriber that falls `max_queued` batches behind (it stopped reading and HTTP/2
 flow control parked this handler) is cut off: its handler task is cancelled, its queue dropped; the engine
 thread never waits for it.
 """
@@ -17,7 +19,7 @@ import logging
 
 from smg_grpc_proto.generated import common_pb2
 
-from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, EventBatch
+from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, EventBatch, ResumeOutOfRange
 
 log = logging.getLogger("tokenloop.service")
 
@@ -68,13 +70,13 @@ class LoadRecords:
 
 def batch_message(batch: EventBatch, load: common_pb2.EngineLoad) -> common_pb2.KvEventBatch:
     msg = common_pb2.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp, load=load)
-    base = batch.sequence_number << 16  # event ids unique per stream: batch number, then position
-    msg.events.extend(event_message(base + i, e) for i, e in enumerate(batch.events))
+    msg.events.extend(event_message(batch.first_event_id + i, e) for i, e in enumerate(batch.events))
     return msg
 
 
 async def kv_event_stream(app, hub, request, heartbeat: float, peer: str = ""):
-    """The SubscribeKvEvents handler body: yields KvEventBatch messages until the client leaves or is cut off."""
+    """The SubscribeKvEvents handler body: yields KvEventBatch messages until the client leaves or is cut off.
+    Raises `ResumeOutOfRange` (before yielding anything) for a start_sequence_number outside the history."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     wake = asyncio.Event()
@@ -89,11 +91,15 @@ async def kv_event_stream(app, hub, request, heartbeat: float, peer: str = ""):
     def notify() -> None:  # the publishing (engine) thread: one cheap hand-off, never a wait
         loop.call_soon_threadsafe(on_loop)  # RuntimeError once the loop is closed: the hub drops the subscription
 
-    sub = hub.subscribe(notify, request.start_sequence_number)
-    log.info("KV-event subscriber %s joined (start_sequence_number %d; last published %d)", peer or "?",
-             request.start_sequence_number, hub.last_sequence_number)
+    try:
+        sub = hub.subscribe(notify, request.start_sequence_number)
+    except ResumeOutOfRange as exc:
+        log.warning("KV-event subscriber %s: %s", peer or "?", exc)
+        raise
+    log.info("KV-event subscriber %s joined (start_sequence_number %d; %d batches replayed; last published %d)",
+             peer or "?", request.start_sequence_number, len(sub.queue), hub.last_sequence_number)
     loads = LoadRecords(app)
-    last = max(0, request.start_sequence_number - 1) if sub.queue else hub.last_sequence_number
+    last = hub.last_sequence_number  # what a heartbeat repeats until a batch goes out
     try:
         if request.load_records_before_first_batch:
             yield common_pb2.KvEventBatch(sequence_number=0, load=loads.record(load_only=True))

@@ -22,6 +22,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
+from tokenloop.looper.kv_events import ResumeOutOfRange
 from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
@@ -62,6 +63,12 @@ class Unimplemented(ServiceError):
     """An RPC this server does not provide."""
 
     code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class OutOfRange(ServiceError):
+    """SubscribeKvEvents: a start_sequence_number outside the kept history."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
 
 
 def _refuse(field: str, why: str) -> None:
@@ -390,8 +397,11 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                 "SubscribeKvEvents is not available: this executor publishes no KV-cache events "
                 "(routers fall back to load-based routing)"))
             return
-        async for msg in kv_event_stream(app, hub, request, app.config.kv_events_heartbeat, context.peer()):
-            yield msg
+        try:
+            async for msg in kv_event_stream(app, hub, request, app.config.kv_events_heartbeat, context.peer()):
+                yield msg
+        except ResumeOutOfRange as exc:
+            await abort_with(context, OutOfRange(str(exc)))
 
 
 def _read_config(model_dir: str) -> dict:
