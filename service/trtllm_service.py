@@ -155,6 +155,7 @@ _TOKEN_IDS_KEY = field_key(tpb.GenerateStreamChunk, "token_ids", 2)  # packed
 _SEQUENCE_INDEX_KEY = field_key(tpb.GenerateStreamChunk, "sequence_index", 0)
 _PROMPT_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "prompt_tokens", 0)
 _COMPLETION_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "completion_tokens", 0)
+_CACHED_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "cached_tokens", 0)
 _MAX_TOKEN_ID_FIELDS = 1 << 18  # token ids whose packed one-id field is kept (a vocabulary is usually smaller)
 _TOKEN_ID_FIELDS: dict[int, bytes] = {}  # token id -> the serialized `token_ids` field holding only it
 
@@ -241,6 +242,8 @@ class _Writer:
             if len(_TOKEN_ID_FIELDS) < _MAX_TOKEN_ID_FIELDS:
                 _TOKEN_ID_FIELDS[token_id] = ids
         body = ids + middle + _COMPLETION_TOKENS_KEY + varint(sent)
+        if first.cached_prompt_tokens:  # 0 is left out, as proto3 does
+            body += _CACHED_TOKENS_KEY + varint(first.cached_prompt_tokens)
         if self._prefix is None:
             self._prefix = string_field(_REQUEST_ID_KEY, self.valid.request_id)
         return [self._prefix + _CHUNK_KEY + varint(len(body)) + body]
@@ -259,6 +262,7 @@ class _Writer:
         out.sequence_index = index
         out.prompt_tokens = len(self.valid.prompt_token_ids)
         out.completion_tokens = sent
+        out.cached_tokens = chunks[-1].cached_prompt_tokens  # like prompt_tokens, on every chunk
         if lps:
             out.logprobs.extend(_logprobs(lps[:len(ids)]))
         return [msg]

@@ -133,6 +133,11 @@ def test_both_apis_report_the_hit_and_the_router_stream_shows_the_blocks(checkpo
                 out = [m async for m in router.Generate(tpb.GenerateRequest(
                     tokenized=tpb.TokenizedInput(input_token_ids=prompt), max_tokens=3))]
                 assert out[-1].complete.cached_tokens == 40 and out[-1].complete.prompt_tokens == 41
+                streamed = [m async for m in router.Generate(tpb.GenerateRequest(
+                    tokenized=tpb.TokenizedInput(input_token_ids=prompt), max_tokens=3, streaming=True))]
+                chunks = [m.chunk for m in streamed if m.HasField("chunk")]
+                assert chunks and all(c.cached_tokens == 40 and c.prompt_tokens == 41 for c in chunks)
+                assert streamed[-1].complete.cached_tokens == 40
                 cleared = await asyncio.wait_for(events.read(), 10)  # from 0: the engine's first batch, replayed
                 assert [e.WhichOneof("data") for e in cleared.events] == ["cleared"]
                 stored = []
@@ -143,5 +148,5 @@ def test_both_apis_report_the_hit_and_the_router_stream_shows_the_blocks(checkpo
                 assert all(b.block_size == BLOCK for b in stored)
                 events.cancel()
                 load = await stub.GetLoad(pb.GetLoadRequest())
-                assert load.kv_blocks_cached >= 5 and load.prefix_cache_hit_rate == pytest.approx(80 / 123)
+                assert load.kv_blocks_cached >= 5 and load.prefix_cache_hit_rate == pytest.approx(120 / 164)  # 4 requests, 3 hits
     run(body())
