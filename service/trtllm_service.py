@@ -28,7 +28,7 @@ from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
 from .convert import field_key, string_field, varint
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
-from .kv_events import kv_event_stream
+from .kv_events import FellBehind, kv_event_stream
 from .logs import RequestRecord, logs_itself
 from .servicer import Delivery, add_with_raw_responses, deadline_of, metadata_value
 from .structured import structured_of_guided
@@ -69,6 +69,12 @@ class OutOfRange(ServiceError):
     """SubscribeKvEvents: a start_sequence_number outside the kept history."""
 
     code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class DataLoss(ServiceError):
+    """SubscribeKvEvents: the subscriber fell too far behind and was cut off."""
+
+    code = grpc.StatusCode.DATA_LOSS
 
 
 def _refuse(field: str, why: str) -> None:
@@ -406,6 +412,8 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                 yield msg
         except ResumeOutOfRange as exc:
             await abort_with(context, OutOfRange(str(exc)))
+        except FellBehind as exc:
+            await abort_with(context, DataLoss(str(exc)))
 
 
 def _read_config(model_dir: str) -> dict:

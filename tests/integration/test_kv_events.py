@@ -122,7 +122,7 @@ def test_an_idle_worker_sends_load_heartbeats(tokenizer_dir):
     run(body())
 
 
-def test_a_subscriber_that_never_reads_is_cut_off_and_generation_goes_on(tokenizer_dir):
+def test_a_subscriber_that_stops_reading_is_cut_off_generation_goes_on_and_it_reads_data_loss(tokenizer_dir):
     async def body():
         ex = scripted_with_hub(max_queued=8)
         async with serving(tokenizer_dir, ex, kv_events_heartbeat=30.0) as (server, _stub, _):
@@ -140,5 +140,9 @@ def test_a_subscriber_that_never_reads_is_cut_off_and_generation_goes_on(tokeniz
                 assert await wait_for(lambda: hub.num_cut_off == 1 and hub.num_subscribers == 0, timeout=10)
                 out = await read_all(tpb_grpc.TrtllmServiceStub(channel).Generate(gen([5, 6, 7], max_tokens=4)))
                 assert out[-1].HasField("complete") and len(out[-1].complete.output_token_ids) == 4
-                call.cancel()
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # reading again: what was in flight, then the end
+                    for _ in range(20):
+                        await asyncio.wait_for(call.read(), 10)
+                assert err.value.code() == grpc.StatusCode.DATA_LOSS  # SMG: drop the worker's blocks, resubscribe
+                assert "fell 8 batches behind" in err.value.details()
     run(body())
