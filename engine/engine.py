@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..looper.executor import EngineDeadError, ExecutorStats, Step, merge_steps
-from ..looper.kv_events import KvEventHub
+from ..looper.kv_events import CacheCleared, KvEventHub
 from ..looper.request import ValidRequest
 from ..looper.tokenizer import ModelCard
 from . import kernels, runner
@@ -70,6 +70,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_tokens, self.config.max_batch_size)
         self.kv_events = KvEventHub()  # the prefix cache's stored / removed blocks, for SubscribeKvEvents
+        self.kv_events.publish([CacheCleared()])  # the first batch: a fresh, empty cache (TensorRT-LLM's `created`)
         self.eos_token_ids = self.card.eos_token_ids
         self.loras = LoraRegistry()  # the adapters requests may name (GenerateRequest.lora)
         self._requests: dict[int, list[Sequence]] = {}  # engine thread only

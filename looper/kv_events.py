@@ -5,9 +5,18 @@ them into `smg.grpc.common.KvEventBatch` messages. The shapes follow vLLM's `Blo
 `AllBlocksCleared` (vllm/distributed/kv_events.py) and TensorRT-LLM's `KVCacheStoredData` /
 `KVCacheRemovedData`, which SMG's `SubscribeKvEvents` relays.
 
-`KvEventHub` numbers batches (1, 2, ...), keeps a bounded history for subscribers that resume from a
-sequence number, and gives each subscriber a bounded queue: a subscriber that falls `max_queued` batches
-behind is cut off (it may resubscribe from its last sequence number); the publisher never waits.
+`KvEventHub` numbers batches, keeps a bounded history for subscribers that resume, and gives each subscriber a
+bounded queue: a subscriber that falls `max_queued` batches behind is cut off; the publisher never waits.
+Resuming follows the Shepherd Model Gateway's servicers (smg crates/engine_servicer/src/kv_events.rs):
+
+- `start_sequence_number` is the last batch the subscriber applied; it gets the kept batches after it, then live
+  ones. A number outside the history (older than the oldest kept, or past the newest: another life of the
+  worker) raises `ResumeOutOfRange`, which the service answers with OUT_OF_RANGE: the subscriber drops what it
+  knew of this cache and subscribes from 0.
+- 0 means no cursor: the whole history when it still holds the first batch (the executor's whole state: the
+  embedded engine's first batch is a `CacheCleared`, TensorRT-LLM's `created` becomes one), else live only.
+- Numbering starts at the hub's creation time in microseconds, not at 1, so a restarted worker never reuses the
+  numbers of its previous life: a router's cursor from before a restart is always outside the new history.
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ class EventBatch:
     sequence_number: int
     timestamp: float
     events: tuple[KvEvent, ...]
+    first_event_id: int = 0  # events are numbered across batches: this batch's i-th is first_event_id + i
 
 
 @dataclass(eq=False)
@@ -80,15 +90,32 @@ class Subscription:
         return out
 
 
+class ResumeOutOfRange(ValueError):
+    """A subscriber's `start_sequence_number` is not in the history: its view of this cache is stale."""
+
+    def __init__(self, start: int, oldest: int, last: int):
+        kept = f"{oldest}..{last}" if oldest <= last else f"none; the last batch was {last}"
+        super().__init__(f"start_sequence_number {start} is not in this worker's KV-event history (kept: {kept}); "
+                         "it is from before a restart or too old: drop what you know of this worker's cache "
+                         "and subscribe from 0")
+        self.start, self.oldest, self.last = start, oldest, last
+
+
 class KvEventHub:
     """Numbered batches, a bounded history, bounded per-subscriber queues. Thread-safe."""
 
-    def __init__(self, history: int = DEFAULT_HISTORY, max_queued: int = DEFAULT_MAX_QUEUED):
+    def __init__(self, history: int = DEFAULT_HISTORY, max_queued: int = DEFAULT_MAX_QUEUED,
+                 first_sequence_number: int | None = None):
         self._lock = threading.Lock()
         self._history: collections.deque[EventBatch] = collections.deque(maxlen=history)
         self._subs: list[Subscription] = []
+        if first_sequence_number is not None and first_sequence_number < 1:
+            raise ValueError(f"first_sequence_number must be >= 1 (0 means no cursor); got {first_sequence_number}")
         self.max_queued = max_queued
-        self.last_sequence_number = 0
+        # unique across restarts (see the module docstring); tests pass 1
+        self.first_sequence_number = time.time_ns() // 1000 if first_sequence_number is None else first_sequence_number
+        self.last_sequence_number = self.first_sequence_number - 1  # none published yet
+        self._num_events = 0
         self.num_cut_off = 0
 
     def publish(self, events: list[KvEvent]) -> EventBatch | None:
@@ -97,7 +124,8 @@ class KvEventHub:
             return None
         with self._lock:
             self.last_sequence_number += 1
-            batch = EventBatch(self.last_sequence_number, time.time(), tuple(events))
+            batch = EventBatch(self.last_sequence_number, time.time(), tuple(events), self._num_events + 1)
+            self._num_events += len(events)
             self._history.append(batch)
             subs = list(self._subs)
             for sub in subs:
@@ -117,14 +145,22 @@ class KvEventHub:
         return batch
 
     def subscribe(self, notify: Callable[[], None], start_sequence_number: int = 0) -> Subscription:
-        """A new subscription. `start_sequence_number` > 0 replays kept batches numbered from it on;
-        0 starts with the next batch."""
+        """A new subscription, its queue filled with the replay `start_sequence_number` asks for (module
+        docstring); raises `ResumeOutOfRange` for a number outside the history."""
         sub = Subscription(notify, self.max_queued)
         with self._lock:
-            if start_sequence_number > 0:
-                sub.queue.extend(b for b in self._history if b.sequence_number >= start_sequence_number)
+            sub.queue.extend(self._replay(start_sequence_number))
             self._subs.append(sub)
         return sub
+
+    def _replay(self, start: int) -> list[EventBatch]:
+        kept = list(self._history)
+        if start == 0:  # no cursor: everything, if everything is still here
+            return kept if kept and kept[0].sequence_number == self.first_sequence_number else []
+        oldest = kept[0].sequence_number if kept else self.last_sequence_number + 1
+        if not oldest - 1 <= start <= self.last_sequence_number:
+            raise ResumeOutOfRange(start, oldest, self.last_sequence_number)
+        return [b for b in kept if b.sequence_number > start]
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
@@ -139,6 +175,6 @@ class KvEventHub:
 
     @property
     def oldest_kept(self) -> int:
-        """The smallest sequence number a resuming subscriber can still get (0: none kept)."""
+        """The oldest batch kept for resuming subscribers (0: none kept)."""
         with self._lock:
             return self._history[0].sequence_number if self._history else 0

@@ -89,7 +89,7 @@ class RequestState:
         seq.token_ids += ids
         if text:
             seq.text_parts.append(text)
-        return Chunk(seq.index, text, ids) if self.streaming else None
+        return Chunk(seq.index, text, ids, None, seq.cached_prompt_tokens) if self.streaming else None
 
     def apply(self, step: Step, now: float) -> list[Event]:
         """Process one step of one sequence; returns the events for the client."""
@@ -140,7 +140,8 @@ class RequestState:
         if seq.logprobs is not None and lps:
             seq.logprobs += lps
         if self.request.stream and (ids or text):
-            events.append(Chunk(seq.index, text, ids, lps if seq.logprobs is not None else None))
+            events.append(Chunk(seq.index, text, ids, lps if seq.logprobs is not None else None,
+                                seq.cached_prompt_tokens))
         if finish is not None:
             seq.finished = True
             self.num_open -= 1

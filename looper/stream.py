@@ -34,6 +34,7 @@ class Chunk:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens served from the executor's prefix cache (the router API's chunks)
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ def _merge(chunks: list[Chunk]) -> Chunk:
         return first
     ids = [t for c in chunks for t in c.token_ids]
     lps = [lp for c in chunks for lp in c.logprobs or ()] if first.logprobs is not None else None
-    return Chunk(first.index, "".join(c.text for c in chunks), ids, lps)
+    return Chunk(first.index, "".join(c.text for c in chunks), ids, lps, chunks[-1].cached_prompt_tokens)
 
 
 def varint(value: int) -> bytes:

@@ -3,10 +3,14 @@
 One stream per subscriber (smg.grpc.common.KvEventBatch): each batch of the executor's `KvEventHub` with its
 sequence number, its events (stored blocks with hash, parent hash, token ids and block size; removed hashes;
 cleared) and an `EngineLoad` record; while the executor publishes nothing, a `load_only` heartbeat every
-`kv_events_heartbeat` seconds repeating the last sequence number. `start_sequence_number` > 0 replays the kept
-batches from that number on. A subscriber that falls `max_queued` batches behind (it stopped reading and HTTP/2
-flow control parked this handler) is cut off: its handler task is cancelled, its queue dropped; the engine
-thread never waits for it.
+`kv_events_heartbeat` seconds repeating the last sequence number. `start_sequence_number` is the last batch the
+subscriber applied: the kept batches after it come first; a number outside the history (from before a restart,
+or too old) ends the call with OUT_OF_RANGE before any batch, SMG's signal to drop this worker's blocks and
+subscribe from 0 (looper/kv_events.py). A subscriber that falls `max_queued` batches behind (it stopped reading and HTTP/2
+flow control parked this handler in a write) is cut off: the hub drops its queue at once and the engine thread
+never waits for it; when it reads again, the message in flight is followed by DATA_LOSS (SMG's 'subscriber fell
+behind': it drops the worker's blocks and subscribes from 0). gRPC cannot send a status while a write is pending,
+so a subscriber that never reads again has its handler cancelled after `CUT_OFF_GRACE_S`.
 """
 
 from __future__ import annotations
@@ -17,9 +21,15 @@ import logging
 
 from smg_grpc_proto.generated import common_pb2
 
-from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, EventBatch
+from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, EventBatch, ResumeOutOfRange
 
 log = logging.getLogger("tokenloop.service")
+
+CUT_OFF_GRACE_S = 30.0  # how long a cut-off subscriber's parked write may wait for it to read again
+
+
+class FellBehind(Exception):
+    """The subscriber was cut off: its stream ends with DATA_LOSS."""
 
 
 def event_message(event_id: int, event) -> common_pb2.KvCacheEvent:
@@ -68,36 +78,47 @@ class LoadRecords:
 
 def batch_message(batch: EventBatch, load: common_pb2.EngineLoad) -> common_pb2.KvEventBatch:
     msg = common_pb2.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp, load=load)
-    base = batch.sequence_number << 16  # event ids unique per stream: batch number, then position
-    msg.events.extend(event_message(base + i, e) for i, e in enumerate(batch.events))
+    msg.events.extend(event_message(batch.first_event_id + i, e) for i, e in enumerate(batch.events))
     return msg
 
 
 async def kv_event_stream(app, hub, request, heartbeat: float, peer: str = ""):
-    """The SubscribeKvEvents handler body: yields KvEventBatch messages until the client leaves or is cut off."""
+    """The SubscribeKvEvents handler body: yields KvEventBatch messages until the client leaves or is cut off.
+    Raises `ResumeOutOfRange` (before yielding anything) for a start_sequence_number outside the history, and
+    `FellBehind` when the subscriber was cut off."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     wake = asyncio.Event()
     sub = None
+    cut_off: list[bool] = []
 
     def on_loop() -> None:
-        if sub is not None and sub.cut_off and not task.done():
-            log.warning("a KV-event subscriber fell %d batches behind: cutting it off", sub.max_queued)
-            task.cancel()
+        if sub is not None and sub.cut_off and not cut_off:
+            cut_off.append(True)
+            log.warning("KV-event subscriber %s fell %d batches behind: cutting it off", peer or "?", sub.max_queued)
+            hub.unsubscribe(sub)  # the hub holds nothing more for it
+            loop.call_later(CUT_OFF_GRACE_S, lambda: task.done() or task.cancel())  # it never read again
         wake.set()
 
     def notify() -> None:  # the publishing (engine) thread: one cheap hand-off, never a wait
         loop.call_soon_threadsafe(on_loop)  # RuntimeError once the loop is closed: the hub drops the subscription
 
-    sub = hub.subscribe(notify, request.start_sequence_number)
-    log.info("KV-event subscriber %s joined (start_sequence_number %d; last published %d)", peer or "?",
-             request.start_sequence_number, hub.last_sequence_number)
+    try:
+        sub = hub.subscribe(notify, request.start_sequence_number)
+    except ResumeOutOfRange as exc:
+        log.warning("KV-event subscriber %s: %s", peer or "?", exc)
+        raise
+    log.info("KV-event subscriber %s joined (start_sequence_number %d; %d batches replayed; last published %d)",
+             peer or "?", request.start_sequence_number, len(sub.queue), hub.last_sequence_number)
     loads = LoadRecords(app)
-    last = max(0, request.start_sequence_number - 1) if sub.queue else hub.last_sequence_number
+    last = hub.last_sequence_number  # what a heartbeat repeats until a batch goes out
     try:
         if request.load_records_before_first_batch:
             yield common_pb2.KvEventBatch(sequence_number=0, load=loads.record(load_only=True))
         while True:
+            if sub.cut_off:
+                raise FellBehind(f"this subscriber fell {sub.max_queued} batches behind and was cut off: drop what "
+                                 "you know of this worker's cache and subscribe from 0")
             if not sub.queue:
                 try:
                     await asyncio.wait_for(wake.wait(), heartbeat)
@@ -112,6 +133,8 @@ async def kv_event_stream(app, hub, request, heartbeat: float, peer: str = ""):
             for batch in batches:
                 yield batch_message(batch, load)
                 last = batch.sequence_number
+                if sub.cut_off:  # resumed from a write parked by flow control: the rest was dropped
+                    break
     finally:
         hub.unsubscribe(sub)
         log.info("KV-event subscriber %s left", peer or "?")

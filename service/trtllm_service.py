@@ -22,12 +22,13 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
+from tokenloop.looper.kv_events import ResumeOutOfRange
 from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
 from .convert import field_key, string_field, varint
 from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
-from .kv_events import kv_event_stream
+from .kv_events import FellBehind, kv_event_stream
 from .logs import RequestRecord, logs_itself
 from .servicer import Delivery, add_with_raw_responses, deadline_of, metadata_value
 from .structured import structured_of_guided
@@ -62,6 +63,18 @@ class Unimplemented(ServiceError):
     """An RPC this server does not provide."""
 
     code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class OutOfRange(ServiceError):
+    """SubscribeKvEvents: a start_sequence_number outside the kept history."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class DataLoss(ServiceError):
+    """SubscribeKvEvents: the subscriber fell too far behind and was cut off."""
+
+    code = grpc.StatusCode.DATA_LOSS
 
 
 def _refuse(field: str, why: str) -> None:
@@ -148,6 +161,7 @@ _TOKEN_IDS_KEY = field_key(tpb.GenerateStreamChunk, "token_ids", 2)  # packed
 _SEQUENCE_INDEX_KEY = field_key(tpb.GenerateStreamChunk, "sequence_index", 0)
 _PROMPT_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "prompt_tokens", 0)
 _COMPLETION_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "completion_tokens", 0)
+_CACHED_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "cached_tokens", 0)
 _MAX_TOKEN_ID_FIELDS = 1 << 18  # token ids whose packed one-id field is kept (a vocabulary is usually smaller)
 _TOKEN_ID_FIELDS: dict[int, bytes] = {}  # token id -> the serialized `token_ids` field holding only it
 
@@ -234,6 +248,8 @@ class _Writer:
             if len(_TOKEN_ID_FIELDS) < _MAX_TOKEN_ID_FIELDS:
                 _TOKEN_ID_FIELDS[token_id] = ids
         body = ids + middle + _COMPLETION_TOKENS_KEY + varint(sent)
+        if first.cached_prompt_tokens:  # 0 is left out, as proto3 does
+            body += _CACHED_TOKENS_KEY + varint(first.cached_prompt_tokens)
         if self._prefix is None:
             self._prefix = string_field(_REQUEST_ID_KEY, self.valid.request_id)
         return [self._prefix + _CHUNK_KEY + varint(len(body)) + body]
@@ -252,6 +268,7 @@ class _Writer:
         out.sequence_index = index
         out.prompt_tokens = len(self.valid.prompt_token_ids)
         out.completion_tokens = sent
+        out.cached_tokens = chunks[-1].cached_prompt_tokens  # like prompt_tokens, on every chunk
         if lps:
             out.logprobs.extend(_logprobs(lps[:len(ids)]))
         return [msg]
@@ -390,8 +407,13 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                 "SubscribeKvEvents is not available: this executor publishes no KV-cache events "
                 "(routers fall back to load-based routing)"))
             return
-        async for msg in kv_event_stream(app, hub, request, app.config.kv_events_heartbeat, context.peer()):
-            yield msg
+        try:
+            async for msg in kv_event_stream(app, hub, request, app.config.kv_events_heartbeat, context.peer()):
+                yield msg
+        except ResumeOutOfRange as exc:
+            await abort_with(context, OutOfRange(str(exc)))
+        except FellBehind as exc:
+            await abort_with(context, DataLoss(str(exc)))
 
 
 def _read_config(model_dir: str) -> dict:

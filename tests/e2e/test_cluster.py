@@ -4,7 +4,10 @@
 worker that holds it (which worker served a request, and whether it hit, is read from each worker's /metrics),
 with a higher prefix-cache hit rate than `round_robin` on other prompts of the same shape. Then one worker is
 killed with SIGKILL: every later request through the router succeeds on the other two; restarted on its port,
-it is used again. Engine threads are limited to one per worker so three fit on two cores.
+it is used again, and the router, resuming its KV-event stream with a sequence number of the killed process, is
+answered OUT_OF_RANGE and drops what it knew of that worker's cache. smg's own metrics (its Prometheus port) show
+it applying our events to the positional index cache_aware routes on, and its debug log shows each repeat of a
+system prompt routed by an overlap found in that index. Engine threads are limited to one per worker so three fit on two cores.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import re
 import signal
 import subprocess
 import time
@@ -78,19 +82,29 @@ class Worker:
 class Router:
     """`smg launch --policy POLICY` in front of the workers."""
 
-    def __init__(self, workers: list[Worker], policy: str, log_path: Path):
-        self.port = _free_port()
+    def __init__(self, workers: list[Worker], policy: str, log_path: Path, log_level: str = "info"):
+        self.port, self.metrics_port = _free_port(), _free_port()
         self.log_path = log_path
         self.proc = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
              "--worker-urls", *[f"grpc://{w.address}" for w in workers], "--model-path", str(DEFAULT_MODEL),
              "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-             "--health-success-threshold", "1", "--log-level", "info"],
+             "--health-success-threshold", "1", "--log-level", log_level],
             cwd=ROOT, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
 
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as resp:
             return json.loads(resp.read() or b"{}")
+
+    def metric(self, name: str, *label_values: str) -> float:
+        """The sum of smg's Prometheus samples `name` whose labels mention every one of `label_values`."""
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        except OSError:
+            return 0.0
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and all(v in line for v in label_values))
 
     def healthy(self) -> set[str]:
         try:
@@ -191,7 +205,7 @@ def cluster(tmp_path_factory):
 
 def test_cache_aware_routing_beats_round_robin_and_survives_a_killed_worker(cluster):
     workers, logs = cluster
-    router = Router(workers, "cache_aware", logs / "smg-cache-aware.log")
+    router = Router(workers, "cache_aware", logs / "smg-cache-aware.log", log_level="debug")
     try:
         wait(lambda: len(router.healthy()) == 3, 120, "the router to see three healthy workers")
         router.wait_serving()
@@ -200,6 +214,16 @@ def test_cache_aware_routing_beats_round_robin_and_survives_a_killed_worker(clus
         served, aware_rate = run_groups(router, workers, seed=1)
         for group in served:  # after the first request of a group, the group stays on the worker that holds it
             assert group[1:] == [group[0]] * (PER_GROUP - 1), served
+        # smg's positional index of each serving worker's cache (what cache_aware scores overlap on), built from
+        # the blocks our SubscribeKvEvents streams announced
+        assert router.metric("smg_kv_event_batches_total", "applied") > 0
+        for i in {group[0] for group in served}:
+            assert router.metric("smg_kv_index_blocks", workers[i].address) > 0, (i, served)
+        # smg's own account of each decision (debug log): every repeat of a system prompt was an overlap found in
+        # that index ("event_hit"), not a guess from its approximate tree of routed requests
+        decisions = re.sub(r"\x1b\[[0-9;]*m", "", router.log_path.read_text(errors="replace"))
+        hits = re.findall(r'Event-driven routing worker="[^"]+" branch="event_hit" overlap_blocks=(\d+)', decisions)
+        assert len(hits) >= NUM_GROUPS * (PER_GROUP - 1) and all(int(n) > 0 for n in hits), hits
     finally:
         router.stop()
 
@@ -220,6 +244,8 @@ def test_cache_aware_routing_beats_round_robin_and_survives_a_killed_worker(clus
         wait(lambda: len(router.healthy()) == 3, 120, "the router to see three healthy workers")
         router.wait_serving()
         victim = workers[1]
+        wait(lambda: router.metric("smg_kv_event_batches_total", victim.address, "applied"), 30,
+             "the router to apply the victim's KV events (its cursor is then past 0)")
         victim.kill()
         rng = random.Random(3)
         with ThreadPoolExecutor(3) as pool:  # requests keep coming while the router learns the worker is gone
@@ -229,6 +255,11 @@ def test_cache_aware_routing_beats_round_robin_and_survives_a_killed_worker(clus
         victim.start()
         wait(victim.ready, 300, "the killed worker to come back")
         wait(lambda: victim.address in router.healthy(), 60, "the router to use the restarted worker")
+        # the router resumed from its cursor of the killed process: OUT_OF_RANGE, so it dropped that worker's
+        # blocks and subscribed from 0 (the new process numbers its batches from its own start time)
+        wait(lambda: router.metric("smg_kv_event_resyncs_total", victim.address, "out_of_range"), 60,
+             "the router to drop the restarted worker's old blocks (OUT_OF_RANGE)")
+        assert "is not in this worker's KV-event history" in victim.log_path.read_text(errors="replace")
         with ThreadPoolExecutor(3) as pool:
             statuses = list(pool.map(lambda i: router.chat(system_prompt(rng), f"Restarted, request {i}"),
                                      range(9)))

@@ -25,7 +25,7 @@ from tokenloop.engine import runner as runner_module
 from tokenloop.engine.block_manager import block_hash
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.looper.kv_events import BlocksStored
+from tokenloop.looper.kv_events import BlocksStored, CacheCleared
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 transformers = pytest.importorskip("transformers")
@@ -79,7 +79,9 @@ def test_a_cache_hit_changes_no_token_and_is_reported(checkpoint):
     for b in stored[:5]:  # one chain from the first block on, hashes any consumer can recompute
         assert b.block_hash == block_hash(parent, b.token_ids)
         parent = b.block_hash
-    assert [batch.sequence_number for batch in seen] == list(range(1, len(seen) + 1))
+    first = cached.kv_events.first_sequence_number  # the engine's start in microseconds: unique across restarts
+    assert [batch.sequence_number for batch in seen] == list(range(first, first + len(seen)))
+    assert seen[0].events == (CacheCleared(),)  # the first batch: a fresh cache, replayed to a subscriber from 0
 
 
 def test_equal_tails_over_one_cached_prefix_run_as_one_group_and_match_transformers(checkpoint):
@@ -131,6 +133,13 @@ def test_both_apis_report_the_hit_and_the_router_stream_shows_the_blocks(checkpo
                 out = [m async for m in router.Generate(tpb.GenerateRequest(
                     tokenized=tpb.TokenizedInput(input_token_ids=prompt), max_tokens=3))]
                 assert out[-1].complete.cached_tokens == 40 and out[-1].complete.prompt_tokens == 41
+                streamed = [m async for m in router.Generate(tpb.GenerateRequest(
+                    tokenized=tpb.TokenizedInput(input_token_ids=prompt), max_tokens=3, streaming=True))]
+                chunks = [m.chunk for m in streamed if m.HasField("chunk")]
+                assert chunks and all(c.cached_tokens == 40 and c.prompt_tokens == 41 for c in chunks)
+                assert streamed[-1].complete.cached_tokens == 40
+                cleared = await asyncio.wait_for(events.read(), 10)  # from 0: the engine's first batch, replayed
+                assert [e.WhichOneof("data") for e in cleared.events] == ["cleared"]
                 stored = []
                 while len(stored) < 5:
                     batch = await asyncio.wait_for(events.read(), 10)
@@ -139,5 +148,5 @@ def test_both_apis_report_the_hit_and_the_router_stream_shows_the_blocks(checkpo
                 assert all(b.block_size == BLOCK for b in stored)
                 events.cancel()
                 load = await stub.GetLoad(pb.GetLoadRequest())
-                assert load.kv_blocks_cached >= 5 and load.prefix_cache_hit_rate == pytest.approx(80 / 123)
+                assert load.kv_blocks_cached >= 5 and load.prefix_cache_hit_rate == pytest.approx(120 / 164)  # 4 requests, 3 hits
     run(body())

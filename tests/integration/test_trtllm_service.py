@@ -307,6 +307,7 @@ def test_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
     batches = ([[Chunk(0, "x", [t]), Chunk(1, "y", [t])] for t in ids]  # one chunk per sequence: kept bytes
                + [[Chunk(0, "a", [3, 4]), Chunk(1, "b", [5], lp), Chunk(0, "c", [6])]]  # through protobuf
                + [[Chunk(0, "t", [9])] for _ in range(16400)]  # completion_tokens reaches 3 varint bytes
+               + [[Chunk(0, "k", [t], None, c), Chunk(1, "k", [t, t], None, c)] for t, c in ((5, 40), (6, 300))]
                + [[Chunk(1, "e", [10]), Complete(1, "", [10, 11], FinishReason.EOS, 3, 0, Timing(0.1, 0.2, 0.3))],
                   [Chunk(0, "f", [12]), Complete(0, "f", [12], FinishReason.LENGTH, 3, 0, Timing(), logprobs=lp)]])
     for rid, prompt in (("w", (5,)), ("", (5,) * 300), ("r" * 300, (1, 2, 3))):
