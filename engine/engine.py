@@ -80,6 +80,7 @@ class Engine:
         self._has_output = threading.Condition(self._lock)
         self._new: list[tuple[int, ValidRequest, LoraWeights | None]] = []
         self._cancels: list[int] = []
+        self._pauses: list[tuple[int, bool]] = []  # (request id, pause?) in call order: pause() / resume()
         self._outputs: list[Step] = []
         self._stopping = False
         self._woken = False  # wake() was called: the next (or current) await_responses returns at once
@@ -202,6 +203,20 @@ class Engine:
             self._cancels.append(request_id)
             self._has_input.notify()
 
+    def pause(self, request_id: int) -> None:
+        """Stop generating for a request and free its KV blocks (it keeps its tokens); idempotent, unknown or
+        finished ids are ignored. Steps already made still arrive."""
+        with self._lock:
+            self._pauses.append((request_id, True))
+            self._has_input.notify()
+
+    def resume(self, request_id: int) -> None:
+        """Generate again for a paused request: it waits for a batch slot and recomputes its K/V (greedy output is
+        the same as never paused; a seeded one too: each sequence keeps its RNG). Idempotent."""
+        with self._lock:
+            self._pauses.append((request_id, False))
+            self._has_input.notify()
+
     def stats(self) -> ExecutorStats:
         """Thread-safe snapshot."""
         with self._lock:
@@ -227,13 +242,16 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not (self._stopping or self._new or self._cancels or self.scheduler.has_work()):
+                    while not (self._stopping or self._new or self._cancels or self._pauses
+                               or self.scheduler.has_work()):
                         self._has_input.wait()
                     if self._stopping:
                         return
                     new, self._new = self._new, []
                     cancels, self._cancels = self._cancels, []
+                    pauses, self._pauses = self._pauses, []
                 self._admit(new)
+                self._pause(pauses)
                 self._cancel(cancels)
                 if self.scheduler.has_work():
                     self.step()
@@ -256,6 +274,13 @@ class Engine:
         if seqs and seqs[0].lora is not None:
             self.loras.release(seqs[0].lora)
         return seqs
+
+    def _pause(self, pauses: list[tuple[int, bool]]) -> None:
+        for request_id, pause in pauses:
+            for seq in self._requests.get(request_id, ()):
+                (self.scheduler.pause if pause else self.scheduler.resume)(seq)
+        if pauses:
+            self._publish([])  # the freed blocks show in stats at once
 
     def _cancel(self, request_ids: list[int]) -> None:
         steps = []

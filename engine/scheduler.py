@@ -7,6 +7,8 @@ Each step has a token budget (`max_num_tokens`) and a sequence cap (`max_batch_s
 When a running sequence needs a block and none is free, the newest running sequence is preempted:
 its blocks are freed and it goes back to the front of `waiting`, to be recomputed later (prompt
 and output so far), so no request is ever lost.
+A paused sequence (`pause`: its reader stopped reading) leaves both queues and gives back its blocks the same
+way; `resume` puts it at the back of `waiting`, to be recomputed like a preempted one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.paused: set[Sequence] = set()  # neither waiting nor running, holding no blocks (pause / resume)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -87,6 +90,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def pause(self, seq: Sequence) -> None:
+        """Take an unfinished `seq` out of the queues and free its blocks; it keeps its tokens, RNG and matcher."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            return  # finished, or already paused
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.paused.add(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """A paused `seq` waits again (at the back), to recompute its prompt and output so far."""
+        if seq in self.paused:
+            self.paused.discard(seq)
+            self.waiting.append(seq)
+
     def advance(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """After the forward pass: the scheduled tokens now have K/V in the cache."""
         for seq, num_new in scheduled:
@@ -99,6 +120,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        self.paused.discard(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.matcher = None  # a structured sequence's grammar matcher goes with it

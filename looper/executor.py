@@ -94,6 +94,14 @@ class Executor(Protocol):
     next) `await_responses` return early. The looper calls it from the event loop after queueing a new
     request or a cancel, so that it is taken at once instead of after the executor's wait (up to the
     looper's `poll_timeout`). Without it, commands wait for the current `await_responses` to return.
+
+    Optional, not part of the checked protocol: `pause(id) -> None` and `resume(id) -> None`, both idempotent,
+    unknown or finished ids ignored. `pause` stops generating for a request and frees what it holds in the
+    executor (KV blocks) while keeping its output so far; steps already made may still arrive. `resume` lets it
+    generate again from where it stopped: the same tokens as if never paused (greedy; seeded sampling keeps its
+    RNG). The service pauses a request whose reader stopped reading (--slow-reader-grace) and gives its admission
+    slot to another; the looper sends both through its channel like `cancel`. An executor without them (the
+    TensorRT-LLM adapters) keeps generating for a stalled reader, which keeps its slot until --stall-timeout.
     """
 
     def enqueue(self, request: ValidRequest) -> int:

@@ -24,7 +24,7 @@ from .threads import name_this_thread
 
 log = logging.getLogger("tokenloop.looper")
 
-_SUBMIT, _CANCEL, _FAIL_ALL, _STOP = range(4)
+_SUBMIT, _CANCEL, _FAIL_ALL, _STOP, _PAUSE = range(5)
 _DEADLINE_CHECK_S = 0.005  # deadlines are checked at most this often (a scan of the in-flight map)
 
 
@@ -40,6 +40,8 @@ class Looper:
         self._channel: queue.SimpleQueue = queue.SimpleQueue()
         # an executor may offer wake(): a command then interrupts its wait instead of waiting up to poll_timeout
         self._wake_executor: Callable[[], None] | None = getattr(executor, "wake", None)
+        # an executor may offer pause(id) / resume(id): a stalled reader's generation then stops and frees its KV
+        self.can_pause = callable(getattr(executor, "pause", None)) and callable(getattr(executor, "resume", None))
         self._in_flight: dict[int, RequestState] = {}  # executor id -> state (looper thread only)
         self._outbox: dict[RequestStream, list] = {}  # stream -> [events, done, error] (looper thread only)
         self._handoff: dict[RequestStream, list] = {}  # the same, awaiting the event loop (under _handoff_lock)
@@ -68,7 +70,7 @@ class Looper:
 
     def submit(self, request: ValidRequest, arrival: float | None = None) -> RequestStream:
         """Queue a validated request; returns its stream (already failed if the looper is dead)."""
-        stream = RequestStream(request, self._request_cancel)
+        stream = RequestStream(request, self._request_cancel, self._request_pause if self.can_pause else None)
         if not self.alive:
             stream.push([], True, self._dead_error())
             return stream
@@ -113,6 +115,9 @@ class Looper:
 
     def _request_cancel(self, stream: RequestStream) -> None:
         self._command((_CANCEL, stream))
+
+    def _request_pause(self, stream: RequestStream, pause: bool) -> None:
+        self._command((_PAUSE, stream, pause))
 
     def _command(self, cmd: tuple) -> None:
         """Queue a command for the looper thread; wake the executor's wait when it can be woken, so that a
@@ -169,6 +174,8 @@ class Looper:
                 self._cancel(cmd[1])
             elif cmd[0] == _FAIL_ALL:
                 self._fail_all(RequestFailed(cmd[1], cmd[2]))
+            elif cmd[0] == _PAUSE:
+                self._pause(cmd[1], cmd[2])
             else:
                 return False
 
@@ -196,6 +203,12 @@ class Looper:
         state = self._in_flight.get(stream.executor_id) if stream.executor_id is not None else None
         if state is not None and state.stream is stream:
             self.executor.cancel(state.executor_id)
+
+    def _pause(self, stream: RequestStream, pause: bool) -> None:
+        """Pause or resume a request the executor holds (one that ended or never reached it is left alone)."""
+        state = self._in_flight.get(stream.executor_id) if stream.executor_id is not None else None
+        if state is not None and state.stream is stream and not state.closed:
+            (self.executor.pause if pause else self.executor.resume)(state.executor_id)
 
     def _pull_steps(self) -> None:
         steps = self.executor.await_responses(self._poll_timeout)

@@ -92,15 +92,18 @@ class RequestFailed(Exception):
 class RequestStream:
     """The event-loop side of one request: events pushed by the looper, read by a servicer."""
 
-    __slots__ = ("request", "_events", "_waiter", "_done", "_error", "_on_cancel", "cancelled", "executor_id")
+    __slots__ = ("request", "_events", "_waiter", "_done", "_error", "_on_cancel", "_on_pause", "cancelled",
+                 "executor_id")
 
-    def __init__(self, request: ValidRequest, on_cancel: Callable[[RequestStream], None]):
+    def __init__(self, request: ValidRequest, on_cancel: Callable[[RequestStream], None],
+                 on_pause: Callable[[RequestStream, bool], None] | None = None):
         self.request = request
         self._events: deque[Event] = deque()
         self._waiter: asyncio.Future | None = None
         self._done = False
         self._error: RequestFailed | None = None
         self._on_cancel = on_cancel
+        self._on_pause = on_pause
         self.cancelled = False
         self.executor_id: int | None = None  # written by the looper thread only
 
@@ -119,6 +122,11 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return self._done and not self._events
+
+    @property
+    def ended(self) -> bool:
+        """No more events will come (some may still be unread)."""
+        return self._done
 
     def pending(self) -> int:
         """Events waiting to be read."""
@@ -159,3 +167,13 @@ class RequestStream:
             return
         self.cancelled = True
         self._on_cancel(self)
+
+    def pause(self) -> None:
+        """Ask the looper to pause generation (the executor frees the request's KV blocks); no-op once ended."""
+        if self._on_pause is not None and not self._done and not self.cancelled:
+            self._on_pause(self, True)
+
+    def resume(self) -> None:
+        """Ask the looper to resume a paused generation where it stopped."""
+        if self._on_pause is not None and not self._done and not self.cancelled:
+            self._on_pause(self, False)

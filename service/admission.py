@@ -1,7 +1,11 @@
 """Bounded admission: at most `max_concurrent` requests in flight and `max_queue` waiting for a slot.
 
 Past both limits a request is refused at once with RESOURCE_EXHAUSTED (TGI's
-`try_acquire_owned()` at the door), never parked in an unbounded queue.
+`try_acquire_owned()` at the door), never parked in an unbounded queue; one that waits
+longer than its wait bound (--max-queue-wait) is refused the same way, with its own message.
+A request holds its claim as a `Slot`: abortable by id until it reaches the looper, given back
+while its reader stalls (its generation paused) and taken again, through the same line, when
+the reader reads again.
 """
 
 from __future__ import annotations
@@ -10,9 +14,41 @@ import asyncio
 from collections import deque
 from contextlib import asynccontextmanager
 
-from .errors import Overloaded, Unavailable
+from .errors import AlreadyExists, Cancelled, Overloaded, QueueTimeout, Unavailable
 
 RETRY_PUSHBACK_MS = "500"
+PUSHBACK = (("grpc-retry-pushback-ms", RETRY_PUSHBACK_MS),)
+
+
+class Slot:
+    """One request's claim: waiting, held, or given back while its generation is paused."""
+
+    __slots__ = ("admission", "request_id", "max_wait", "held", "aborted", "waiter")
+
+    def __init__(self, admission: Admission, request_id: str, max_wait: float):
+        self.admission = admission
+        self.request_id = request_id
+        self.max_wait = max_wait  # seconds a wait for the slot may take (0: no bound)
+        self.held = False
+        self.aborted = False  # Abort named it before it reached the looper
+        self.waiter: asyncio.Future | None = None  # while it waits in the line
+
+    def give_back(self) -> None:
+        """Release the slot for another request (the caller paused this one's generation)."""
+        if self.held:
+            self.held = False
+            self.admission.release()
+
+    async def take_again(self) -> None:
+        """Wait for a slot again, in line with new arrivals (not refused for a full line or while draining: this
+        request was admitted once), within the same wait bound."""
+        if not self.held:
+            await self.admission.acquire(self, again=True)
+
+    def check_aborted(self) -> None:
+        """Raise Cancelled when Abort named this request while it waited (call it right before the submit)."""
+        if self.aborted:
+            raise Cancelled(f"request {self.request_id!r} was aborted (Abort) while waiting for admission")
 
 
 class Admission:
@@ -25,6 +61,7 @@ class Admission:
         self.max_queue = max_queue
         self.num_active = 0
         self._waiters: deque[asyncio.Future] = deque()
+        self._pending: dict[str, Slot] = {}  # request id -> claim, from arrival until the looper has it
         self.closed_reason = ""
 
     @property
@@ -39,25 +76,43 @@ class Admission:
         if self.closed_reason:
             raise Unavailable(self.closed_reason)
 
-    async def acquire(self) -> None:
-        self._refuse_if_closed()
+    async def acquire(self, slot: Slot | None = None, again: bool = False) -> None:
+        """Take a slot (for `slot`, which then holds it); raises Overloaded when the line is full, QueueTimeout
+        past `slot.max_wait`, Cancelled when aborted while waiting."""
+        if not again:
+            self._refuse_if_closed()
         if self.num_active < self.max_concurrent and not self._waiters:
             self.num_active += 1
+            if slot is not None:
+                slot.held = True
             return
-        if len(self._waiters) >= self.max_queue:
+        if len(self._waiters) >= self.max_queue and not again:
             raise Overloaded(
                 f"the server is at capacity ({self.max_concurrent} requests in flight, {self.max_queue} "
-                "waiting); retry later", trailers=(("grpc-retry-pushback-ms", RETRY_PUSHBACK_MS),))
-        waiter = asyncio.get_running_loop().create_future()
+                "waiting); retry later", trailers=PUSHBACK)
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         self._waiters.append(waiter)
+        timer = None
+        if slot is not None:
+            slot.waiter = waiter
+            if slot.max_wait > 0:
+                timer = loop.call_later(slot.max_wait, _expire, waiter, slot.max_wait)
         try:
             await waiter  # the releasing request hands its slot over (num_active unchanged)
         except BaseException:
-            if not waiter.cancelled() and waiter.done():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self.release()  # got the slot as we were cancelled: pass it on
-            else:
+            elif waiter in self._waiters:
                 self._waiters.remove(waiter)
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if slot is not None:
+                slot.waiter = None
+        if slot is not None:
+            slot.held = True
 
     def release(self) -> None:
         while self._waiters:
@@ -67,11 +122,41 @@ class Admission:
                 return
         self.num_active -= 1
 
+    def abort(self, request_id: str) -> bool:
+        """Abort a request that has not reached the looper yet: True when one had that id. Waiting in the line,
+        it leaves it now; past the line (tokenizing, compiling), it is refused before it is submitted."""
+        slot = self._pending.get(request_id)
+        if slot is None or slot.aborted:
+            return False
+        slot.aborted = True
+        if slot.waiter is not None and not slot.waiter.done():
+            slot.waiter.set_exception(Cancelled(f"request {request_id!r} was aborted (Abort) while waiting for "
+                                                "admission"))
+        return True
+
+    def submitted(self, slot: Slot) -> None:
+        """The request reached the looper: Abort finds it there from now on."""
+        if self._pending.get(slot.request_id) is slot:
+            del self._pending[slot.request_id]
+
     @asynccontextmanager
-    async def slot(self):
-        """`async with admission.slot():` holds one slot for the body."""
-        await self.acquire()
+    async def slot(self, request_id: str = "", max_wait: float = 0.0):
+        """`async with admission.slot(rid, max_wait) as slot:` holds one slot for the body (unless given back)."""
+        claim = Slot(self, request_id, max_wait)
+        if request_id:
+            if request_id in self._pending:
+                raise AlreadyExists(f"`request_id` {request_id!r} is already waiting for admission")
+            self._pending[request_id] = claim
         try:
-            yield
+            await self.acquire(claim)
+            yield claim
         finally:
-            self.release()
+            self.submitted(claim)
+            claim.give_back()
+
+
+def _expire(waiter: asyncio.Future, max_wait: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(QueueTimeout(
+            f"the request waited {max_wait:g} s for a slot (--max-queue-wait) without getting one: the server is "
+            "busy; retry later", trailers=PUSHBACK))

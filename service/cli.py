@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="SubscribeKvEvents: seconds between load-only batches while the engine is idle")
     s.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
                    help="abort a stream whose reader stopped reading for this long (0: never)")
+    s.add_argument("--slow-reader-grace", type=float, default=d.slow_reader_grace,
+                   help="a stream whose reader stopped reading for this long gives back its admission slot and its "
+                        "generation is paused (KV freed) until it reads again (0: off; needs an executor that can "
+                        "pause: the embedded engine)")
+    s.add_argument("--max-queue-wait", type=float, default=d.max_queue_wait,
+                   help="seconds a request may wait for an admission slot before RESOURCE_EXHAUSTED (0: no bound)")
     s.add_argument("--stream-interval", type=int, default=d.stream_interval,
                    help="send a sequence's tokens at most every N tokens while the reader keeps up "
                         "(a reader that fell behind gets all ready tokens in one message)")
@@ -125,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queue=args.max_queue, shutdown_grace=args.shutdown_grace, max_new_tokens=args.max_new_tokens,
         default_max_new_tokens=args.default_max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
+        slow_reader_grace=args.slow_reader_grace, max_queue_wait=args.max_queue_wait,
         kv_events_heartbeat=args.kv_events_heartbeat,
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
         front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,

@@ -49,6 +49,8 @@ class ServerConfig:
     poll_timeout: float = 0.02
     kv_events_heartbeat: float = 1.0  # SubscribeKvEvents: seconds between load-only batches while idle
     stall_timeout: float = 60.0  # a stream whose reader stops reading this long is aborted (0: never)
+    slow_reader_grace: float = 1.0  # a stream whose writes stall this long gives back its slot, generation paused (0: off)
+    max_queue_wait: float = 30.0  # seconds a request may wait for a slot before RESOURCE_EXHAUSTED (0: no bound)
     stream_interval: int = 1  # send a sequence's tokens at most every N tokens while the reader keeps up
     coalesce: bool = True  # a reader that fell behind gets all ready tokens of a sequence in one message
     tokenize_inline_chars: int = 2048  # longer texts and chats are tokenized on a worker thread (the GIL released)
@@ -82,6 +84,12 @@ class ServerConfig:
             raise ValueError("--max-concurrent-requests must be >= 1")
         if self.max_queue < 0:
             raise ValueError("--max-queue must be >= 0")
+        if not self.stall_timeout >= 0:
+            raise ValueError("--stall-timeout must be >= 0 (0: never)")
+        if not self.slow_reader_grace >= 0:
+            raise ValueError("--slow-reader-grace must be >= 0 (0: off)")
+        if not self.max_queue_wait >= 0:
+            raise ValueError("--max-queue-wait must be >= 0 (0: no bound)")
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be >= 0")
         if not self.kv_events_heartbeat > 0:

@@ -36,6 +36,16 @@ class Overloaded(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class QueueTimeout(Overloaded):
+    """Waited longer than --max-queue-wait for a slot: retry later, here or elsewhere (same pushback hint)."""
+
+
+class Cancelled(ServiceError):
+    """Aborted (the Abort RPC) before it ran."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class Unavailable(ServiceError):
     """Loading, draining, or the executor died."""
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -30,33 +31,40 @@ def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
 
 
 class StallWatchdog:
-    """Cancels the handler's task when its writes make no progress for `timeout` (a reader that stopped reading).
+    """Acts when the handler's writes make no progress (a reader that stopped reading): after `grace` it calls
+    `on_slow` once per stall (the stream gives back its slot), after `timeout` it cancels the handler's task.
 
     grpc.aio resumes a streaming handler only after its yielded message was accepted, so a reader
     that stops reading (and HTTP/2 flow control filling up) parks the handler at `yield`; the
     cancellation then runs its cleanup, which cancels the request and frees its KV blocks.
     The handler marks a batch of writes with `arm()` / `disarm()` and counts each accepted message in
     `sent` (an attribute increment: nothing else runs per message). One timer per stream, started by
-    an `arm()` and re-armed only while writing; it cancels when `sent` did not move between two looks
-    one `timeout` apart, so a write that stopped is cut off after `timeout` to twice that.
+    an `arm()` and re-armed only while writing, looks every `period` (the grace, else the timeout); a look
+    that finds `sent` where the previous one left it counts one still period, so a write that stopped is
+    seen after one to two periods, and cut off once the still periods add up to `timeout`.
     """
 
-    __slots__ = ("timeout", "task", "timer", "loop", "writing", "sent", "seen")
+    __slots__ = ("timeout", "period", "on_slow", "task", "timer", "loop", "writing", "sent", "seen", "num_still")
 
-    def __init__(self, timeout: float):
-        self.timeout = timeout
+    def __init__(self, timeout: float, grace: float = 0.0, on_slow: Callable[[], None] | None = None):
+        self.timeout = timeout  # 0: never cancel
+        use_grace = on_slow is not None and grace > 0 and (timeout == 0 or grace < timeout)
+        self.period = grace if use_grace else timeout
+        self.on_slow = on_slow if use_grace else None
         self.task = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
         self.timer = None
         self.writing = False  # between arm() and disarm(): the handler is writing a batch
         self.sent = 0  # messages grpc accepted (the handler counts them)
         self.seen = 0  # `sent` when the timer last looked
+        self.num_still = 0  # looks in a row that found no progress
 
     def arm(self) -> None:
         self.writing = True
-        if self.timer is None and self.timeout > 0:
+        if self.timer is None and self.period > 0:
             self.seen = self.sent
-            self.timer = self.loop.call_later(self.timeout, self._check)
+            self.num_still = 0
+            self.timer = self.loop.call_later(self.period, self._check)
 
     def disarm(self) -> None:
         self.writing = False
@@ -70,26 +78,36 @@ class StallWatchdog:
         self.timer = None
         if not self.writing or self.task.done():
             return  # waiting for tokens, not writing (the next arm() starts a timer), or the handler is gone
-        if self.sent != self.seen:  # progress since the last look: look again one timeout later
-            self.seen = self.sent
-            self.timer = self.loop.call_later(self.timeout, self._check)
-            return
-        log.warning("a reader stopped reading for %.1fs: aborting its stream", self.timeout)
-        self.task.cancel()
+        if self.sent != self.seen:  # progress since the last look: look again one period later
+            self.seen, self.num_still = self.sent, 0
+        else:
+            self.num_still += 1
+            if self.timeout > 0 and self.num_still * self.period >= self.timeout:
+                log.warning("a reader stopped reading for %.1fs: aborting its stream", self.timeout)
+                self.task.cancel()
+                return
+            if self.num_still == 1 and self.on_slow is not None:
+                self.on_slow()
+            elif self.timeout == 0:
+                return  # nothing more to do for this stall: the next arm() looks again
+        self.timer = self.loop.call_later(self.period, self._check)
 
 
 class Delivery:
     """One Generate call's delivery of its request stream, shared by both APIs' handlers: the stall watchdog, the
-    `Complete`s seen, and on the way out (a return, an error, a cancellation at `yield`) the cancel of a request
-    that did not finish and `app.observe_end`. The per-message loop stays in each handler: a shared async generator
-    would be one more frame to resume for every message."""
+    admission slot (given back while the reader stalls, taken again when it reads), the `Complete`s seen, and on
+    the way out (a return, an error, a cancellation at `yield`) the cancel of a request that did not finish and
+    `app.observe_end`. The per-message loop stays in each handler: a shared async generator would be one more
+    frame to resume for every message."""
 
-    __slots__ = ("app", "valid", "stream", "watchdog", "completes")
+    __slots__ = ("app", "valid", "stream", "slot", "watchdog", "completes", "paused")
 
-    def __init__(self, app, valid, stream):
-        self.app, self.valid, self.stream = app, valid, stream
-        self.watchdog = StallWatchdog(app.config.stall_timeout)
+    def __init__(self, app, valid, stream, slot=None):
+        self.app, self.valid, self.stream, self.slot = app, valid, stream, slot
+        self.watchdog = StallWatchdog(app.config.stall_timeout, getattr(app.config, "slow_reader_grace", 0.0),
+                                      self._slow if slot is not None else None)
         self.completes: list[Complete] = []
+        self.paused = False  # the slot was given back; `resume()` before reading the stream again
 
     def __enter__(self) -> Delivery:
         return self
@@ -98,6 +116,23 @@ class Delivery:
         """Every message of `batch` was written."""
         self.watchdog.disarm()
         self.completes += [e for e in batch if type(e) is Complete]
+
+    def _slow(self) -> None:
+        """The reader stopped reading: give the slot to another request, pausing this one's generation (an
+        executor that cannot pause keeps generating: the slot stays, as before --slow-reader-grace)."""
+        stream = self.stream
+        if self.paused or not (stream.ended or self.app.looper.can_pause):
+            return
+        self.paused = True
+        stream.pause()  # no-op once generation ended
+        self.slot.give_back()
+
+    async def resume(self) -> None:
+        """The reader reads again: take a slot (in line, within --max-queue-wait) and resume generation."""
+        if not self.stream.ended:
+            await self.slot.take_again()
+            self.stream.resume()
+        self.paused = False
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.watchdog.close()
@@ -154,16 +189,18 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
             try:
                 app.require_ready()
-                async with app.admission.slot():
+                async with app.admission.slot(rid, app.config.max_queue_wait) as slot:
                     valid = await app.tokenizing(text_size(request), app.validator.generate, request, rid,
                                                  deadline_of(context))
                     valid = await app.grammars.admit(valid)  # a `structured` constraint: compiled, or cached
                     valid = await app.loras.admit(valid)  # a LoRA adapter: resident (read again if swapped out)
                     if app.looper.find(rid) is not None:
                         raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
+                    slot.check_aborted()  # Abort while it waited: it never runs
                     stream = app.looper.submit(valid, arrival)
+                    app.admission.submitted(slot)
                     writer = convert.StreamWriter(valid, app.config.stream_interval, app.config.coalesce)
-                    with Delivery(app, valid, stream) as delivery:
+                    with Delivery(app, valid, stream, slot) as delivery:
                         watchdog = delivery.watchdog
                         while (batch := await stream.next_batch()) is not None:
                             watchdog.arm()
@@ -171,6 +208,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
                                 yield msg  # returns once grpc took the message: a stalled reader blocks here
                                 watchdog.sent += 1
                             delivery.delivered(batch)
+                            if delivery.paused:  # it stalled past --slow-reader-grace and now reads again
+                                await delivery.resume()
             except (ServiceError, RequestFailed) as exc:
                 app.observe_error(status_of(exc)[0])
                 await abort_with(context, exc)
@@ -250,6 +289,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     async def Abort(self, request, context):
         try:
             self.app.require_ready()
-            return pb.AbortResponse(found=self.app.looper.abort(request.request_id))
+            rid = request.request_id
+            return pb.AbortResponse(found=self.app.admission.abort(rid) or self.app.looper.abort(rid))
         except ServiceError as exc:
             await abort_with(context, exc)

@@ -317,7 +317,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
             try:
                 app.require_ready()
-                async with app.admission.slot():
+                async with app.admission.slot(rid, getattr(app.config, "max_queue_wait", 0.0)) as slot:
                     valid = to_valid_request(app.validator, request, rid, deadline_of(context), app.loras)
                     valid = await app.grammars.admit(valid, "guided_decoding.guide")  # compiled, or cached
                     valid = await app.loras.admit(valid)  # `lora_config.task_id`: its adapter resident
@@ -326,15 +326,19 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
                     writer = _Writer(valid, request.include_stop_token_in_output,
                                      request.output_config.return_perf_metrics, arrival_wall,
                                      getattr(app.config, "stream_interval", 1))
+                    slot.check_aborted()  # Abort while it waited: it never runs
                     stream = app.looper.submit(valid, arrival)
-                    with Delivery(app, valid, stream) as delivery:  # SMG dropping the stream cancels the request
+                    app.admission.submitted(slot)
+                    with Delivery(app, valid, stream, slot) as delivery:  # SMG dropping the stream cancels it
                         watchdog = delivery.watchdog
                         while (batch := await stream.next_batch()) is not None:
                             watchdog.arm()
                             for msg in writer.encode(batch):  # serialized: see add_trtllm_service
-                                yield msg  # a stalled reader blocks here; the watchdog cancels us
+                                yield msg  # a stalled reader blocks here: the watchdog pauses, then cancels us
                                 watchdog.sent += 1
                             delivery.delivered(batch)
+                            if delivery.paused:  # it stalled past --slow-reader-grace and now reads again
+                                await delivery.resume()
             except Exception as exc:  # ServiceError, RequestFailed, anything unexpected: one status, no traceback
                 if not isinstance(exc, (ServiceError, RequestFailed)):
                     log.exception("trtllm Generate %s failed", rid)
@@ -352,8 +356,8 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
         return tpb.HealthCheckResponse(status="OK")
 
     async def Abort(self, request, context):
-        looper = self.app.looper
-        found = looper is not None and looper.abort(request.request_id)
+        looper, rid = self.app.looper, request.request_id
+        found = self.app.admission.abort(rid) or (looper is not None and looper.abort(rid))
         return tpb.AbortResponse(success=found, message=f"request {request.request_id!r} "
                                  + ("aborted" if found else "not in flight (already finished, aborted or unknown)"))
 

@@ -140,3 +140,41 @@ def test_preemption_keeps_the_pool_consistent_and_recompute_hits_the_cache():
     assert new.num_cached_prompt_tokens == 0  # what it was served at its first admission
     sched.finish(new)
     assert bm.num_used_blocks == 0 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_pause_frees_blocks_and_resume_recomputes_the_same_tokens():
+    sched = make(num_blocks=16, block_size=4, max_num_tokens=16)
+    a, b = seq(6, request_id=1), seq(6, request_id=2)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(3):
+        step(sched)
+    tokens_before = list(a.token_ids)
+    used = sched.block_manager.num_used_blocks
+    sched.pause(a)
+    sched.pause(a)  # idempotent
+    assert a not in sched.running and a not in sched.waiting and a in sched.paused
+    assert a.block_table == [] and a.num_computed_tokens == 0
+    assert sched.block_manager.num_used_blocks < used
+    for _ in range(3):  # b goes on alone; a does not run
+        assert [s for s, _ in step(sched)] == [b]
+    assert a.token_ids == tokens_before
+    sched.resume(a)
+    sched.resume(a)  # idempotent: queued once
+    assert list(sched.waiting) == [a] and not sched.paused
+    scheduled = dict(step(sched))
+    assert scheduled[a] == len(tokens_before)  # prompt and output so far, recomputed in one chunk
+    assert a.token_ids[:len(tokens_before)] == tokens_before
+
+
+def test_a_paused_sequence_can_be_finished_and_a_finished_one_is_not_paused():
+    sched = make()
+    a = seq(5)
+    sched.add(a)
+    step(sched)
+    sched.pause(a)
+    sched.finish(a)  # cancelled while paused
+    assert not sched.paused and a.status is SequenceStatus.FINISHED and sched.block_manager.num_used_blocks == 0
+    sched.pause(a)
+    sched.resume(a)
+    assert not sched.paused and not sched.waiting and not sched.has_work()
