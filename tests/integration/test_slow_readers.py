@@ -1,0 +1,202 @@
+"""No client can hold the server (issue 28): the admission wait bound, Abort while waiting, and streams that stop
+reading giving back their slot while the engine pauses their generation, through a real in-process server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
+from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
+
+from tests.conftest import run
+from tests.integration.service_harness import serving
+from tests.scripted_executor import ScriptedExecutor
+from tests.tiny_model import make_tiny_model
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.engine import Engine
+from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
+
+HELLO = "Hello world, hello gRPC streams."
+# a client whose HTTP/2 window stays tiny (no BDP growth): once it stops reading, the server's writes stop completing
+NEVER_READS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+BIG = pb.OutputOptions(logprobs=True, top_logprobs=20)  # ~250 bytes a token: a stalled reader's buffers fill early
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("slow-readers"), "llama")
+
+
+def engine(checkpoint) -> Engine:
+    return Engine.from_dir(checkpoint, EngineConfig(dtype="float64", kv_cache_tokens=65536, max_num_tokens=512,
+                                                    max_batch_size=64))
+
+
+def gen(max_new=8, text=HELLO, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, stream=True, sampling=pb.SamplingParams(temperature=0.0),
+                              stopping=pb.StoppingCriteria(max_new_tokens=max_new, ignore_eos=True), **kw)
+
+
+async def read_all(call) -> list:
+    out = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        out.append(msg)
+    return out
+
+
+async def wait_for(predicate, timeout=10.0) -> bool:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+def output_ids(msgs) -> list[int]:
+    return list(msgs[-1].complete.token_ids)
+
+
+def quiet(app) -> bool:
+    """Every slot back, nobody waiting, nothing open, no KV in use."""
+    return (app.admission.num_active == 0 and app.admission.num_waiting == 0 and app.looper.num_open == 0
+            and app.executor.stats().kv_blocks_used == 0 and not app.admission._pending)
+
+
+def test_a_paused_and_resumed_greedy_stream_gives_the_same_tokens(checkpoint):
+    """A reader that stops reading past the grace gives back its slot and its KV blocks (the engine pauses it);
+    when it reads again it gets exactly the tokens of a reader that never stopped."""
+    async def body():
+        eng = engine(checkpoint)
+        async with serving(checkpoint, eng, slow_reader_grace=0.2, stall_timeout=30) as (server, stub, _):
+            app = server.app
+            reference = output_ids(await read_all(stub.Generate(gen(max_new=1000, output=BIG))))
+            assert len(reference) == 1000
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) as channel:
+                call = pb_grpc.TextGenerationStub(channel).Generate(gen(max_new=1000, request_id="slow",
+                                                                                output=BIG))
+                first = [await call.read()]
+                # it stops reading: the slot goes back and the engine frees its blocks, the request still open
+                assert await wait_for(lambda: app.admission.num_active == 0 and eng.stats().kv_blocks_used == 0)
+                assert app.looper.find("slow") is not None and eng.scheduler.paused
+                steps = eng.stats().num_steps
+                await asyncio.sleep(0.3)
+                assert eng.stats().num_steps == steps  # paused: the engine does no work for it
+                rest = await read_all(call)  # it reads again: it takes a slot, generation resumes
+            got = [t for m in first + rest if m.HasField("chunk") for t in m.chunk.token_ids]
+            assert output_ids(rest) == got == reference
+            assert rest[-1].complete.finish_reason == pb.LENGTH
+            assert await wait_for(lambda: quiet(app))
+        eng.shutdown()
+    run(body())
+
+
+def test_hundreds_of_never_reading_streams_do_not_keep_a_new_client_out(checkpoint):
+    """200 streams that never read (over 64 slots and a line of 256) stay open; a well-behaved client's Generate
+    completes within its deadline beside them. With --slow-reader-grace 0 (the old behaviour) the same client
+    waits in line behind them until its deadline."""
+    num_streams = 200
+
+    async def attack(server, deadline_s: float):
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) for _ in range(4)]
+        # each asks for ~250 KB (1,000 tokens with 20 alternatives each): a server buffers ~64 KB of a stream
+        calls = [pb_grpc.TextGenerationStub(channels[i % 4]).Generate(gen(max_new=1000, request_id=f"h{i}",
+                                                                          output=BIG))
+                 for i in range(num_streams)]
+        first_reads = [asyncio.ensure_future(c.read()) for c in calls]  # one message each at most, then no more
+        try:
+            app = server.app
+            assert await wait_for(lambda: app.looper.num_open + app.admission.num_waiting >= num_streams, 30)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as good:
+                try:
+                    msgs = await read_all(pb_grpc.TextGenerationStub(good).Generate(gen(max_new=8),
+                                                                                    timeout=deadline_s))
+                    outcome = msgs[-1].complete.usage.completion_tokens
+                except grpc.aio.AioRpcError as err:
+                    outcome = err.code()
+            still_open = sum(not c.done() for c in calls)
+            return outcome, still_open
+        finally:
+            for c in calls:
+                c.cancel()
+            await asyncio.gather(*first_reads, return_exceptions=True)
+            for ch in channels:
+                await ch.close()
+
+    async def body():  # (the server stops its executor: one engine each)
+        async with serving(checkpoint, engine(checkpoint), slow_reader_grace=0.5, stall_timeout=60) as (server, _, _):
+            outcome, still_open = await attack(server, deadline_s=30)
+            assert outcome == 8 and still_open == num_streams  # served beside them; none of them was cut off
+            assert await wait_for(lambda: quiet(server.app), 30)  # every slot back once they hang up
+        async with serving(checkpoint, engine(checkpoint), slow_reader_grace=0, stall_timeout=60) as (server, _, _):
+            outcome, still_open = await attack(server, deadline_s=3)
+            assert outcome == grpc.StatusCode.DEADLINE_EXCEEDED and still_open == num_streams
+            assert await wait_for(lambda: quiet(server.app), 30)
+    run(body())
+
+
+def test_a_wait_past_max_queue_wait_is_refused_and_a_shorter_deadline_still_wins(tokenizer_dir):
+    async def body():
+        ex = ScriptedExecutor(tick=0.01)
+        async with serving(tokenizer_dir, ex, max_concurrent_requests=1, max_queue_wait=0.3) as (server, stub, _):
+            holder = stub.Generate(gen(max_new=4000))
+            await holder.read()
+            call = stub.Generate(gen())
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_all(call)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "waited 0.3 s for a slot (--max-queue-wait)" in err.value.details()
+            assert ("grpc-retry-pushback-ms", "500") in tuple(err.value.trailing_metadata())
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read_all(stub.Generate(gen(), timeout=0.1))  # its deadline comes before the wait bound
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            holder.cancel()
+            assert await wait_for(lambda: server.app.admission.num_active == 0 and not server.app.admission._pending)
+            assert len(ex.enqueued) == 1  # neither refused request reached the executor
+    run(body())
+
+
+@pytest.mark.parametrize("api", ["tokenloop", "trtllm"])
+def test_abort_of_a_request_waiting_for_admission_finds_it_and_it_never_runs(tokenizer_dir, tokenizer, api):
+    async def body():
+        ex = ScriptedExecutor(tick=0.01)
+        async with serving(tokenizer_dir, ex, max_concurrent_requests=1) as (server, stub, _):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                if api == "trtllm":
+                    router = tpb_grpc.TrtllmServiceStub(channel)
+                    ids = tokenizer.encode(HELLO)
+
+                    def generate(rid, max_new):
+                        return router.Generate(tpb.GenerateRequest(
+                            tokenized=tpb.TokenizedInput(input_token_ids=ids), max_tokens=max_new, streaming=True,
+                            request_id=rid))
+
+                    async def abort(rid):
+                        return (await router.Abort(tpb.AbortRequest(request_id=rid))).success
+                else:
+                    def generate(rid, max_new):
+                        return stub.Generate(gen(max_new=max_new, request_id=rid))
+
+                    async def abort(rid):
+                        return (await stub.Abort(pb.AbortRequest(request_id=rid))).found
+                holder = generate("holder", 4000)
+                await holder.read()  # running: it holds the only slot
+                waiting = generate("waiting", 8)
+                reading = asyncio.ensure_future(read_all(waiting))
+                assert await wait_for(lambda: server.app.admission.num_waiting == 1)
+                assert await abort("waiting") is True
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await reading
+                assert err.value.code() == grpc.StatusCode.CANCELLED
+                assert "aborted (Abort) while waiting for admission" in err.value.details()
+                assert await abort("waiting") is False  # gone: idempotent
+                assert server.app.admission.num_waiting == 0
+                assert await abort("holder") is True  # a running one: through the looper, as before
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await read_all(holder)  # it ends (how it reports a cancel is each API's own, tested elsewhere)
+            assert await wait_for(lambda: server.app.admission.num_active == 0 and server.app.looper.num_open == 0)
+            assert [r.request_id for r in ex.enqueued] == ["holder"]  # the aborted one never reached the executor
+    run(body())
