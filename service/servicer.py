@@ -39,17 +39,20 @@ class StallWatchdog:
     cancellation then runs its cleanup, which cancels the request and frees its KV blocks.
     The handler marks a batch of writes with `arm()` / `disarm()` and counts each accepted message in
     `sent` (an attribute increment: nothing else runs per message). One timer per stream, started by
-    an `arm()` and re-armed only while writing, looks every `period` (the grace, else the timeout); a look
-    that finds `sent` where the previous one left it counts one still period, so a write that stopped is
-    seen after one to two periods, and cut off once the still periods add up to `timeout`.
+    an `arm()` and re-armed only while writing, looks every `period` (a quarter of the grace, else the timeout);
+    a look that finds `sent` where the previous one left it counts one still period, so a write that stopped is
+    seen a grace to a grace and a quarter after its last progress, and cut off once the still periods add up to
+    `timeout` (without a grace: one to two timeouts).
     """
 
-    __slots__ = ("timeout", "period", "on_slow", "task", "timer", "loop", "writing", "sent", "seen", "num_still")
+    __slots__ = ("timeout", "grace", "period", "on_slow", "task", "timer", "loop", "writing", "sent", "seen",
+                 "still_s")
 
     def __init__(self, timeout: float, grace: float = 0.0, on_slow: Callable[[], None] | None = None):
         self.timeout = timeout  # 0: never cancel
         use_grace = on_slow is not None and grace > 0 and (timeout == 0 or grace < timeout)
-        self.period = grace if use_grace else timeout
+        self.grace = grace if use_grace else 0.0
+        self.period = grace / 4 if use_grace else timeout
         self.on_slow = on_slow if use_grace else None
         self.task = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
@@ -57,13 +60,13 @@ class StallWatchdog:
         self.writing = False  # between arm() and disarm(): the handler is writing a batch
         self.sent = 0  # messages grpc accepted (the handler counts them)
         self.seen = 0  # `sent` when the timer last looked
-        self.num_still = 0  # looks in a row that found no progress
+        self.still_s = 0.0  # seconds of looks in a row that found no progress
 
     def arm(self) -> None:
         self.writing = True
         if self.timer is None and self.period > 0:
-            self.seen = self.sent
-            self.num_still = 0
+            self.seen, self.still_s = self.sent, 0.0
+            self.period = self.grace / 4 or self.timeout
             self.timer = self.loop.call_later(self.period, self._check)
 
     def disarm(self) -> None:
@@ -79,17 +82,20 @@ class StallWatchdog:
         if not self.writing or self.task.done():
             return  # waiting for tokens, not writing (the next arm() starts a timer), or the handler is gone
         if self.sent != self.seen:  # progress since the last look: look again one period later
-            self.seen, self.num_still = self.sent, 0
+            self.seen, self.still_s = self.sent, 0.0
+            self.period = self.grace / 4 or self.timeout
         else:
-            self.num_still += 1
-            if self.timeout > 0 and self.num_still * self.period >= self.timeout:
+            slow = self.still_s < self.grace  # not yet a slow reader
+            self.still_s += self.period
+            if self.timeout > 0 and self.still_s >= self.timeout - 1e-9:
                 log.warning("a reader stopped reading for %.1fs: aborting its stream", self.timeout)
                 self.task.cancel()
                 return
-            if self.num_still == 1 and self.on_slow is not None:
+            if slow and self.still_s >= self.grace - 1e-9:
                 self.on_slow()
-            elif self.timeout == 0:
-                return  # nothing more to do for this stall: the next arm() looks again
+                if self.timeout == 0:
+                    return  # nothing more to do for this stall: the next arm() looks again
+                self.period = self.grace  # till the timeout, look less often
         self.timer = self.loop.call_later(self.period, self._check)
 
 
