@@ -113,8 +113,8 @@ async def one_run(model: str, grace: float, args) -> dict:
             row["new_client_first_message_s"] = round(first, 2) if first is not None else None
             row["new_client_total_s"] = round(time.monotonic() - start, 2)
             load = await stub.GetLoad(pb.GetLoadRequest())
-            row["hostile_still_open"] = sum(not c.done() for c in calls)
-            row["slots_in_use_at_end"] = load.num_running
+            # the server's count: a stream it cut cannot tell its client (its trailers wait behind unread data)
+            row["hostile_open_on_server"] = load.num_in_flight
     finally:
         for c in calls:
             c.cancel()
@@ -154,11 +154,11 @@ def main(argv=None) -> int:
         print(f"{args.streams} never-reading streams ({args.hostile_tokens} tokens asked each); the new client asks "
               f"{args.new_tokens} tokens with a {args.deadline:g} s deadline; --stall-timeout {args.stall_timeout:g}, "
               f"--max-queue-wait {args.max_queue_wait:g}\n")
-        print("| --slow-reader-grace | new client | first message s | total s | hostile streams still open |")
+        print("| --slow-reader-grace | new client | first message s | total s | never-reading streams still open |")
         print("| --- | --- | --- | --- | --- |")
         for r in out["runs"].values():
             print(f"| {r['slow_reader_grace_s']:g} | {r['outcome']} | {r['new_client_first_message_s']} "
-                  f"| {r['new_client_total_s']} | {r['hostile_still_open']} / {r['streams']} |")
+                  f"| {r['new_client_total_s']} | {r['hostile_open_on_server']} / {r['streams']} |")
         print()
     print(json.dumps(out))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import pytest
@@ -198,3 +199,40 @@ def test_abort_of_a_request_waiting_for_admission_finds_it_and_it_never_runs(tok
             assert await wait_for(lambda: server.app.admission.num_active == 0 and server.app.looper.num_open == 0)
             assert [r.request_id for r in ex.enqueued] == ["holder"]  # the aborted one never reached the executor
     run(body())
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded n=2"])
+def test_engine_pause_frees_kv_and_resume_gives_the_same_tokens(checkpoint, kind):
+    """The executor ability alone: pause mid-generation frees every KV block and stops steps; resume goes on with
+    the tokens a never-paused run makes (greedy, and seeded sampling with two sequences: each keeps its RNG)."""
+    from tests.engine_helpers import collect, greedy_request, run_all, sampled_request, tokens
+
+    prompt = [5, 17, 99, 3, 250, 7, 42]
+    request = greedy_request(prompt, 200) if kind == "greedy" else sampled_request(prompt, seed=7,
+                                                                                   max_new_tokens=200, n=2)
+    eng = engine(checkpoint)
+    try:
+        _, reference = run_all(eng, [request])
+        rid = eng.enqueue(request)
+        seen: dict[tuple[int, int], list] = {}
+        while sum(len(s.token_ids) for v in seen.values() for s in v) < 20:
+            for step in eng.await_responses(0.5):
+                seen.setdefault((step.request_id, step.seq_index), []).append(step)
+        eng.pause(rid)
+        eng.pause(rid)  # idempotent
+        deadline = time.monotonic() + 10
+        while eng.stats().kv_blocks_used and time.monotonic() < deadline:
+            for step in eng.await_responses(0.05):  # steps made before the pause was taken still arrive
+                seen.setdefault((step.request_id, step.seq_index), []).append(step)
+        assert eng.stats().kv_blocks_used == 0 and eng.stats().num_running == 0
+        for step in eng.await_responses(0.3):
+            seen.setdefault((step.request_id, step.seq_index), []).append(step)
+        assert eng.await_responses(0.3) == []  # paused: no more steps
+        eng.resume(rid)
+        rest = collect(eng, {rid: request.n})
+        for i in range(request.n):
+            got = tokens(seen.get((rid, i), [])) + tokens(rest[(rid, i)])
+            assert got == tokens(reference[(1, i)]) and len(got) == 200
+        assert eng.stats().kv_blocks_used == 0
+    finally:
+        eng.shutdown()

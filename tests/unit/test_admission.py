@@ -272,3 +272,25 @@ def test_stall_watchdog_without_a_grace_only_cancels():
             await asyncio.wait_for(asyncio.ensure_future(handler()), 10)
         assert slow == []
     run(body())
+
+
+@pytest.mark.parametrize("field, flag", [("slow_reader_grace", "--slow-reader-grace"),
+                                         ("max_queue_wait", "--max-queue-wait"), ("stall_timeout", "--stall-timeout")])
+def test_negative_waits_are_refused_naming_the_flag(field, flag):
+    from tokenloop.service.config import ServerConfig
+
+    with pytest.raises(ValueError, match=f"^{flag} must be >= 0"):
+        ServerConfig(**{field: -1.0})
+    with pytest.raises(ValueError, match=f"^{flag} must be >= 0"):
+        ServerConfig(**{field: float("nan")})
+    assert getattr(ServerConfig(**{field: 0.0}), field) == 0.0  # 0: off / no bound
+
+
+def test_the_flags_reach_the_config():
+    from tokenloop.service.cli import _parser, config_from_args
+
+    args = _parser().parse_args(["serve", "--slow-reader-grace", "0.5", "--max-queue-wait", "12"])
+    config = config_from_args(args)
+    assert (config.slow_reader_grace, config.max_queue_wait) == (0.5, 12.0)
+    defaults = config_from_args(_parser().parse_args(["serve"]))
+    assert (defaults.slow_reader_grace, defaults.max_queue_wait) == (1.0, 30.0)
