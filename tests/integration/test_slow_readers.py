@@ -236,3 +236,33 @@ def test_engine_pause_frees_kv_and_resume_gives_the_same_tokens(checkpoint, kind
         assert eng.stats().kv_blocks_used == 0
     finally:
         eng.shutdown()
+
+
+def test_the_router_api_shares_the_pause_and_resume(checkpoint):
+    """TrtllmService.Generate (what SMG calls) goes through the same Delivery: its stalled stream gives back its
+    slot and KV, and resumes with the tokens of a reader that never stopped."""
+
+    def request(rid=""):
+        return tpb.GenerateRequest(tokenized=tpb.TokenizedInput(input_token_ids=[5, 17, 99, 3, 250, 7, 42]),
+                                   max_tokens=1000, streaming=True, request_id=rid, ignore_eos=True,
+                                   sampling_config=tpb.SamplingConfig(temperature=0.0),
+                                   output_config=tpb.OutputConfig(logprobs=20))
+
+    async def body():
+        eng = engine(checkpoint)
+        async with serving(checkpoint, eng, slow_reader_grace=0.2, stall_timeout=30) as (server, _, _):
+            app = server.app
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as plain:
+                reference = (await read_all(tpb_grpc.TrtllmServiceStub(plain).Generate(request())))[-1]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) as channel:
+                call = tpb_grpc.TrtllmServiceStub(channel).Generate(request("slow"))
+                first = [await call.read()]
+                assert await wait_for(lambda: app.admission.num_active == 0 and eng.stats().kv_blocks_used == 0)
+                assert app.looper.find("slow") is not None and eng.scheduler.paused
+                rest = await read_all(call)
+            streamed = [t for m in first + rest if m.HasField("chunk") for t in m.chunk.token_ids]
+            assert streamed == list(rest[-1].complete.output_token_ids) == list(reference.complete.output_token_ids)
+            assert len(streamed) == 1000
+            assert await wait_for(lambda: quiet(app))
+        eng.shutdown()
+    run(body())
