@@ -266,3 +266,34 @@ def test_the_router_api_shares_the_pause_and_resume(checkpoint):
             assert await wait_for(lambda: quiet(app))
         eng.shutdown()
     run(body())
+
+
+@pytest.mark.parametrize("end", ["stall timeout", "deadline", "abort", "shutdown"])
+def test_a_paused_stream_that_ends_leaves_nothing_behind(checkpoint, end):
+    """Paused (slot given back, KV freed), then ended by --stall-timeout, its deadline, Abort or server shutdown:
+    no slot is given back twice or kept, and the engine forgets it."""
+    async def body():
+        eng = engine(checkpoint)
+        stall = 1.5 if end == "stall timeout" else 60
+        async with serving(checkpoint, eng, slow_reader_grace=0.2, stall_timeout=stall) as (server, stub, _):
+            app = server.app
+            holder = stub.Generate(gen(max_new=1000, request_id="holder"))  # a reader that reads: one slot
+            await holder.read()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) as channel:
+                call = pb_grpc.TextGenerationStub(channel).Generate(
+                    gen(max_new=1000, request_id="slow"), timeout=4 if end == "deadline" else None)
+                await call.read()
+                assert await wait_for(lambda: len(eng.scheduler.paused) == 1 and app.admission.num_active == 1)
+                if end == "abort":
+                    assert (await stub.Abort(pb.AbortRequest(request_id="slow"))).found
+                if end == "shutdown":
+                    await app.drain(grace=0.2)
+                assert await wait_for(lambda: app.looper.find("slow") is None and not eng.scheduler.paused, 20)
+                call.cancel()
+            holder.cancel()
+            assert await wait_for(lambda: app.admission.num_active == 0 and app.admission.num_waiting == 0
+                                  and app.looper.num_open == 0)
+            if end != "shutdown":
+                assert await wait_for(lambda: eng.stats().kv_blocks_used == 0 and not eng._requests)
+        eng.shutdown()
+    run(body())
