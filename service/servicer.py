@@ -135,7 +135,7 @@ class Delivery:
 
     async def resume(self) -> None:
         """The reader reads again: take a slot (in line, within --max-queue-wait) and resume generation."""
-        if not self.stream.ended:
+        if not (self.stream.ended or self.stream.cancelled):  # a cancelled one only delivers its end
             await self.slot.take_again()
             self.stream.resume()
         self.paused = False
