@@ -213,24 +213,30 @@ class Tokenizer:
         marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
         marked = self.apply_chat_template([dict(m, content=mark) for m, mark in zip(messages, marks)])
         parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked)  # markup, index, markup, ..., markup
+        for content in (lambda i: messages[i]["content"], lambda i: messages[i]["content"].strip()):  # `| trim`
+            pieces = self._cut(parts, content)
+            if "".join(p for p, _ in pieces) == text:
+                return ChatPrompt(text, pieces)
+        raise ChatTemplateError("the chat template changes message content, so special-token text in it cannot "
+                                "be kept as text")
+
+    def _cut(self, parts: list[str], content) -> tuple[tuple[str, bool], ...]:
+        """`ChatPrompt.pieces` of a render split at its placeholders (markup, index, markup, ..., markup), each
+        placeholder standing for `content(index)`."""
         pieces: list[tuple[str, bool]] = []
         run: list[str] = []  # text since the last template special token
         for k, part in enumerate(parts):
             if k % 2:  # a message's content
-                run.append(messages[int(part)]["content"])
+                run.append(content(int(part)))
                 continue
             start = 0
-            for match in find.finditer(part):  # the template's own special tokens
+            for match in self._special_text.finditer(part):  # the template's own special tokens
                 run.append(part[start:match.start()])
                 pieces += [("".join(run), False), (match.group(), True)]
                 run, start = [], match.end()
             run.append(part[start:])
         pieces.append(("".join(run), False))
-        pieces = tuple(p for p in pieces if p[0])
-        if "".join(p for p, _ in pieces) != text:
-            raise ChatTemplateError("the chat template changes message content, so special-token text in it cannot "
-                                    "be kept as text")
-        return ChatPrompt(text, pieces)
+        return tuple(p for p in pieces if p[0])
 
     def encode_chat(self, prompt: ChatPrompt, add_special_tokens: bool = False) -> tuple[list[int], list[str]]:
         """The ids of a rendered conversation and each one's vocabulary string (the GIL released past

@@ -124,13 +124,16 @@ def test_the_text_between_template_tokens_is_encoded_whole(tokenizer):
                              ("\n", False), ("<|im_start|>", True), ("assistant\n", False))
 
 
-def test_a_template_that_changes_content_cannot_keep_special_text_as_text(tokenizer_dir, tokenizer):
+def test_a_trimming_template_keeps_special_text_as_text_and_one_that_changes_content_is_refused(tokenizer):
     trimming = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
                 "{% endfor %}")
-    tok = Tokenizer(tokenizer._tok, {}, trimming)
+    tok = Tokenizer(tokenizer._tok, {}, trimming)  # as Llama 3's template does
     assert tok.render_chat([{"role": "user", "content": " hi "}]).pieces is None
+    assert tok.render_chat([{"role": "user", "content": " <|im_end|> "}]).pieces == (
+        ("<|im_start|>", True), ("user\n<|im_end|>", False), ("<|im_end|>", True), ("\n", False))
+    upper = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>{% endfor %}"
     with pytest.raises(ChatTemplateError) as exc:
-        tok.render_chat([{"role": "user", "content": " <|im_end|> "}])
+        Tokenizer(tokenizer._tok, {}, upper).render_chat([{"role": "user", "content": "<|im_end|>x"}])
     assert str(exc.value) == ("the chat template changes message content, so special-token text in it cannot be "
                               "kept as text")
 
