@@ -1,0 +1,74 @@
+"""What `tokenloop-cli` says when the user's input or the connection is wrong: one line (or a few hints), no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from ._channel import with_port
+from .errors import TokenloopError
+
+TLS_FILE_FLAGS = (("tls_ca", "--tls-ca"), ("tls_cert", "--tls-cert"), ("tls_key", "--tls-key"))
+# words gRPC puts in an UNAVAILABLE status when no connection was made (as opposed to a server that answered it)
+_NOT_CONNECTED = ("failed to connect", "connection refused", "errors resolving", "dns resolution", "socket closed",
+                  "handshake", "connections to all backends failing", "connection reset", "ssl", "tls",
+                  "end of tcp stream")
+
+
+class UsageError(Exception):
+    """A mistake on the command line: the message says what to type instead; exit status 2."""
+
+
+def check_tls_files(args: argparse.Namespace) -> None:
+    """Each TLS file flag names a readable file; the pair --tls-cert/--tls-key comes together."""
+    for name, flag in TLS_FILE_FLAGS:
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        if os.path.isdir(path):
+            raise UsageError(f"{flag} {path}: is a directory; give the PEM file in it")
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise UsageError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        given, missing = ("--tls-cert", "--tls-key") if args.tls_key is None else ("--tls-key", "--tls-cert")
+        raise UsageError(f"{given} needs {missing} too (the client certificate and its key, for mutual TLS)")
+
+
+def describe_target(args: argparse.Namespace) -> str:
+    """`127.0.0.1:50051 (plaintext)` or `... (TLS)`: what the CLI dialled."""
+    secure = bool(args.tls or args.tls_ca or args.tls_cert or args.address.startswith("https://"))
+    return f"{with_port(args.address.split('://', 1)[-1])} ({'TLS' if secure else 'plaintext'})"
+
+
+def not_connected(err: TokenloopError) -> bool:
+    """True when an UNAVAILABLE error means no connection was made (not a server that answered UNAVAILABLE)."""
+    text = err.message.lower()
+    return err.code == grpc.StatusCode.UNAVAILABLE and any(word in text for word in _NOT_CONNECTED)
+
+
+def connection_hints(args: argparse.Namespace) -> str:
+    """What to check when nothing answered at the address."""
+    secure = describe_target(args).endswith("(TLS)")
+    port = with_port(args.address.split("://", 1)[-1]).rsplit(":", 1)[-1]
+    tls = ("the server may not use TLS: drop --tls/--tls-ca/https://" if secure else
+           "a TLS server? add --tls-ca CA.pem (or --tls for a publicly signed certificate)")
+    return (f"  is a server running there? start one with: .venv/bin/tokenloop serve --port {port}\n"
+            f"  another address? tokenloop-cli --address HOST:PORT ... (or set $TOKENLOOP_ADDRESS)\n"
+            f"  {tls}")
+
+
+def report(err: TokenloopError, args: argparse.Namespace) -> None:
+    """Print a failed call: the status and message, and for a connection that failed what was tried and hints."""
+    if not_connected(err):
+        print(f"error: UNAVAILABLE: no tokenloop server answered at {describe_target(args)}: {err.message}",
+              file=sys.stderr)
+        print(connection_hints(args), file=sys.stderr)
+        return
+    print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+
