@@ -127,3 +127,11 @@ def test_a_structure_cut_off_at_length_raises_on_json():
     assert info.value.completion is cut
     done = completion(FinishReason.STRUCTURE_COMPLETE, '{"n": 1}')
     assert not done.truncated and done.json() == {"n": 1}
+
+
+def test_a_command_option_before_the_command_says_where_it_goes():
+    run = cli("-q", "generate", "x")
+    assert run.returncode == 2
+    assert run.stderr.splitlines()[-2:] == [
+        "tokenloop-cli: error: unrecognized arguments: -q",
+        "  -q is an option of generate: put it after the command, e.g. tokenloop-cli generate -q ..."]

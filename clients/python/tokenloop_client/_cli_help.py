@@ -72,3 +72,23 @@ def report(err: TokenloopError, args: argparse.Namespace) -> None:
         return
     print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
 
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose "unrecognized arguments" error says where a command's own option goes."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            owners = {}
+            for action in self._actions:
+                for name, sub in getattr(action, "choices", None).items() if isinstance(
+                        action, argparse._SubParsersAction) else ():
+                    for option in sub._option_string_actions:
+                        owners.setdefault(option, []).append(name)
+            words = message.split(": ", 1)[1].split()
+            known = [(w, owners[w]) for w in words if w in owners and w not in self._option_string_actions]
+            if known:
+                word, commands = known[0]
+                message += f"\n  {word} is an option of {', '.join(commands)}: put it after the command, " \
+                           f"e.g. tokenloop-cli {commands[0]} {word} ..."
+        super().error(message)

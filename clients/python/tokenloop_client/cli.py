@@ -11,7 +11,7 @@ import time
 
 from . import __version__, cli_bench
 from ._channel import DEFAULT_ADDRESS
-from ._cli_help import UsageError, check_tls_files, describe_target, report
+from ._cli_help import Parser, UsageError, check_tls_files, describe_target, report
 from .client import Client
 from .errors import ParameterError, TokenloopError, UnavailableError
 from .types import ChatMessage, GenerateResult
@@ -239,7 +239,7 @@ def _global_options(p: argparse.ArgumentParser, top: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for tokenloop-cli."""
-    p = argparse.ArgumentParser(prog="tokenloop-cli", description="Talk to a tokenloop server.",
+    p = Parser(prog="tokenloop-cli", description="Talk to a tokenloop server.",
                                 epilog="`tokenloop-cli COMMAND --help` for a command's options; exit status: 0 ok, "
                                        "1 the server refused or failed, 2 a usage error, 3 a structured output "
                                        "cut off at LENGTH, 130 Ctrl-C. Docs: docs/clients.md")
