@@ -10,7 +10,10 @@ import grpc
 
 from ._channel import with_port
 from .errors import TokenloopError
+from .types import GenerateResult
 
+INCOMPLETE = 3  # exit status: a constrained sequence ended at LENGTH (its structure is incomplete)
+CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar")
 TLS_FILE_FLAGS = (("tls_ca", "--tls-ca"), ("tls_cert", "--tls-cert"), ("tls_key", "--tls-key"))
 # words gRPC puts in an UNAVAILABLE status when no connection was made (as opposed to a server that answered it)
 _NOT_CONNECTED = ("failed to connect", "connection refused", "errors resolving", "dns resolution", "socket closed",
@@ -92,3 +95,33 @@ class Parser(argparse.ArgumentParser):
                 message += f"\n  {word} is an option of {', '.join(commands)}: put it after the command, " \
                            f"e.g. tokenloop-cli {commands[0]} {word} ..."
         super().error(message)
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def short(message: str) -> str:
+    """The last clause of a gRPC connection error: `Connection refused`, `Domain name not found`."""
+    return message.rstrip("]").rsplit(": ", 1)[-1]
+
+
+def check_complete(result: GenerateResult, args: argparse.Namespace) -> None:
+    """A constrained sequence that ended at LENGTH is cut off mid-structure (not valid JSON): say so, exit 3."""
+    flag = next((f"--{name.replace('_', '-')}" for name in CONSTRAINTS if getattr(args, name, None)), None)
+    cut = [c for c in result.completions if c.truncated]
+    if flag is None or not cut:
+        return
+    which = ", ".join(str(c.index) for c in cut)
+    print(f"error: incomplete output: sequence {which} ended at LENGTH after {cut[0].usage.completion_tokens} tokens, "
+          f"before the {flag} structure was complete (the text above is cut off).\n"
+          "  raise --max-new-tokens, or bound the schema (maxLength for strings, maximum for numbers, maxItems for "
+          "arrays): see docs/structured-output.md", file=sys.stderr)
+    raise SystemExit(INCOMPLETE)

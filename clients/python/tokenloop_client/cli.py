@@ -11,15 +11,13 @@ import time
 
 from . import __version__, cli_bench
 from ._channel import DEFAULT_ADDRESS
-from ._cli_help import Parser, UsageError, check_tls_files, describe_target, report
+from ._cli_help import Parser, UsageError, check_complete, check_tls_files, describe_target, positive, report, short
 from .client import Client
 from .errors import ParameterError, TokenloopError, UnavailableError
 from .types import ChatMessage, GenerateResult
 
 HEALTH_POLL_S = 0.5  # health --wait: seconds between checks
 HEALTH_REPORT_S = 5.0  # health --wait: seconds between progress lines on stderr
-INCOMPLETE = 3  # exit status: a constrained sequence ended at LENGTH (its structure is incomplete)
-CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar")
 
 
 def client_kwargs(args: argparse.Namespace) -> dict:
@@ -76,21 +74,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> None:
         print(f"--- sequence {c.index} ({c.finish_reason.value}) ---\n{c.text}")
     if not args.quiet:
         print(_summary(result), file=sys.stderr)
-    _check_complete(result, args)
-
-
-def _check_complete(result: GenerateResult, args: argparse.Namespace) -> None:
-    """A constrained sequence that ended at LENGTH is cut off mid-structure (not valid JSON): say so, exit 3."""
-    flag = next((f"--{name.replace('_', '-')}" for name in CONSTRAINTS if getattr(args, name, None)), None)
-    cut = [c for c in result.completions if c.truncated]
-    if flag is None or not cut:
-        return
-    which = ", ".join(str(c.index) for c in cut)
-    print(f"error: incomplete output: sequence {which} ended at LENGTH after {cut[0].usage.completion_tokens} tokens, "
-          f"before the {flag} structure was complete (the text above is cut off).\n"
-          "  raise --max-new-tokens, or bound the schema (maxLength for strings, maximum for numbers, maxItems for "
-          "arrays): see docs/structured-output.md", file=sys.stderr)
-    raise SystemExit(INCOMPLETE)
+    check_complete(result, args)
 
 
 def cmd_chat(client: Client, args: argparse.Namespace) -> None:
@@ -174,7 +158,7 @@ def cmd_health(client: Client, args: argparse.Namespace) -> None:
         if status == "SERVING" or time.monotonic() >= deadline:
             break
         if time.monotonic() >= next_report:
-            state = f"status {status}" if status else f"no answer ({_short(why)})"
+            state = f"status {status}" if status else f"no answer ({short(why)})"
             print(f"health: waiting for {describe_target(args)}: {state}; {time.monotonic() - start:.0f} s of "
                   f"{args.wait:g} s", file=sys.stderr, flush=True)
             next_report += HEALTH_REPORT_S
@@ -182,11 +166,6 @@ def cmd_health(client: Client, args: argparse.Namespace) -> None:
     print(status)
     if status != "SERVING":
         raise SystemExit(1)
-
-
-def _short(message: str) -> str:
-    """The last clause of a gRPC connection error: `Connection refused`, `Domain name not found`."""
-    return message.rstrip("]").rsplit(": ", 1)[-1]
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -203,16 +182,6 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     s.add_argument("--json-object", action="store_true", help="constrain the output to one JSON object")
     s.add_argument("--regex", help="constrain the output to match this regular expression")
     s.add_argument("--grammar", metavar="FILE", help="constrain the output to this grammar (GBNF or Lark)")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
-    return value
 
 
 def _global_options(p: argparse.ArgumentParser, top: bool) -> None:
@@ -254,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--stream", action="store_true", help="print text as it arrives")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
-    g.add_argument("-n", "--n", type=_positive, help="number of sequences (>= 1)")
+    g.add_argument("-n", "--n", type=positive, help="number of sequences (>= 1)")
     g.add_argument("--json", action="store_true", help="also print the whole result as JSON")
     g.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
     _add_sampling(g)
