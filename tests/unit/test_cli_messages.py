@@ -135,3 +135,19 @@ def test_a_command_option_before_the_command_says_where_it_goes():
     assert run.stderr.splitlines()[-2:] == [
         "tokenloop-cli: error: unrecognized arguments: -q",
         "  -q is an option of generate: put it after the command, e.g. tokenloop-cli generate -q ..."]
+
+
+@pytest.mark.parametrize(("message", "connected"), [
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused", False),
+    ("errors resolving nosuch.invalid:1: [Domain name not found]", False),
+    ("Socket closed", False),
+    ("the server is shutting down", True),
+    ("the executor is not available: injected fault (retried 3 times; last: UNAVAILABLE: failed to connect to all "
+     "addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused)", True),  # a server answered first
+])
+def test_hints_only_when_no_server_answered(message, connected):
+    import grpc
+
+    from tokenloop_client._cli_help import not_connected
+    from tokenloop_client.errors import UnavailableError
+    assert not_connected(UnavailableError(grpc.StatusCode.UNAVAILABLE, message)) is not connected

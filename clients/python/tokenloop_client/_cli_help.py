@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 import grpc
@@ -15,10 +16,11 @@ from .types import GenerateResult
 INCOMPLETE = 3  # exit status: a constrained sequence ended at LENGTH (its structure is incomplete)
 CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar")
 TLS_FILE_FLAGS = (("tls_ca", "--tls-ca"), ("tls_cert", "--tls-cert"), ("tls_key", "--tls-key"))
-# words gRPC puts in an UNAVAILABLE status when no connection was made (as opposed to a server that answered it)
-_NOT_CONNECTED = ("failed to connect", "connection refused", "errors resolving", "dns resolution", "socket closed",
-                  "handshake", "connections to all backends failing", "connection reset", "ssl", "tls",
-                  "end of tcp stream")
+# what gRPC says in an UNAVAILABLE status when no connection was made (as opposed to a server that answered it)
+_NOT_CONNECTED = re.compile(r"failed to connect|connection refused|errors resolving|dns resolution|socket closed|"
+                            r"handshake|connections to all backends failing|connection reset|end of tcp stream|"
+                            r"\bssl\b|\btls\b", re.IGNORECASE)
+_RETRIED = " (retried "  # the client's suffix after retries: `first status (retried N times; last: ...)`
 
 
 class UsageError(Exception):
@@ -51,8 +53,8 @@ def describe_target(args: argparse.Namespace) -> str:
 
 def not_connected(err: TokenloopError) -> bool:
     """True when an UNAVAILABLE error means no connection was made (not a server that answered UNAVAILABLE)."""
-    text = err.message.lower()
-    return err.code == grpc.StatusCode.UNAVAILABLE and any(word in text for word in _NOT_CONNECTED)
+    first = err.message.split(_RETRIED, 1)[0]  # the first attempt's status: a server's own reason, if one answered
+    return err.code == grpc.StatusCode.UNAVAILABLE and _NOT_CONNECTED.search(first) is not None
 
 
 def connection_hints(args: argparse.Namespace) -> str:
@@ -110,7 +112,7 @@ def positive(text: str) -> int:
 
 def short(message: str) -> str:
     """The last clause of a gRPC connection error: `Connection refused`, `Domain name not found`."""
-    return message.rstrip("]").rsplit(": ", 1)[-1]
+    return message.split(_RETRIED, 1)[0].rstrip("]").rsplit(": ", 1)[-1]
 
 
 def check_complete(result: GenerateResult, args: argparse.Namespace) -> None:
