@@ -27,6 +27,10 @@ class UsageError(Exception):
     """A mistake on the command line: the message says what to type instead; exit status 2."""
 
 
+class IncompleteOutput(Exception):
+    """A constrained sequence ended at LENGTH: its text is cut off mid-structure; exit status 3."""
+
+
 def check_tls_files(args: argparse.Namespace) -> None:
     """Each TLS file flag names a readable file; the pair --tls-cert/--tls-key comes together."""
     for name, flag in TLS_FILE_FLAGS:
@@ -126,4 +130,4 @@ def check_complete(result: GenerateResult, args: argparse.Namespace) -> None:
           f"before the {flag} structure was complete (the text above is cut off).\n"
           "  raise --max-new-tokens, or bound the schema (maxLength for strings, maximum for numbers, maxItems for "
           "arrays): see docs/structured-output.md", file=sys.stderr)
-    raise SystemExit(INCOMPLETE)
+    raise IncompleteOutput(which)

@@ -11,7 +11,18 @@ import time
 
 from . import __version__, cli_bench
 from ._channel import DEFAULT_ADDRESS
-from ._cli_help import Parser, UsageError, check_complete, check_tls_files, describe_target, positive, report, short
+from ._cli_help import (
+    INCOMPLETE,
+    IncompleteOutput,
+    Parser,
+    UsageError,
+    check_complete,
+    check_tls_files,
+    describe_target,
+    positive,
+    report,
+    short,
+)
 from .client import Client
 from .errors import ParameterError, TokenloopError, UnavailableError
 from .types import ChatMessage, GenerateResult
@@ -299,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     except TokenloopError as err:
         report(err, args)
         return 1
+    except IncompleteOutput:  # the text and the message are out already
+        return INCOMPLETE
     except (UsageError, ParameterError, ValueError) as err:
         print(f"tokenloop-cli: error: {err}", file=sys.stderr)
         return 2
