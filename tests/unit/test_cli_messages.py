@@ -151,3 +151,11 @@ def test_hints_only_when_no_server_answered(message, connected):
     from tokenloop_client._cli_help import not_connected
     from tokenloop_client.errors import UnavailableError
     assert not_connected(UnavailableError(grpc.StatusCode.UNAVAILABLE, message)) is not connected
+
+
+def test_the_library_refuses_n_0_instead_of_running_one_sequence():
+    from tokenloop_client._gen import tokenloop_pb2 as pb
+    from tokenloop_client._request import GenerationParams
+    with pytest.raises(ParameterError) as info:
+        GenerationParams(n=0).apply(pb.GenerateRequest())
+    assert (info.value.parameter, str(info.value)) == ("n", "`n` must be >= 1 (the number of sequences); got 0")
