@@ -83,6 +83,7 @@ class ServerConfig:
             raise ValueError("--port must be between 0 and 65535")
         if self.max_concurrent_requests < 1:
             raise ValueError("--max-concurrent-requests must be >= 1")
+        _check_limits(self)
         if self.max_queue < 0:
             raise ValueError("--max-queue must be >= 0")
         if self.shutdown_grace < 0:
@@ -110,3 +111,30 @@ class ServerConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+
+
+ENGINE_POSITIVE = ("max_batch_size", "max_num_tokens", "num_threads", "block_size", "kv_cache_tokens", "max_lora_rank")
+
+
+def _check_limits(c: ServerConfig) -> None:
+    """The request limits and the engine's sizes, each message naming its flag and what was given."""
+    if not 0 <= c.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be between 0 and 65535; got {c.metrics_port}")
+    if c.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1; got {c.max_new_tokens}")
+    if not 1 <= c.default_max_new_tokens <= c.max_new_tokens:
+        raise ValueError(f"--default-max-new-tokens must be between 1 and --max-new-tokens ({c.max_new_tokens}); "
+                         f"got {c.default_max_new_tokens}")
+    for flag, value, least in (("--max-n", c.max_n, 1), ("--max-prompt-tokens", c.max_prompt_tokens, 0),
+                               ("--max-stop-strings", c.max_stop_strings, 0),
+                               ("--max-stop-string-length", c.max_stop_string_length, 1),
+                               ("--max-message-bytes", c.max_message_bytes, 1), ("--stall-timeout", c.stall_timeout, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}; got {value}")
+    for name in ENGINE_POSITIVE:
+        value = c.executor_options.get(name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+    fraction = c.executor_options.get("kv_cache_memory_fraction")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"--kv-cache-memory-fraction must be > 0 and <= 1; got {fraction}")
