@@ -12,7 +12,7 @@ from bench.results import write
 from tests.conftest import ROOT
 
 SCRIPTS = ["engine_bench.py", "service_overhead.py", "engine_gil.py", "prompt_stall.py", "idle_cpu.py", "soak.py",
-           "grammar_libs.py", "int8_kernels.py"]
+           "grammar_libs.py", "int8_kernels.py", "int4_kernels.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
