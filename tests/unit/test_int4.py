@@ -196,3 +196,13 @@ def test_calibration_covers_every_bucket():
     assert policy.int4 is native and policy.describe().startswith(f"int4 native kernel ({native.isa})")
     if policy.int8_split:
         assert set(policy.int8_split) == set(BUCKETS)
+
+
+def test_the_cli_takes_weights_int4_and_refuses_other_modes(capsys):
+    from tokenloop.service.cli import _parser, config_from_args
+
+    config = config_from_args(_parser().parse_args(["serve", "--weights", "int4"]))
+    assert config.executor_options["weights"] == "int4"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--weights", "int2"])
+    assert "invalid choice: 'int2'" in capsys.readouterr().err
