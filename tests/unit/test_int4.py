@@ -4,6 +4,8 @@ policy's int4 path (native and torch fallback)."""
 
 from __future__ import annotations
 
+import platform
+import subprocess
 import threading
 
 import pytest
@@ -206,3 +208,21 @@ def test_the_cli_takes_weights_int4_and_refuses_other_modes(capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--weights", "int2"])
     assert "invalid choice: 'int2'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(kernels.compiler() is None or platform.machine() != "x86_64", reason="needs cc on x86-64")
+def test_a_baseline_x86_64_build_still_dispatches_to_every_path(tmp_path):
+    """Built for any x86-64 (no -march=native: SSE2 only), the library still runs the AVX2 path where the CPU has it
+    (a target attribute, chosen at run time) and the portable one everywhere."""
+    cc, obj, lib = kernels.compiler(), tmp_path / "i4.o", tmp_path / "i4.so"
+    flags = [f for f in kernels.COMPILE_FLAGS if not f.startswith("-march")] + ["-march=x86-64"]
+    subprocess.run([cc, *flags, "-c", str(kernels.INT4_SOURCE), "-o", str(obj)], check=True, timeout=120)
+    subprocess.run([cc, *kernels.LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True, timeout=120)
+    baseline = kernels.Int4Linear(lib)
+    assert baseline.supported() == native.supported() and baseline.isa == native.isa
+    gen = torch.Generator().manual_seed(8)
+    w, x = quantize4(torch.randn(200, 192, generator=gen)), torch.randn(9, 192, generator=gen)
+    for isa in baseline.supported():
+        out = torch.empty(9, 200)
+        baseline.with_isa(isa).linear2(x, w, out)
+        torch.testing.assert_close(out, reference(x, w), rtol=1e-4, atol=2e-4)
