@@ -124,10 +124,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-batch-size", type=int, default=None, help="sequences in one step")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="activations and KV cache (default float32; bfloat16 halves the KV cache's memory)")
-    e.add_argument("--weights", choices=("fp32", "int8"), default=None,
+    e.add_argument("--weights", choices=("fp32", "int8", "int4"), default=None,
                    help="int8: weights of every linear layer and the lm_head quantized at load time (symmetric, per "
-                        "output channel), float32 activations; ~2x faster, perplexity +0.3%% against fp32's "
-                        "(docs/engine.md). Default fp32: token-for-token equal to transformers")
+                        "output channel), float32 activations; ~2x faster, perplexity +0.3%% against fp32's. int4: "
+                        "the layers as 4 bits with a scale and a minimum per 32 columns (llama.cpp's Q4_1), the "
+                        "lm_head int8 (docs/engine.md). Default fp32: token-for-token equal to transformers")
     e.add_argument("--num-threads", type=int, default=None, help="torch threads")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
