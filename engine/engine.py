@@ -299,8 +299,8 @@ class Engine:
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]] | None:
         """The model over `scheduled`: logits [S, V] and the S sequences that sample. When the batch fails, each
         sequence is run alone: those that fail alone fail their requests, the rest go on (`scheduled` keeps only
-        them). None when nothing is left to sample from; the step counts towards the engine's death only when no
-        sequence ran alone (a fault no request explains)."""
+        them). None when nothing is left to sample from. The step counts towards the engine's death only when
+        every sequence failed alone and a one-token probe fails too (a fault no request explains)."""
         block_size = self.block_manager.block_size
         try:
             return runner.run(self.model, scheduled, block_size)
@@ -317,18 +317,35 @@ class Engine:
             parts.append(logits)
             samplers += sampled
         ok = [(seq, n) for seq, n in scheduled if seq.request_id not in bad]
-        if len(ok) == 0:
+        if not ok and not self._probe_runs():
             self._fail_step(scheduled, batch_error)  # raises once MAX_CONSECUTIVE_STEP_FAILURES steps failed so
             return None
         steps = []
         for request_id, exc in bad.items():
+            log.warning("request %d fails alone in the model forward: %s: %s", request_id, type(exc).__name__, exc)
             steps += error_steps(request_id, self._forget(request_id), self.scheduler,
                                  f"generation failed: the model failed on this request: {type(exc).__name__}: {exc}")
         self._publish(steps)
+        if not ok:
+            return None
         scheduled[:] = ok
         keep = [i for i, seq in enumerate(samplers) if seq.request_id not in bad]
-        logits = torch.cat(parts) if parts else torch.empty(0)
-        return logits[keep], [samplers[i] for i in keep]
+        return torch.cat(parts)[keep], [samplers[i] for i in keep]
+
+    def _probe_runs(self) -> bool:
+        """Whether the model still runs a one-token sequence of no request (in a free block, freed after): when
+        it does, the sequences that failed alone explain their failure."""
+        probe = Sequence(-1, 0, [0], 1)
+        if not self.block_manager.append_slots(probe, 1):
+            return False  # no block to try in: count the failure
+        try:
+            runner.run(self.model, [(probe, 1)], self.block_manager.block_size)
+            return True
+        except Exception:  # noqa: BLE001 - the engine's own fault
+            log.exception("the model fails a one-token probe too")
+            return False
+        finally:
+            self.block_manager.free(probe)
 
     def _fail_step(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> None:
         """A model forward failed for every sequence of the step, each alone too: a fault of the engine, not of a
