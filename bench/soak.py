@@ -292,24 +292,30 @@ async def outcome_of(call) -> tuple[str, list[int]]:
         return err.code().name, []
 
 
-async def bad_sampling(port: int, num_good: int, num_bad: int) -> dict:
-    """`num_good` streams alone, then again beside a burst of `num_bad` bad requests: what each got."""
-    bad = await asyncio.to_thread(bad_sampling_requests, num_bad)
+async def bad_sampling(port: int, num_good: int, num_bad: int, num_in_a_row: int) -> dict:
+    """`num_good` streams alone, then again beside a burst of `num_bad` bad requests; then `num_in_a_row` bad
+    requests one after another (those that reach the engine) and one good stream: what each got."""
+    bad = await asyncio.to_thread(bad_sampling_requests, max(num_bad, num_in_a_row * 3))
+    in_a_row = [b for b in bad if b[0].startswith(("regex", "forward"))][:num_in_a_row]  # they reach the engine
+    bad = bad[:num_bad]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = pb_grpc.TextGenerationStub(ch)
         alone = await asyncio.gather(*(outcome_of(stub.Generate(good_request(i), timeout=120)) for i in range(num_good)))
         calls = [stub.Generate(good_request(i), timeout=120) for i in range(num_good)]
         calls += [stub.Generate(r, timeout=120) for _, r, _ in bad]
         together = await asyncio.gather(*(outcome_of(c) for c in calls))
+        row = [await outcome_of(stub.Generate(r, timeout=120)) for _, r, _ in in_a_row]
+        after = await outcome_of(stub.Generate(good_request(0), timeout=120))
     got = collections.defaultdict(collections.Counter)
-    for (name, _, _), (code, _) in zip(bad, together[num_good:]):
+    for (name, _, _), (code, _) in zip(bad + in_a_row, together[num_good:] + row):
         got[name][code] += 1
     return {"num_good": num_good, "num_bad": num_bad,
             "complete": sum(code == "OK" for code, _ in together[:num_good]),
             "identical": sum(a == b for a, b in zip(alone, together[:num_good])),
+            "in_a_row": len(in_a_row), "after": after[0], "after_identical": after == alone[0],
             "bad": {name: dict(c) for name, c in got.items()},
-            "unexpected": sorted({f"{name}: {code}" for (name, _, want), (code, _) in zip(bad, together[num_good:])
-                                  if code != want})}
+            "unexpected": sorted({f"{name}: {code}" for (name, _, want), (code, _) in
+                                  zip(bad + in_a_row, together[num_good:] + row) if code != want})}
 
 
 def server_terminal_counts(server: ServerProcess, outcomes: list[Outcome]) -> list[str]:
@@ -334,7 +340,7 @@ async def run(args) -> tuple[str, bool]:
         rss0, t0 = server.rss_bytes(), time.monotonic()
         outcomes, abort_errors = await soak(server.port, args.num, args.seed, args.limit)
         soak_s = time.monotonic() - t0
-        burst = await bad_sampling(server.port, args.bad_good, args.bad_num)
+        burst = await bad_sampling(server.port, args.bad_good, args.bad_num, args.bad_in_a_row)
         load, answers = await settle(server.port)
         await asyncio.sleep(1.5)  # the last request-end lines; the allocator settles
         rss1 = server.rss_bytes()
@@ -354,6 +360,8 @@ async def run(args) -> tuple[str, bool]:
     leaks += [f"bad sampling values: {burst['complete']}/{burst['num_good']} good streams complete"] \
         if burst["complete"] != burst["num_good"] else []
     leaks += [f"bad sampling values: unexpected status {u}" for u in burst["unexpected"]]
+    leaks += [f"after {burst['in_a_row']} bad requests in a row a good stream got {burst['after']}"] \
+        if burst["after"] != "OK" else []
     leaks += [f"engine death: statuses {dict(death)}"] if set(death) - {"UNAVAILABLE", "CANCELLED", "OK"} or \
         not death["UNAVAILABLE"] else []
     table = summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, burst)
@@ -383,7 +391,9 @@ def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, 
               f"- Engine death (TOKENLOOP_DEBUG_FAULT=step:20): streams {dict(death)}, exit code {death_exit}",
               f"- Bad sampling values: {burst['num_good']} good streams beside {burst['num_bad']} bad requests: "
               f"{burst['complete']}/{burst['num_good']} good complete, tokens identical to a run without them "
-              f"{burst['identical']}/{burst['num_good']}; bad requests got {burst['bad']}",
+              f"{burst['identical']}/{burst['num_good']}; then {burst['in_a_row']} bad requests in a row, after which a "
+              f"good stream got {burst['after']} (tokens {'as before' if burst['after_identical'] else 'changed'}); "
+              f"bad requests got {burst['bad']}",
               f"- Leaks found: {'none' if not leaks else len(leaks)}"]
     lines += [f"  - {leak}" for leak in leaks[:20]]
     return "\n".join(lines) + "\n"
@@ -396,6 +406,8 @@ def main() -> int:
     p.add_argument("--death-streams", type=int, default=None)
     p.add_argument("--bad-good", type=int, default=16, help="good streams beside the bad-sampling-values burst")
     p.add_argument("--bad-num", type=int, default=None, help="bad requests in that burst (default 40, quick 10)")
+    p.add_argument("--bad-in-a-row", type=int, default=None,
+                   help="bad requests that reach the engine, one after another, after the burst (default 60, quick 9)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--limit", type=float, default=None, help="seconds the streams may take in all")
     p.add_argument("--out", default=None, metavar="FILE",
@@ -405,6 +417,7 @@ def main() -> int:
     args.num = args.num or (100 if args.quick else 400)
     args.death_streams = args.death_streams or (8 if args.quick else 24)
     args.bad_num = args.bad_num or (10 if args.quick else 40)
+    args.bad_in_a_row = args.bad_in_a_row or (9 if args.quick else 60)
     args.limit = args.limit or (40 if args.quick else 300)
     table, ok = asyncio.run(run(args))
     print(table)

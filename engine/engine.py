@@ -277,12 +277,11 @@ class Engine:
         ran = self._forward(scheduled)
         if ran is None:
             return
-        logits, samplers = ran
+        logits, samplers, steps = ran
         samples = sample_batch(logits, samplers, self.eos_token_ids)
         self._num_failures = 0
         self.scheduler.advance(scheduled)
         failed = {seq.request_id: s for seq, s in zip(samplers, samples) if isinstance(s, RowFailure)}
-        steps = []
         for request_id, failure in failed.items():  # the request's own values (or its row) failed: it alone ends
             log.warning("request %d failed in sampling: %s", request_id, failure.message)
             kind = ErrorKind.INVALID_ARGUMENT if failure.invalid else ErrorKind.INTERNAL
@@ -296,14 +295,15 @@ class Engine:
         self._latencies.append(time.perf_counter() - start)
         self._publish(steps)
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]] | None:
-        """The model over `scheduled`: logits [S, V] and the S sequences that sample. When the batch fails, each
-        sequence is run alone: those that fail alone fail their requests, the rest go on (`scheduled` keeps only
-        them). None when nothing is left to sample from. The step counts towards the engine's death only when
-        every sequence failed alone and a one-token probe fails too (a fault no request explains)."""
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence], list[Step]] | None:
+        """The model over `scheduled`: logits [S, V], the S sequences that sample, and the error steps of requests
+        that failed. When the batch fails, each sequence is run alone: those that fail alone fail their requests,
+        the rest go on (`scheduled` keeps only them). None when nothing is left to sample from. The step counts
+        towards the engine's death only when every sequence failed alone and a one-token probe fails too (a fault
+        no request explains)."""
         block_size = self.block_manager.block_size
         try:
-            return runner.run(self.model, scheduled, block_size)
+            return *runner.run(self.model, scheduled, block_size), []
         except Exception as exc:  # noqa: BLE001 - find the rows at fault before failing anyone
             log.exception("engine forward failed for %d sequences; running each alone", len(scheduled))
             batch_error = exc
@@ -325,12 +325,12 @@ class Engine:
             log.warning("request %d fails alone in the model forward: %s: %s", request_id, type(exc).__name__, exc)
             steps += error_steps(request_id, self._forget(request_id), self.scheduler,
                                  f"generation failed: the model failed on this request: {type(exc).__name__}: {exc}")
-        self._publish(steps)
         if not ok:
+            self._publish(steps)
             return None
         scheduled[:] = ok
         keep = [i for i, seq in enumerate(samplers) if seq.request_id not in bad]
-        return torch.cat(parts)[keep], [samplers[i] for i in keep]
+        return torch.cat(parts)[keep], [samplers[i] for i in keep], steps
 
     def _probe_runs(self) -> bool:
         """Whether the model still runs a one-token sequence of no request (in a free block, freed after): when
