@@ -240,6 +240,10 @@ def test_a_temperature_below_1e_5_is_greedy(validator):
 
 
 def test_stop_token_ids_covering_the_vocabulary_with_min_new_tokens_are_refused(validator):
+    # a limit on the number of stop token ids, where there is one, must let a list as long as the vocabulary through
+    wide = {"max_stop_token_ids": 1024} if "max_stop_token_ids" in Limits.__dataclass_fields__ else {}
+    validator = Validator(validator.tokenizer, validator.card, Limits(max_context_length=256, max_new_tokens=200,
+                                                                      default_max_new_tokens=64, **wide))
     vocab, eos = validator.card.vocab_size, set(validator.card.eos_token_ids)
     others = [t for t in range(vocab) if t not in eos]
     refused = req(stopping=pb.StoppingCriteria(stop_token_ids=others, min_new_tokens=1))
