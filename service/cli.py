@@ -58,6 +58,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="json: one JSON object per line, including one line per finished request")
     s.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
     s.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length)
+    s.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help="most stop_token_ids one request may list (either API)")
+    s.add_argument("--max-detokenize-ids", type=int, default=d.max_detokenize_ids,
+                   help="most token ids one Detokenize call may send (0: the model's context length)")
+    s.add_argument("--allow-special-tokens-in-chat", action="store_true",
+                   help="encode special-token text in chat message content as the special tokens (default: as text, "
+                        "so that a user cannot open a system turn)")
     g = s.add_argument_group("structured output (docs/structured-output.md)")
     g.add_argument("--max-grammar-bytes", type=int, default=d.max_grammar_bytes,
                    help="largest JSON schema, regex, grammar or structural tag a request may carry")
@@ -129,7 +136,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
         front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,
-        max_stop_string_length=args.max_stop_string_length, max_grammar_bytes=args.max_grammar_bytes,
+        max_stop_string_length=args.max_stop_string_length, max_stop_token_ids=args.max_stop_token_ids,
+        max_detokenize_ids=args.max_detokenize_ids, allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+        max_grammar_bytes=args.max_grammar_bytes,
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         loras=tuple(args.lora), max_loras=args.max_loras,

@@ -42,6 +42,9 @@ class ServerConfig:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
+    max_stop_token_ids: int = 256  # a model's special tokens fit (a few hundred at most); each is a set lookup per token
+    max_detokenize_ids: int = 0  # Detokenize: 0 = the model's context length (the most one sequence can hold)
+    allow_special_tokens_in_chat: bool = False  # special-token text in chat content: encoded as text unless set
     max_grammar_bytes: int = 262144  # largest JSON schema / regex / grammar / structural tag accepted
     grammar_compile_timeout: float = 10.0  # seconds one constraint may take to compile
     grammar_cache_size: int = 256  # compiled constraints kept (LRU), by their text
@@ -91,6 +94,10 @@ class ServerConfig:
         if self.tokenize_inline_chars < 0:
             raise ValueError("--tokenize-inline-chars must be >= 0")
         check_spec(self.front_cpu)
+        if self.max_stop_token_ids < 0:
+            raise ValueError("--max-stop-token-ids must be >= 0")
+        if self.max_detokenize_ids < 0:
+            raise ValueError("--max-detokenize-ids must be >= 0 (0: the model's context length)")
         if self.max_grammar_bytes < 1:
             raise ValueError("--max-grammar-bytes must be >= 1")
         if not self.grammar_compile_timeout > 0:
