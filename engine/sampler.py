@@ -162,30 +162,27 @@ def _unsamplable(raw: torch.Tensor, row: torch.Tensor, seq: Sequence, after_temp
                       "logits non-finite")
 
 
-def _finite_max(row: torch.Tensor) -> bool:
-    """True when the row's largest value is finite: no NaN, no +inf, not every token -inf (one reduction)."""
-    return math.isfinite(float(row.max()))
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def sample_row(raw: torch.Tensor, seq: Sequence, eos_token_ids: tuple[int, ...],
+def sample_row(raw: torch.Tensor, seq: Sequence, eos_token_ids: tuple[int, ...], raw_max: float | None = None,
                greedy_id: int | None = None) -> Sample | RowFailure:
-    """The next token of one sequence from its logits `raw` [V]; `greedy_id` is raw's argmax when the caller
-    checked that raw's maximum is finite (the batched path of unmodified greedy rows)."""
+    """The next token of one sequence from its logits `raw` [V], or why it has none. `raw_max` and `greedy_id`
+    are raw's maximum and argmax when the caller has them (one batched `max` serves every row's check)."""
     row = _process(raw, seq, eos_token_ids)  # the same tensor when nothing applies
     sampling, output = seq.request.sampling, seq.request.output
-    if greedy_id is not None and row is raw and sampling.greedy:
-        token = greedy_id
+    row_max = raw_max if row is raw and raw_max is not None else float(row.max())
+    if not math.isfinite(row_max):  # NaN, +inf, or every token -inf
+        return _unsamplable(raw, row, seq, after_temperature=False)
+    if sampling.greedy:
+        token = greedy_id if row is raw and greedy_id is not None else int(row.argmax())
     else:
-        if not _finite_max(row):
-            return _unsamplable(raw, row, seq, after_temperature=False)
-        if sampling.greedy:
-            token = int(row.argmax())
-        else:
-            scaled = apply_temperature(row, sampling.temperature)
-            scaled = apply_min_p(apply_top_p(apply_top_k(scaled, sampling.top_k), sampling.top_p), sampling.min_p)
-            if not _finite_max(scaled):
-                return _unsamplable(raw, row, seq, after_temperature=True)
-            token = draw(scaled, seq.generator)
+        # top-k / top-p / min-p keep the best token, so the scaled row is usable iff its maximum is finite
+        if not abs(row_max / sampling.temperature) < FLOAT32_MAX:
+            return _unsamplable(raw, row, seq, after_temperature=True)
+        scaled = apply_temperature(row, sampling.temperature)
+        scaled = apply_min_p(apply_top_p(apply_top_k(scaled, sampling.top_k), sampling.top_p), sampling.min_p)
+        token = draw(scaled, seq.generator)
     sample = Sample(token)
     if output.logprobs or output.top_logprobs:
         logprobs = row.log_softmax(-1)
@@ -199,17 +196,16 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence],
                  eos_token_ids: tuple[int, ...]) -> list[Sample | RowFailure]:
     """Choose the next token of each sequence. logits [S, V] float32, row i belongs to seqs[i]; the rows of
     `structured` sequences are masked in place. A row that cannot be sampled gets a RowFailure, alone."""
-    failures = guided.mask_logits(logits, seqs)  # row -> RowFailure where a structure's matcher failed
-    best, greedy_ids = logits.max(-1)  # one batched argmax serves every unmodified greedy row
-    finite = torch.isfinite(best).tolist()
-    greedy_ids = greedy_ids.tolist()
+    failures = guided.mask_logits(logits, seqs)  # row -> error where a structure's matcher failed
+    best, greedy_ids = logits.max(-1)  # one batched max serves every unmodified row (argmax: the greedy ones)
+    best, greedy_ids = best.tolist(), greedy_ids.tolist()
     out: list[Sample | RowFailure] = []
     for i, seq in enumerate(seqs):
         if i in failures:
             out.append(RowFailure(failures[i], invalid=False))
             continue
         try:
-            out.append(sample_row(logits[i], seq, eos_token_ids, greedy_ids[i] if finite[i] else None))
+            out.append(sample_row(logits[i], seq, eos_token_ids, best[i], greedy_ids[i]))
         except Exception as exc:  # noqa: BLE001 - one row's failure must not fail its neighbours
             log.exception("sampling failed for request %d", seq.request_id)
             out.append(RowFailure(f"sampling failed: {type(exc).__name__}: {exc}", invalid=False))
