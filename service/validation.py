@@ -18,6 +18,8 @@ from .structured import structured_of
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: a smaller temperature is greedy (logits / 1e-45 overflow float32)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits / 1e-40 overflow float32; the range keeps them finite
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,12 +168,16 @@ class Validator:
         temperature = _finite(s.temperature, f"{prefix}temperature") if s.HasField("temperature") else (
             card.default_temperature if card.default_temperature is not None else 1.0)
         _check(temperature >= 0, "temperature", f"`{prefix}temperature` must be >= 0")
+        if temperature < GREEDY_BELOW_TEMPERATURE:
+            temperature = 0.0  # greedy: the same token a tiny temperature would almost surely draw, computably
         top_p = _finite(s.top_p, f"{prefix}top_p") if s.HasField("top_p") else (card.default_top_p or 1.0)
         _check(0 < top_p <= 1, "top_p", f"`{prefix}top_p` must be > 0 and <= 1")
         _check(s.top_k >= 0, "top_k", f"`{prefix}top_k` must be >= 0 (0 disables it)")
         _check(0 <= _finite(s.min_p, f"{prefix}min_p") <= 1, "min_p", f"`{prefix}min_p` must be between 0 and 1")
         rep = _finite(s.repetition_penalty, f"{prefix}repetition_penalty") if s.HasField("repetition_penalty") else 1.0
-        _check(rep > 0, "repetition_penalty", f"`{prefix}repetition_penalty` must be > 0 (1 disables it)")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(low <= rep <= high, "repetition_penalty",
+               f"`{prefix}repetition_penalty` must be between {low:g} and {high:g} (1 disables it); got {rep:.3g}")
         for name in ("presence_penalty", "frequency_penalty"):
             _check(-2 <= _finite(getattr(s, name), f"{prefix}{name}") <= 2, name,
                    f"`{prefix}{name}` must be between -2 and 2")
@@ -186,9 +192,22 @@ class Validator:
                                         st.min_new_tokens, num_prompt, "stopping.max_new_tokens",
                                         "stopping.min_new_tokens")
         self.stop_lists(st.stop, st.stop_token_ids, "stopping.")
-        return StoppingParams(max_new_tokens=max_new, min_new_tokens=st.min_new_tokens, stop=tuple(st.stop),
-                              stop_token_ids=tuple(st.stop_token_ids), ignore_eos=st.ignore_eos,
-                              include_stop_str_in_output=st.include_stop_str_in_output)
+        params = StoppingParams(max_new_tokens=max_new, min_new_tokens=st.min_new_tokens, stop=tuple(st.stop),
+                                stop_token_ids=tuple(st.stop_token_ids), ignore_eos=st.ignore_eos,
+                                include_stop_str_in_output=st.include_stop_str_in_output)
+        self.check_min_new_tokens(params, "stopping.stop_token_ids", "stopping.min_new_tokens")
+        return params
+
+    def check_min_new_tokens(self, stopping: StoppingParams, stop_field: str, min_field: str) -> None:
+        """Refuse stop token ids that, with EOS, cover the whole vocabulary while min_new_tokens holds them all
+        back: no token could be generated (either API; errors name its fields)."""
+        if stopping.min_new_tokens <= 0 or not stopping.stop_token_ids:
+            return
+        vocab = self.card.vocab_size or self.vocab_size  # the width of the model's logits
+        held = set(stopping.stop_token_ids) | (set() if stopping.ignore_eos else set(self.card.eos_token_ids))
+        _check(sum(1 for t in held if t < vocab) < vocab, "no_token_allowed",
+               f"`{stop_field}`{'' if stopping.ignore_eos else ' with EOS'} cover the whole vocabulary ({vocab} "
+               f"tokens): with `{min_field}` {stopping.min_new_tokens} no token could be generated")
 
     def new_token_limits(self, max_new: int | None, min_new: int, num_prompt: int, max_field: str,
                          min_field: str) -> int:
