@@ -4,8 +4,14 @@
     python bench/soak.py --quick    # 100 streams, < 60 s (tests/e2e/test_soak.py)
 
 Loopback only, bounded in count and time. The server runs the default model with
-TOKENLOOP_DEBUG_FAULT=request:SOAK-FAULT (requests with that marker fail alone); a second server
-with step:N checks an engine death (every stream UNAVAILABLE, exit code 1). Afterwards the first
+TOKENLOOP_DEBUG_FAULT=request:SOAK-FAULT,position:POISON_POSITION (requests with that marker fail alone; a model
+forward that reaches that position fails in the engine, and only the long prompt that reached it may fail); a
+second server with step:N checks an engine death (every stream UNAVAILABLE, exit code 1). Then the "bad sampling
+values" burst: good streams beside a burst of requests whose values once failed every request of an engine step
+(temperature 1e-45, repetition_penalty 1e-40, stop_token_ids covering the vocabulary with min_new_tokens, a
+structure that stop rules leave no token, a prompt the engine's forward fails on): every good stream must complete
+with the tokens it gets without the burst, each bad one must get its own status, and the server must stay up
+(GetLoad idle, engine alive). Afterwards the first
 server must answer normally, GetLoad must show nothing running, waiting or holding KV blocks, its RSS
 must be within 10% of the pre-soak level, and every Generate must have had exactly one terminal status
 (checked on the client and in the server's JSON request-end log). Exit code 1 when a leak is found.
@@ -34,6 +40,7 @@ from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 MARKER = "SOAK-FAULT"
+POISON_POSITION = 1500  # TOKENLOOP_DEBUG_FAULT position:N on the soak server: only `bad_sampling`'s long prompt reaches it
 GAVE_UP = ("CANCELLED", "DEADLINE_EXCEEDED")  # the client ended these itself
 MAX_MESSAGE_BYTES = 1 << 20
 ADMISSION = ("--max-concurrent-requests", "32", "--max-queue", "48")  # tight, so that bursts overflow it
@@ -241,6 +248,76 @@ async def engine_death(num: int) -> tuple[collections.Counter, int]:
         server.stop()
 
 
+def bad_sampling_requests(num: int) -> list[tuple[str, pb.GenerateRequest, str]]:
+    """`num` requests (name, request, the status it must get), cycling through the values a hostile-client probe
+    found failing every request of an engine step (issue 28)."""
+    from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+
+    tok, card = Tokenizer.from_dir(MODEL), ModelCard.from_dir(MODEL)
+    vocab = card.vocab_size
+    starts_a = [t for t in range(vocab) if (text := tok.decode([t], skip_special_tokens=False)) and "a".startswith(text)]
+    kinds = [
+        ("temperature 1e-45", pb.GenerateRequest(text="List three colours:", sampling=pb.SamplingParams(
+            temperature=1e-45), stopping=pb.StoppingCriteria(max_new_tokens=8)), "OK"),  # greedy (< 1e-5)
+        ("repetition_penalty 1e-40", pb.GenerateRequest(text="List three colours:", sampling=pb.SamplingParams(
+            temperature=0.7, repetition_penalty=1e-40), stopping=pb.StoppingCriteria(max_new_tokens=8)),
+         "INVALID_ARGUMENT"),
+        ("stop_token_ids cover the vocabulary", pb.GenerateRequest(text="Hi", stopping=pb.StoppingCriteria(
+            max_new_tokens=8, min_new_tokens=2, stop_token_ids=[t for t in range(vocab)
+                                                                 if t not in card.eos_token_ids])),
+         "INVALID_ARGUMENT"),
+        ("regex + stop rules: no token allowed", pb.GenerateRequest(text="Say a:", regex="a", sampling=pb.SamplingParams(
+            temperature=0.9), stopping=pb.StoppingCriteria(max_new_tokens=8, min_new_tokens=1,
+                                                          stop_token_ids=starts_a)), "INVALID_ARGUMENT"),
+        ("forward fails on its prompt", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1000 + i % 500 for i in range(
+            POISON_POSITION + 50)]), stopping=pb.StoppingCriteria(max_new_tokens=4)), "INTERNAL"),
+    ]
+    return [kinds[i % len(kinds)] for i in range(num)]
+
+
+def good_request(i: int) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(temperature=0.0) if i % 2 == 0 else pb.SamplingParams(temperature=0.8, seed=i)
+    return pb.GenerateRequest(text=f"{PROMPTS[i % len(PROMPTS)]} ({i})", stream=True, sampling=sampling,
+                              stopping=pb.StoppingCriteria(max_new_tokens=24, ignore_eos=True))
+
+
+async def outcome_of(call) -> tuple[str, list[int]]:
+    ids = []
+    try:
+        async for msg in call:
+            if msg.HasField("complete"):
+                ids = list(msg.complete.token_ids)
+        return "OK", ids
+    except grpc.aio.AioRpcError as err:
+        return err.code().name, []
+
+
+async def bad_sampling(port: int, num_good: int, num_bad: int, num_in_a_row: int) -> dict:
+    """`num_good` streams alone, then again beside a burst of `num_bad` bad requests; then `num_in_a_row` bad
+    requests one after another (those that reach the engine) and one good stream: what each got."""
+    bad = await asyncio.to_thread(bad_sampling_requests, max(num_bad, num_in_a_row * 3))
+    in_a_row = [b for b in bad if b[0].startswith(("regex", "forward"))][:num_in_a_row]  # they reach the engine
+    bad = bad[:num_bad]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pb_grpc.TextGenerationStub(ch)
+        alone = await asyncio.gather(*(outcome_of(stub.Generate(good_request(i), timeout=120)) for i in range(num_good)))
+        calls = [stub.Generate(good_request(i), timeout=120) for i in range(num_good)]
+        calls += [stub.Generate(r, timeout=120) for _, r, _ in bad]
+        together = await asyncio.gather(*(outcome_of(c) for c in calls))
+        row = [await outcome_of(stub.Generate(r, timeout=120)) for _, r, _ in in_a_row]
+        after = await outcome_of(stub.Generate(good_request(0), timeout=120))
+    got = collections.defaultdict(collections.Counter)
+    for (name, _, _), (code, _) in zip(bad + in_a_row, together[num_good:] + row):
+        got[name][code] += 1
+    return {"num_good": num_good, "num_bad": num_bad,
+            "complete": sum(code == "OK" for code, _ in together[:num_good]),
+            "identical": sum(a == b for a, b in zip(alone, together[:num_good])),
+            "in_a_row": len(in_a_row), "after": after[0], "after_identical": after == alone[0],
+            "bad": {name: dict(c) for name, c in got.items()},
+            "unexpected": sorted({f"{name}: {code}" for (name, _, want), (code, _) in
+                                  zip(bad + in_a_row, together[num_good:] + row) if code != want})}
+
+
 def server_terminal_counts(server: ServerProcess, outcomes: list[Outcome]) -> list[str]:
     """Leaks found in the server's log: a Generate whose end was logged other than exactly once.
 
@@ -256,12 +333,14 @@ def server_terminal_counts(server: ServerProcess, outcomes: list[Outcome]) -> li
 
 
 async def run(args) -> tuple[str, bool]:
-    server = ServerProcess(f"request:{MARKER}", *ADMISSION, "--stall-timeout", "10", "--shutdown-grace", "5")
+    server = ServerProcess(f"request:{MARKER},position:{POISON_POSITION}", *ADMISSION, "--stall-timeout", "10",
+                           "--shutdown-grace", "5")
     try:
         await warm_up(server.port, 48)
         rss0, t0 = server.rss_bytes(), time.monotonic()
         outcomes, abort_errors = await soak(server.port, args.num, args.seed, args.limit)
         soak_s = time.monotonic() - t0
+        burst = await bad_sampling(server.port, args.bad_good, args.bad_num, args.bad_in_a_row)
         load, answers = await settle(server.port)
         await asyncio.sleep(1.5)  # the last request-end lines; the allocator settles
         rss1 = server.rss_bytes()
@@ -278,19 +357,29 @@ async def run(args) -> tuple[str, bool]:
     leaks += [f"RSS {rss0 >> 20} MiB -> {rss1 >> 20} MiB (> 10%)"] if rss1 > rss0 * 1.10 else []
     leaks += [f"SIGTERM exit code {exit_code}"] if exit_code != 0 else []
     leaks += [f"engine death: exit code {death_exit}"] if death_exit != 1 else []
+    leaks += [f"bad sampling values: {burst['complete']}/{burst['num_good']} good streams complete"] \
+        if burst["complete"] != burst["num_good"] else []
+    leaks += [f"bad sampling values: unexpected status {u}" for u in burst["unexpected"]]
+    leaks += [f"after {burst['in_a_row']} bad requests in a row a good stream got {burst['after']}"] \
+        if burst["after"] != "OK" else []
     leaks += [f"engine death: statuses {dict(death)}"] if set(death) - {"UNAVAILABLE", "CANCELLED", "OK"} or \
         not death["UNAVAILABLE"] else []
-    table = summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks)
+    table = summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, burst)
     return table, not leaks
 
 
-def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks) -> str:
+def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, burst) -> str:
     by_status = collections.Counter(o.code for o in outcomes)
     by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for o in outcomes:
         by_kind[o.kind][o.code] += 1
     codes = sorted(by_status)
-    lines = [f"Soak: {len(outcomes)} Generate streams (seed {args.seed}) in {soak_s:.1f} s against `tokenloop serve` "
+    sys.path.insert(0, str(ROOT))  # run as a script: bench/ is on the path, the repository root is not
+    from bench.results import machine
+
+    where = machine()
+    lines = [f"Run {where['date']} on {where['cpu']} ({where['cpus']} CPUs, {where['machine']}).", "",
+             f"Soak: {len(outcomes)} Generate streams (seed {args.seed}) in {soak_s:.1f} s against `tokenloop serve` "
              f"(default model {MODEL.name}, {' '.join(ADMISSION)}), arrivals spread over {args.num / 40:.1f} s, "
              f"plus an Abort storm of "
              f"{args.num // 2} and an engine death with {args.death_streams} open streams.", "",
@@ -305,6 +394,11 @@ def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks) 
               "(prefix-cached blocks are evictable and count as free)",
               f"- RSS: {rss0 / 2**20:.0f} MiB before, {rss1 / 2**20:.0f} MiB after ({(rss1 / rss0 - 1) * 100:+.1f}%)",
               f"- Engine death (TOKENLOOP_DEBUG_FAULT=step:20): streams {dict(death)}, exit code {death_exit}",
+              f"- Bad sampling values: {burst['num_good']} good streams beside {burst['num_bad']} bad requests: "
+              f"{burst['complete']}/{burst['num_good']} good complete, tokens identical to a run without them "
+              f"{burst['identical']}/{burst['num_good']}; then {burst['in_a_row']} bad requests in a row, after which a "
+              f"good stream got {burst['after']} (tokens {'as before' if burst['after_identical'] else 'changed'}); "
+              f"bad requests got {burst['bad']}",
               f"- Leaks found: {'none' if not leaks else len(leaks)}"]
     lines += [f"  - {leak}" for leak in leaks[:20]]
     return "\n".join(lines) + "\n"
@@ -315,6 +409,10 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="100 streams, < 60 s (for make test)")
     p.add_argument("--num", type=int, default=None, help="Generate streams (default 400, quick 100)")
     p.add_argument("--death-streams", type=int, default=None)
+    p.add_argument("--bad-good", type=int, default=16, help="good streams beside the bad-sampling-values burst")
+    p.add_argument("--bad-num", type=int, default=None, help="bad requests in that burst (default 40, quick 10)")
+    p.add_argument("--bad-in-a-row", type=int, default=None,
+                   help="bad requests that reach the engine, one after another, after the burst (default 60, quick 9)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--limit", type=float, default=None, help="seconds the streams may take in all")
     p.add_argument("--out", default=None, metavar="FILE",
@@ -323,6 +421,8 @@ def main() -> int:
     args = p.parse_args()
     args.num = args.num or (100 if args.quick else 400)
     args.death_streams = args.death_streams or (8 if args.quick else 24)
+    args.bad_num = args.bad_num or (10 if args.quick else 40)
+    args.bad_in_a_row = args.bad_in_a_row or (9 if args.quick else 60)
     args.limit = args.limit or (40 if args.quick else 300)
     table, ok = asyncio.run(run(args))
     print(table)

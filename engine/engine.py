@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from ..looper.executor import EngineDeadError, ExecutorStats, Step, merge_steps
 from ..looper.kv_events import CacheCleared, KvEventHub
 from ..looper.request import ValidRequest
+from ..looper.stream import ErrorKind
 from ..looper.tokenizer import ModelCard
 from . import kernels, runner
 from .block_manager import BlockManager
@@ -29,8 +31,8 @@ from .lora import LoraRegistry, LoraWeights, read_adapter
 from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
 from .postprocess import cancelled_steps, error_steps, steps_for_samples
-from .quant import QWeight
-from .sampler import sample_batch
+from .quant import Q4Weight, QWeight
+from .sampler import RowFailure, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -85,6 +87,7 @@ class Engine:
         self._stopping = False
         self._woken = False  # wake() was called: the next (or current) await_responses returns at once
         self._dead: str | None = None
+        self._on_death: Callable[[str], None] | None = None  # set_death_callback
         self._num_failures = 0
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
         self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
@@ -114,10 +117,13 @@ class Engine:
 
     @property
     def dtype(self) -> str:
-        """The weights' data type (GetModelInfo.dtype): `int8` with --weights int8, else the engine's dtype."""
-        return "int8" if self.config.weights == "int8" else self.config.dtype
+        """The weights' data type (GetModelInfo.dtype): `int8` / `int4` with --weights int8 / int4, else the engine's
+        dtype."""
+        return self.config.weights if self.config.weights in ("int8", "int4") else self.config.dtype
 
-    def _matmul_policy(self, sample_weight: torch.Tensor | QWeight) -> MatmulPolicy:
+    def _matmul_policy(self, sample_weight: torch.Tensor | QWeight | Q4Weight) -> MatmulPolicy:
+        if isinstance(sample_weight, Q4Weight):  # timed over every layer's gate_up, as int8
+            return MatmulPolicy.calibrate_int4(self._gate_ups, kernels.load_int4(), kernels.load_int8())
         if isinstance(sample_weight, QWeight):  # timed over every layer's gate_up: they stream from memory
             return MatmulPolicy.calibrate_int8(self._gate_ups, kernels.load_int8())
         if self.config.matmul_backend == "auto":
@@ -291,28 +297,88 @@ class Engine:
         self._publish(steps)
 
     def step(self) -> None:
-        """One iteration: schedule, run the model, postprocess."""
+        """One iteration: schedule, run the model, sample, postprocess. A row that fails fails its request alone."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return
-        try:
-            logits, samplers = runner.run(self.model, scheduled, self.block_manager.block_size)
-            samples = sample_batch(logits, samplers, self.eos_token_ids)
-        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
-            self._fail_step(scheduled, exc)
+        ran = self._forward(scheduled)
+        if ran is None:
             return
+        logits, samplers, steps = ran
+        samples = sample_batch(logits, samplers, self.eos_token_ids)
         self._num_failures = 0
         self.scheduler.advance(scheduled)
-        steps = steps_for_samples(samplers, samples, self.scheduler, self.eos_token_ids, self.max_context_length)
-        for seq in samplers:
+        failed = {seq.request_id: s for seq, s in zip(samplers, samples) if isinstance(s, RowFailure)}
+        for request_id, failure in failed.items():  # the request's own values (or its row) failed: it alone ends
+            log.warning("request %d failed in sampling: %s", request_id, failure.message)
+            kind = ErrorKind.INVALID_ARGUMENT if failure.invalid else ErrorKind.INTERNAL
+            steps += error_steps(request_id, self._forget(request_id), self.scheduler, failure.message, kind)
+        kept = [(seq, s) for seq, s in zip(samplers, samples) if seq.request_id not in failed]
+        steps += steps_for_samples([q for q, _ in kept], [s for _, s in kept], self.scheduler, self.eos_token_ids,
+                                   self.max_context_length)
+        for seq, _ in kept:
             if seq.is_finished and all(s.is_finished for s in self._requests.get(seq.request_id, ())):
                 self._forget(seq.request_id)
         self._latencies.append(time.perf_counter() - start)
         self._publish(steps)
 
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence], list[Step]] | None:
+        """The model over `scheduled`: logits [S, V], the S sequences that sample, and the error steps of requests
+        that failed. When the batch fails, each sequence is run alone: those that fail alone fail their requests,
+        the rest go on (`scheduled` keeps only them). None when nothing is left to sample from. The step counts
+        towards the engine's death only when every sequence failed alone and a one-token probe fails too (a fault
+        no request explains)."""
+        block_size = self.block_manager.block_size
+        try:
+            return *runner.run(self.model, scheduled, block_size), []
+        except Exception as exc:  # noqa: BLE001 - find the rows at fault before failing anyone
+            log.exception("engine forward failed for %d sequences; running each alone", len(scheduled))
+            batch_error = exc
+        parts, samplers, bad = [], [], {}
+        for seq, n in scheduled:
+            try:
+                logits, sampled = runner.run(self.model, [(seq, n)], block_size)
+            except Exception as exc:  # noqa: BLE001 - this sequence's forward fails alone
+                bad.setdefault(seq.request_id, exc)
+                continue
+            parts.append(logits)
+            samplers += sampled
+        ok = [(seq, n) for seq, n in scheduled if seq.request_id not in bad]
+        if not ok and not self._probe_runs():
+            self._fail_step(scheduled, batch_error)  # raises once MAX_CONSECUTIVE_STEP_FAILURES steps failed so
+            return None
+        steps = []
+        for request_id, exc in bad.items():
+            log.warning("request %d fails alone in the model forward: %s: %s", request_id, type(exc).__name__, exc)
+            steps += error_steps(request_id, self._forget(request_id), self.scheduler,
+                                 f"generation failed: the model failed on this request: {type(exc).__name__}: {exc}")
+        if not ok:
+            self._publish(steps)
+            return None
+        scheduled[:] = ok
+        keep = [i for i, seq in enumerate(samplers) if seq.request_id not in bad]
+        return torch.cat(parts)[keep], [samplers[i] for i in keep], steps
+
+    def _probe_runs(self) -> bool:
+        """Whether the model still runs a one-token sequence of no request (in a free block, freed after): when
+        it does, the sequences that failed alone explain their failure."""
+        probe = Sequence(-1, 0, [0], 1)
+        if not self.block_manager.append_slots(probe, 1):
+            return False  # no block to try in: count the failure
+        try:
+            runner.run(self.model, [(probe, 1)], self.block_manager.block_size)
+            return True
+        except Exception:  # noqa: BLE001 - the engine's own fault
+            log.exception("the model fails a one-token probe too")
+            return False
+        finally:
+            self.block_manager.free(probe)
+
     def _fail_step(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> None:
-        log.exception("engine step failed; failing its requests")
+        """A model forward failed for every sequence of the step, each alone too: a fault of the engine, not of a
+        request. Its requests fail; MAX_CONSECUTIVE_STEP_FAILURES such steps in a row kill the engine."""
+        log.error("engine step failed for every sequence (%d in a row)", self._num_failures + 1)
         self._num_failures += 1
         message = f"generation failed: {type(exc).__name__}: {exc}"
         request_ids = dict.fromkeys(seq.request_id for seq, _ in scheduled)
@@ -345,7 +411,19 @@ class Engine:
                 self._has_output.notify_all()
         self.kv_events.publish(blocks.take_events())  # after the stats: a batch's load record is current
 
+    def set_death_callback(self, callback: Callable[[str], None]) -> None:
+        """`callback(reason)` is called once, from the engine thread, when the engine dies (the looper uses it to
+        notice a death while it waits for commands, with no request in flight)."""
+        with self._lock:
+            self._on_death = callback
+            dead = self._dead
+        if dead is not None:
+            callback(dead)
+
     def _die(self, message: str) -> None:
         with self._lock:
             self._dead = message
             self._has_output.notify_all()
+            callback = self._on_death
+        if callback is not None:
+            callback(message)

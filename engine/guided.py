@@ -44,14 +44,38 @@ def forbidden_tokens(matchers: list, num_words: int, vocab_size: int) -> np.ndar
     return bits[:, :vocab_size].view(np.bool_)
 
 
-def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
     """In place: forbid, in each constrained row of logits [S, V], what its sequence's structure forbids. numpy
-    writes the -inf (`copyto` with a mask is several times faster than torch's `masked_fill_` on one thread)."""
+    writes the -inf (`copyto` with a mask is several times faster than torch's `masked_fill_` on one thread).
+    Returns {row: error} for rows whose matcher could not give a mask (those rows fail alone; the batch is
+    computed row by row then, so that one bad matcher does not fail the others)."""
     rows = constrained_rows(seqs)
     if not rows:
-        return
+        return {}
     grammar = seqs[rows[0]].request.structured.grammar
-    forbidden = forbidden_tokens([seqs[i].matcher for i in rows], grammar.num_mask_words, logits.shape[-1])
+    try:
+        forbidden = forbidden_tokens([seqs[i].matcher for i in rows], grammar.num_mask_words, logits.shape[-1])
+    except Exception:  # noqa: BLE001 - find the row(s) at fault
+        return _mask_rows_alone(logits, seqs, rows)
+    _write_mask(logits, rows, forbidden)
+    return {}
+
+
+def _mask_rows_alone(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> dict[int, str]:
+    failures, ok, masks = {}, [], []
+    for i in rows:
+        grammar = seqs[i].request.structured.grammar
+        try:
+            masks.append(forbidden_tokens([seqs[i].matcher], grammar.num_mask_words, logits.shape[-1]))
+            ok.append(i)
+        except Exception as exc:  # noqa: BLE001 - this row's matcher failed: its request fails alone
+            failures[i] = f"the structured-output matcher failed: {type(exc).__name__}: {exc}"
+    if ok:
+        _write_mask(logits, ok, np.concatenate(masks))
+    return failures
+
+
+def _write_mask(logits: torch.Tensor, rows: list[int], forbidden: np.ndarray) -> None:
     if logits.dtype not in (torch.float32, torch.float64):  # no numpy view of this dtype
         with torch.inference_mode():  # the model's logits are an inference tensor
             logits[rows] = logits[rows].masked_fill(torch.from_numpy(forbidden), float("-inf"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..looper.executor import Step
 from ..looper.request import FinishReason
+from ..looper.stream import ErrorKind
 from . import guided
 from .sampler import Sample
 from .scheduler import Scheduler
@@ -79,9 +80,10 @@ def cancelled_steps(seqs: list[Sequence], scheduler: Scheduler) -> list[Step]:
     return steps
 
 
-def error_steps(request_id: int, seqs: list[Sequence], scheduler: Scheduler, message: str) -> list[Step]:
-    """Fail a whole request: free its sequences and emit one final error Step."""
+def error_steps(request_id: int, seqs: list[Sequence], scheduler: Scheduler, message: str,
+                kind: ErrorKind = ErrorKind.INTERNAL) -> list[Step]:
+    """Fail a whole request: free its sequences and emit one final error Step (`kind`: the status it gets)."""
     for seq in seqs:
         if not seq.is_finished:
             scheduler.finish(seq)
-    return [Step(request_id, 0, [], is_final=True, error=message)]
+    return [Step(request_id, 0, [], is_final=True, error=message, error_kind=kind)]

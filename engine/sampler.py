@@ -5,16 +5,23 @@ Order: the structure's mask (guided.py, `structured` requests only) -> penalties
 sequence's own torch.Generator. Each
 sampled sequence draws exactly one number per step from its own generator, so a seed gives the same
 tokens whatever else shares the batch.
+
+A row whose values cannot be sampled (no token allowed, or logits that overflow or are NaN) fails alone: it gets
+a `RowFailure` that says why, and every other row of the batch is sampled exactly as it would have been.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
 from . import guided
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -24,6 +31,15 @@ class Sample:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RowFailure:
+    """A sequence that could not be sampled this step; `invalid` when its own values explain it (the request
+    then fails with INVALID_ARGUMENT, else INTERNAL). Its request fails; no other row is affected."""
+
+    message: str
+    invalid: bool = True
 
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], repetition: float,
@@ -114,27 +130,83 @@ def _process(row: torch.Tensor, seq: Sequence, eos_token_ids: tuple[int, ...]) -
     return row
 
 
-def sample_batch(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> list[Sample]:
+def _unsamplable(raw: torch.Tensor, row: torch.Tensor, seq: Sequence, after_temperature: bool) -> RowFailure:
+    """Why `row` (`raw` after the request's rules) has no finite maximum: no token allowed, or non-finite values."""
+    sampling, stopping = seq.request.sampling, seq.request.stopping
+    if bool(raw.isnan().any()) or bool(raw.isposinf().any()):
+        return RowFailure("the model produced non-finite logits for this request", invalid=False)
+    if not bool(torch.isfinite(raw).any()):  # raw carries the structure's mask
+        if seq.matcher is not None:
+            error = seq.matcher.get_error() if seq.matcher.is_error() else ""
+            return RowFailure("the `structured` constraint allows no token at output token "
+                              f"{seq.num_output_tokens}" + (f": {error}" if error else ""))
+        return RowFailure("the model produced non-finite logits for this request", invalid=False)
+    at = f"at output token {seq.num_output_tokens}"
+    if not bool(torch.isfinite(row).any()) and not bool(row.isnan().any()):  # every token -inf
+        rules = []
+        if seq.matcher is not None:
+            rules.append("the `structured` constraint")
+        if seq.num_output_tokens < stopping.min_new_tokens and (stopping.stop_token_ids or not stopping.ignore_eos):
+            rules.append(f"`stop_token_ids`{'' if stopping.ignore_eos else ' and EOS'} held back by "
+                         f"`min_new_tokens` ({stopping.min_new_tokens})")
+        if sampling.repetition_penalty != 1.0 or sampling.presence_penalty or sampling.frequency_penalty:
+            rules.append(f"the penalties (repetition {sampling.repetition_penalty:g}, presence "
+                         f"{sampling.presence_penalty:g}, frequency {sampling.frequency_penalty:g})")
+        return RowFailure(f"no token is allowed {at}: {' with '.join(rules) or 'the request rules'} forbid every token")
+    if after_temperature:
+        return RowFailure(f"sampling is impossible {at}: `temperature` {sampling.temperature:g} with these logits "
+                          f"overflows float32 (penalties: repetition {sampling.repetition_penalty:g}); use a larger "
+                          "temperature, or 0 for greedy")
+    return RowFailure(f"sampling is impossible {at}: the penalties (repetition {sampling.repetition_penalty:g}, "
+                      f"presence {sampling.presence_penalty:g}, frequency {sampling.frequency_penalty:g}) make the "
+                      "logits non-finite")
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def sample_row(raw: torch.Tensor, seq: Sequence, eos_token_ids: tuple[int, ...], raw_max: float | None = None,
+               greedy_id: int | None = None) -> Sample | RowFailure:
+    """The next token of one sequence from its logits `raw` [V], or why it has none. `raw_max` and `greedy_id`
+    are raw's maximum and argmax when the caller has them (one batched `max` serves every row's check)."""
+    row = _process(raw, seq, eos_token_ids)  # the same tensor when nothing applies
+    sampling, output = seq.request.sampling, seq.request.output
+    row_max = raw_max if row is raw and raw_max is not None else float(row.max())
+    if not math.isfinite(row_max):  # NaN, +inf, or every token -inf
+        return _unsamplable(raw, row, seq, after_temperature=False)
+    if sampling.greedy:
+        token = greedy_id if row is raw and greedy_id is not None else int(row.argmax())
+    else:
+        # top-k / top-p / min-p keep the best token, so the scaled row is usable iff its maximum is finite
+        if not abs(row_max / sampling.temperature) < FLOAT32_MAX:
+            return _unsamplable(raw, row, seq, after_temperature=True)
+        scaled = apply_temperature(row, sampling.temperature)
+        scaled = apply_min_p(apply_top_p(apply_top_k(scaled, sampling.top_k), sampling.top_p), sampling.min_p)
+        token = draw(scaled, seq.generator)
+    sample = Sample(token)
+    if output.logprobs or output.top_logprobs:
+        logprobs = row.log_softmax(-1)
+        sample.logprob = float(logprobs[token])
+        if output.top_logprobs:
+            sample.top_logprobs = top_alternatives(logprobs, output.top_logprobs)
+    return sample
+
+
+def sample_batch(logits: torch.Tensor, seqs: list[Sequence],
+                 eos_token_ids: tuple[int, ...]) -> list[Sample | RowFailure]:
     """Choose the next token of each sequence. logits [S, V] float32, row i belongs to seqs[i]; the rows of
-    `structured` sequences are masked in place."""
-    guided.mask_logits(logits, seqs)
-    greedy_ids = logits.argmax(-1).tolist()  # one batched argmax serves every unmodified greedy row
-    samples = []
+    `structured` sequences are masked in place. A row that cannot be sampled gets a RowFailure, alone."""
+    failures = guided.mask_logits(logits, seqs)  # row -> error where a structure's matcher failed
+    best, greedy_ids = logits.max(-1)  # one batched max serves every unmodified row (argmax: the greedy ones)
+    best, greedy_ids = best.tolist(), greedy_ids.tolist()
+    out: list[Sample | RowFailure] = []
     for i, seq in enumerate(seqs):
-        raw = logits[i]
-        row = _process(raw, seq, eos_token_ids)  # the same tensor when nothing applies
-        sampling, output = seq.request.sampling, seq.request.output
-        if sampling.greedy:
-            token = greedy_ids[i] if row is raw else int(row.argmax())
-        else:
-            scaled = apply_temperature(row, sampling.temperature)
-            scaled = apply_min_p(apply_top_p(apply_top_k(scaled, sampling.top_k), sampling.top_p), sampling.min_p)
-            token = draw(scaled, seq.generator)
-        sample = Sample(token)
-        if output.logprobs or output.top_logprobs:
-            logprobs = row.log_softmax(-1)
-            sample.logprob = float(logprobs[token])
-            if output.top_logprobs:
-                sample.top_logprobs = top_alternatives(logprobs, output.top_logprobs)
-        samples.append(sample)
-    return samples
+        if i in failures:
+            out.append(RowFailure(failures[i], invalid=False))
+            continue
+        try:
+            out.append(sample_row(logits[i], seq, eos_token_ids, best[i], greedy_ids[i]))
+        except Exception as exc:  # noqa: BLE001 - one row's failure must not fail its neighbours
+            log.exception("sampling failed for request %d", seq.request_id)
+            out.append(RowFailure(f"sampling failed: {type(exc).__name__}: {exc}", invalid=False))
+    return out

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .request import FinishReason, ValidRequest
+from .stream import ErrorKind
 
 
 class EngineDeadError(RuntimeError):
@@ -24,7 +25,8 @@ class Step:
     `token_ids` are deltas. `logprobs[i]` is the log probability of `token_ids[i]`;
     `top_logprobs[i]` lists `(token_id, logprob)` alternatives, best first. A step
     with `is_final` ends that sequence: `finish_reason` says why, unless `error`
-    is set, in which case the whole request failed with that message.
+    is set, in which case the whole request failed with that message (and the status `error_kind`:
+    INVALID_ARGUMENT when the request's own values made it fail; None means INTERNAL).
     """
 
     request_id: int
@@ -36,6 +38,7 @@ class Step:
     finish_reason: FinishReason | None = None
     matched_stop_token: int | None = None  # set with FinishReason.STOP_TOKEN
     error: str | None = None
+    error_kind: ErrorKind | None = None
     num_cached_prompt_tokens: int | None = None  # on a sequence's first token step: prompt tokens from the prefix cache
 
 
@@ -94,6 +97,10 @@ class Executor(Protocol):
     next) `await_responses` return early. The looper calls it from the event loop after queueing a new
     request or a cancel, so that it is taken at once instead of after the executor's wait (up to the
     looper's `poll_timeout`). Without it, commands wait for the current `await_responses` to return.
+
+    Optional too: `set_death_callback(callback) -> None`: the executor calls `callback(reason)` once, from any
+    thread, when it dies (at once if it is already dead). The looper then fails every stream and reports the
+    death even while no request is in flight (it waits on its command channel then, not on the executor).
 
     Optional, not part of the checked protocol: `pause(id) -> None` and `resume(id) -> None`, both idempotent,
     unknown or finished ids ignored. `pause` stops generating for a request and frees what it holds in the

@@ -7,6 +7,10 @@ a comma-separated list of:
   (the executor "dies": every open stream gets UNAVAILABLE and `tokenloop serve` exits 1).
 - `request:MARKER` — a request whose prompt text contains MARKER fails alone with
   "generation failed: injected fault" (INTERNAL), as if the engine step failed only that request.
+- `forward:N` (embedded engine only) — every model forward after the first N raises: a fault no request
+  explains, so after MAX_CONSECUTIVE_STEP_FAILURES failed steps the engine dies (also while idle afterwards).
+- `position:N` (embedded engine only) — a model forward over a batch that reaches position N raises: the engine
+  runs each sequence alone, and only a request whose prompt (or output) reaches N tokens fails (INTERNAL).
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ def parse_fault_spec(spec: str) -> dict[str, object]:
             out["step"] = int(value)
         elif kind == "request" and value:
             out["request"] = value
+        elif kind in ("forward", "position") and value.isdigit():
+            out[kind] = int(value)
         else:
-            raise ValueError(f"{FAULT_ENV}: expected step:N or request:MARKER, got {part!r}")
+            raise ValueError(f"{FAULT_ENV}: expected step:N, request:MARKER, forward:N or position:N, got {part!r}")
     return out
 
 
@@ -76,10 +82,33 @@ class FaultyExecutor:
         self.inner.shutdown()
 
 
+def break_forward(engine, after: int | None = None, position: int | None = None) -> None:
+    """Make the embedded engine's model forward raise: every forward after the first `after`, and every forward
+    over a batch that reaches `position`."""
+    model = getattr(engine, "model", None)
+    if model is None:
+        raise ValueError(f"{FAULT_ENV}: forward:N and position:N need the embedded engine")
+    real, count = model.forward, [0]
+
+    def forward(batch):
+        count[0] += 1
+        if after is not None and count[0] > after:
+            raise RuntimeError(f"injected forward fault after {after} forwards ({FAULT_ENV})")
+        if position is not None and int(batch.positions.max()) >= position:
+            raise RuntimeError(f"injected forward fault: position {position} in the batch ({FAULT_ENV})")
+        return real(batch)
+
+    model.forward = forward
+
+
 def with_faults(executor: Executor, spec: str) -> Executor:
     """Wrap `executor` when `spec` (the value of TOKENLOOP_DEBUG_FAULT) asks for faults."""
     faults = parse_fault_spec(spec)
     if not faults:
         return executor
     log.warning("%s=%s: injecting faults (debug only)", FAULT_ENV, spec)
+    if "forward" in faults or "position" in faults:
+        break_forward(executor, faults.get("forward"), faults.get("position"))
+    if "step" not in faults and "request" not in faults:
+        return executor
     return FaultyExecutor(executor, faults.get("step"), faults.get("request", ""))

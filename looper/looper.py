@@ -24,7 +24,7 @@ from .threads import name_this_thread
 
 log = logging.getLogger("tokenloop.looper")
 
-_SUBMIT, _CANCEL, _FAIL_ALL, _STOP, _PAUSE = range(5)
+_SUBMIT, _CANCEL, _FAIL_ALL, _STOP, _DEAD, _PAUSE = range(6)
 _DEADLINE_CHECK_S = 0.005  # deadlines are checked at most this often (a scan of the in-flight map)
 
 
@@ -60,6 +60,9 @@ class Looper:
         """Start the looper thread; events are delivered on `loop` (default: the running loop)."""
         self._loop = loop or asyncio.get_running_loop()
         self.alive = True
+        on_death = getattr(self.executor, "set_death_callback", None)
+        if on_death is not None:  # a death while idle wakes the channel wait (see Executor)
+            on_death(lambda reason: self._channel.put((_DEAD, reason)))
         self._thread = threading.Thread(target=self._run, name="tokenloop-looper", daemon=True)
         self._thread.start()
 
@@ -174,6 +177,8 @@ class Looper:
                 self._cancel(cmd[1])
             elif cmd[0] == _FAIL_ALL:
                 self._fail_all(RequestFailed(cmd[1], cmd[2]))
+            elif cmd[0] == _DEAD:
+                raise EngineDeadError(cmd[1])
             elif cmd[0] == _PAUSE:
                 self._pause(cmd[1], cmd[2])
             else:
@@ -237,7 +242,9 @@ class Looper:
             del self._in_flight[state.executor_id]
             self.executor.cancel(state.executor_id)
             if not state.closed:
-                self._send(state, [], RequestFailed(ErrorKind.INTERNAL, f"generation failed: {step.error}"))
+                kind = step.error_kind or ErrorKind.INTERNAL
+                message = step.error if kind is ErrorKind.INVALID_ARGUMENT else f"generation failed: {step.error}"
+                self._send(state, [], RequestFailed(kind, message))
             return
         if not state.closed:
             events = state.apply(step, now)

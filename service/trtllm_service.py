@@ -93,6 +93,8 @@ def _check_supported(request) -> None:
     if request.tokenized.query_token_ids:
         _refuse("tokenized.query_token_ids", "star attention is not supported by this executor")
     s = request.sampling_config
+    _check(s.beam_width >= 0, "beam_width",
+           f"`sampling_config.beam_width` must be >= 1 (0, unset, means 1); got {s.beam_width}")
     if s.beam_width > 1 or s.beam_width_array:
         _refuse("sampling_config.beam_width", "beam search is not supported by this executor")
     for name in UNSUPPORTED_SAMPLING:
@@ -111,8 +113,10 @@ def _stopping(validator, request, num_prompt: int) -> StoppingParams:
     max_new = validator.new_token_limits(request.max_tokens or None, min_new, num_prompt, "max_tokens",
                                          "sampling_config.min_tokens")  # max_tokens 0: unset
     validator.stop_lists(request.stop, request.stop_token_ids, "")
-    return StoppingParams(max_new_tokens=max_new, min_new_tokens=min_new, stop=tuple(request.stop),
-                          stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+    params = StoppingParams(max_new_tokens=max_new, min_new_tokens=min_new, stop=tuple(request.stop),
+                            stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+    validator.check_min_new_tokens(params, "stop_token_ids", "sampling_config.min_tokens")
+    return params
 
 
 def lora_name(request, catalog) -> str:

@@ -23,3 +23,5 @@ def test_quick_soak_finds_no_leaks(tmp_path):
     for kind in ("cancel", "deadline", "malformed", "oversized", "abort", "fault"):
         assert f"| {kind} |" in table  # every kind of misbehaviour was exercised
     assert "exit code 1" in table  # the engine-death server exited non-zero
+    assert "16/16 good complete" in table  # beside the bad-sampling-values burst (each bad one's status: a leak if not)
+    assert "'forward fails on its prompt': {'INTERNAL'" in table and "no token allowed': {'INVALID_ARGUMENT'" in table

@@ -102,3 +102,25 @@ def test_a_constraint_too_costly_to_match_is_refused_at_compile(compiler):
         compiler.compile("regex", "a{100000}")  # 9 bytes; every step would take ~300 ms
     with pytest.raises(GrammarError, match="recursion limit exceeded"):
         compiler.compile("json_schema", '{"type": "object", "properties": {"a": ' * 80 + "{}" + "}}" * 80)
+
+
+def test_a_matcher_that_fails_fails_its_row_alone(compiler, tokenizer):
+    """The batched mask fails when one matcher does: the rows are then masked one at a time, and only the row
+    whose matcher failed is reported (its request fails; the others are masked exactly as in a batch)."""
+    grammar = compiler.compile("regex", "[0-9]+")
+
+    class Broken:
+        def unsafe_compute_mask_ptr(self, *args):
+            raise RuntimeError("matcher state is corrupt")
+
+    broken = SimpleNamespace(matcher=Broken(), request=SimpleNamespace(structured=SimpleNamespace(grammar=grammar)))
+    seqs = [seq(grammar), broken, seq(grammar, "1", tokenizer)]
+    logits = torch.randn(3, compiler.vocab_size)
+    before = logits.clone()
+    failures = guided.mask_logits(logits, seqs)
+    assert failures == {1: "the structured-output matcher failed: RuntimeError: matcher state is corrupt"}
+    assert torch.equal(logits[1], before[1])
+    for row in (0, 2):
+        finite = set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist())
+        assert finite == allowed_by_library(seqs[row].matcher, compiler.vocab_size)
+    assert guided.mask_logits(torch.randn(2, compiler.vocab_size), [seq(grammar), seq(grammar)]) == {}

@@ -47,8 +47,13 @@ def test_fault_spec():
     assert parse_fault_spec("") == {}
     with pytest.raises(ValueError):
         parse_fault_spec("step:soon")
+    assert parse_fault_spec("forward:3,position:200") == {"forward": 3, "position": 200}
+    with pytest.raises(ValueError, match="forward:N or position:N"):
+        parse_fault_spec("position:far")
     inner = ScriptedExecutor()
     assert with_faults(inner, "") is inner
+    with pytest.raises(ValueError, match="need the embedded engine"):
+        with_faults(inner, "forward:1")  # the scripted executor has no model forward to break
     inner.shutdown()
 
 

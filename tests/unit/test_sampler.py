@@ -104,3 +104,82 @@ def test_a_sequences_draws_do_not_depend_on_its_batch_neighbours():
 
 def test_the_largest_api_seed_is_accepted():
     assert len(_draws((1 << 64) - 1, num=3)) == 3
+
+
+# -- a row that cannot be sampled fails alone ---------------------------------------------------------------------
+
+def test_a_temperature_that_overflows_fails_its_row_and_names_the_value():
+    """Validation makes a temperature below 1e-5 greedy; a request that reaches the sampler with one fails alone."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    (failure,) = sampler.sample_batch(logits, [seq_for(seed=1, temperature=1e-45)], (0,))
+    assert isinstance(failure, sampler.RowFailure) and failure.invalid
+    assert failure.message == ("sampling is impossible at output token 0: `temperature` 1e-45 with these logits "
+                               "overflows float32 (penalties: repetition 1); use a larger temperature, or 0 for greedy")
+
+
+def test_bad_rows_leave_their_neighbours_tokens_unchanged():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 5
+
+    def run(with_bad: bool) -> list[list[int]]:
+        good = [seq_for(temperature=0.0), seq_for(seed=3, top_k=10), seq_for(seed=4, top_p=0.9)]
+        bad = seq_for(seed=1, temperature=1e-45, repetition_penalty=1e-40)
+        seqs = [good[0], bad, good[1], good[2]] if with_bad else good
+        rows = logits if with_bad else logits[[0, 2, 3]]
+        out = [[] for _ in good]
+        for _ in range(10):
+            samples = sampler.sample_batch(rows.clone(), seqs, (0,))
+            if with_bad:
+                assert isinstance(samples.pop(1), sampler.RowFailure)
+            for j, s in enumerate(samples):
+                out[j].append(s.token_id)
+        return out
+
+    assert run(with_bad=True) == run(with_bad=False)
+
+
+def test_a_repetition_penalty_that_overflows_fails_its_row():
+    s = seq_for(prompt=(1, 2, 3), temperature=0.0, repetition_penalty=1e-40)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, 0.5]])
+    (failure,) = sampler.sample_batch(logits, [s], (0,))
+    assert isinstance(failure, sampler.RowFailure) and failure.invalid
+    assert failure.message == ("sampling is impossible at output token 0: the penalties (repetition 1e-40, presence 0, "
+                               "frequency 0) make the logits non-finite")
+
+
+def test_no_token_allowed_fails_the_row_greedy_or_sampled():
+    """stop_token_ids plus EOS cover the vocabulary while min_new_tokens holds them back: before, a greedy row
+    silently took token 0 and a sampled row made torch.multinomial raise for the whole batch."""
+    for temperature in (0.0, 0.7):
+        s = seq_for(temperature=temperature, min_new_tokens=2, stop_token_ids=(1, 2, 3))
+        good = seq_for(temperature=0.0)
+        logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 3.0, 1.0, 2.0]])
+        failure, sample = sampler.sample_batch(logits, [s, good], (0,))
+        assert isinstance(failure, sampler.RowFailure) and failure.invalid
+        assert failure.message == ("no token is allowed at output token 0: `stop_token_ids` and EOS held back by "
+                                   "`min_new_tokens` (2) forbid every token")
+        assert sample.token_id == 1
+
+
+def test_non_finite_model_logits_fail_the_row_as_internal():
+    logits = torch.tensor([[0.0, float("nan"), 1.0], [0.0, 3.0, 1.0], [float("inf"), 0.0, 0.0]])
+    a, b, c = sampler.sample_batch(logits, [seq_for(temperature=0.0), seq_for(temperature=0.0), seq_for(seed=1)], (0,))
+    for failure in (a, c):
+        assert isinstance(failure, sampler.RowFailure) and not failure.invalid
+        assert failure.message == "the model produced non-finite logits for this request"
+    assert b.token_id == 1
+
+
+def test_an_exception_in_one_row_fails_that_row_only(monkeypatch):
+    real_draw = sampler.draw
+
+    def draw(logits, generator):
+        if generator.initial_seed() == 7 * 1_000_003:  # the row seeded 7 (seq_index 0)
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real_draw(logits, generator)
+
+    monkeypatch.setattr(sampler, "draw", draw)
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
+    failure, sample = sampler.sample_batch(logits, [seq_for(seed=7), seq_for(temperature=0.0)], (0,))
+    assert isinstance(failure, sampler.RowFailure) and not failure.invalid
+    assert failure.message.startswith("sampling failed: RuntimeError: probability tensor")
+    assert sample.token_id == 1

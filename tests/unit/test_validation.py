@@ -55,7 +55,11 @@ CASES = [
     ("top_k < 0", req(sampling=pb.SamplingParams(top_k=-1)), "top_k", "`sampling.top_k` must be >= 0 (0 disables it)"),
     ("min_p > 1", req(sampling=pb.SamplingParams(min_p=1.5)), "min_p", "`sampling.min_p` must be between 0 and 1"),
     ("repetition 0", req(sampling=pb.SamplingParams(repetition_penalty=0)), "repetition_penalty",
-     "`sampling.repetition_penalty` must be > 0 (1 disables it)"),
+     "`sampling.repetition_penalty` must be between 0.01 and 100 (1 disables it); got 0"),
+    ("repetition 1e-40", req(sampling=pb.SamplingParams(repetition_penalty=1e-40)), "repetition_penalty",
+     "`sampling.repetition_penalty` must be between 0.01 and 100 (1 disables it); got 1e-40"),
+    ("repetition 1e30", req(sampling=pb.SamplingParams(repetition_penalty=1e30)), "repetition_penalty",
+     "`sampling.repetition_penalty` must be between 0.01 and 100 (1 disables it); got 1e+30"),
     ("presence", req(sampling=pb.SamplingParams(presence_penalty=3)), "presence_penalty",
      "`sampling.presence_penalty` must be between -2 and 2"),
     ("frequency", req(sampling=pb.SamplingParams(frequency_penalty=-3)), "frequency_penalty",
@@ -226,3 +230,28 @@ def test_chat_with_more_messages_than_prompt_tokens_is_refused_before_rendering(
                                "`chat.messages` may hold at most 100 messages (the prompt limit in tokens); got 101")
     chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")] * 100)
     assert error_of(validator, pb.GenerateRequest(chat=chat))[0] == "prompt_too_long"  # rendered, then counted
+
+
+def test_a_temperature_below_1e_5_is_greedy(validator):
+    for tiny in (1e-45, 1e-30, 9e-6):
+        assert validator.generate(req(sampling=pb.SamplingParams(temperature=tiny)), "rid").sampling.greedy
+    kept = validator.generate(req(sampling=pb.SamplingParams(temperature=2e-5)), "rid").sampling
+    assert not kept.greedy and kept.temperature == pytest.approx(2e-5)
+
+
+def test_stop_token_ids_covering_the_vocabulary_with_min_new_tokens_are_refused(validator):
+    # a limit on the number of stop token ids, where there is one, must let a list as long as the vocabulary through
+    wide = {"max_stop_token_ids": 1024} if "max_stop_token_ids" in Limits.__dataclass_fields__ else {}
+    validator = Validator(validator.tokenizer, validator.card, Limits(max_context_length=256, max_new_tokens=200,
+                                                                      default_max_new_tokens=64, **wide))
+    vocab, eos = validator.card.vocab_size, set(validator.card.eos_token_ids)
+    others = [t for t in range(vocab) if t not in eos]
+    refused = req(stopping=pb.StoppingCriteria(stop_token_ids=others, min_new_tokens=1))
+    assert error_of(validator, refused) == (
+        "no_token_allowed", f"`stopping.stop_token_ids` with EOS cover the whole vocabulary ({vocab} tokens): with "
+        "`stopping.min_new_tokens` 1 no token could be generated")
+    # one token left, no min_new_tokens, or EOS not held back (ignore_eos): a token can be generated
+    for stopping in (pb.StoppingCriteria(stop_token_ids=others[1:], min_new_tokens=1),
+                     pb.StoppingCriteria(stop_token_ids=others),
+                     pb.StoppingCriteria(stop_token_ids=others, min_new_tokens=1, ignore_eos=True)):
+        assert validator.generate(req(stopping=stopping), "rid").stopping.stop_token_ids == tuple(stopping.stop_token_ids)
