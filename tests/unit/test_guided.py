@@ -102,3 +102,15 @@ def test_a_constraint_too_costly_to_match_is_refused_at_compile(compiler):
         compiler.compile("regex", "a{100000}")  # 9 bytes; every step would take ~300 ms
     with pytest.raises(GrammarError, match="recursion limit exceeded"):
         compiler.compile("json_schema", '{"type": "object", "properties": {"a": ' * 80 + "{}" + "}}" * 80)
+
+
+def test_a_rule_past_the_row_limit_is_refused_at_compile_not_at_its_first_token(compiler):
+    """llguidance checks `max_items_in_row` only once a token is consumed: the probe walks a few tokens."""
+    alternatives = " | ".join(f'"w{i}"' for i in range(20000))
+    with pytest.raises(GrammarError) as err:
+        compiler.compile("grammar", f"start: {alternatives}\n")
+    assert describe_error(err.value) == ("`grammar` is not a valid grammar: Parser Error: Current row has 20001 items; "
+                                         "max is 2000; consider making your grammar left-recursive if it's "
+                                         "right-recursive")
+    small = compiler.compile("grammar", 'start: "w1" | "w2" | "w3"\n')  # the same shape, within the limit
+    assert small.matcher().consume_tokens(compiler.tokenizer.tokenize_str("w2"))
