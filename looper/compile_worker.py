@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import signal
 import struct
 import sys
@@ -26,6 +27,8 @@ from .structured import GrammarCompiler, GrammarError, grammar_text
 FRAME = struct.Struct(">I")
 STACK_SIZE = 256 << 20  # llguidance recurses ~3 KB of stack per nested rule (see service/app.py)
 PR_SET_PDEATHSIG = 1
+# Compiles yield the CPU to the server's own threads (engine steps, tokenization) when they compete for it.
+NICENESS = 10
 
 
 def write_frame(stream: BinaryIO, message: dict) -> None:
@@ -78,6 +81,7 @@ def _die_with_parent() -> None:
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
     _die_with_parent()
+    os.nice(NICENESS)
     threading.stack_size(STACK_SIZE)
     worker = threading.Thread(target=serve, args=(sys.stdin.buffer, sys.stdout.buffer), name="compile")
     worker.start()
