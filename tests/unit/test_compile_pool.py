@@ -108,3 +108,13 @@ def test_compile_threads_are_daemons_that_run_jobs_and_pass_on_errors():
             threads.submit(lambda: 1 / 0).result(10)
     finally:
         threads.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("grammar_compile_workers", 0, "--grammar-compile-workers must be >= 1"),
+    ("max_grammar_compiles_waiting", -1, "--max-grammar-compiles-waiting must be >= 0"),
+])
+def test_the_compile_flags_check_themselves(field, value, message):
+    from tokenloop.service.config import ServerConfig
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**{field: value})
