@@ -78,7 +78,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    """`python -m tokenloop.looper.compile_worker [CPUS]`: CPUS (e.g. "0,1") are the server's CPUs, given back to
+    this process before any thread starts (a process started by the server's pinned event-loop thread inherits its
+    one CPU: --front-cpu)."""
+    if argv and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, [int(cpu) for cpu in argv[0].split(",")])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
     _die_with_parent()
     os.nice(NICENESS)
@@ -89,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -61,8 +62,8 @@ class Worker:
         self.proc = proc
 
     @classmethod
-    async def start(cls, init: bytes) -> Worker:
-        proc = await asyncio.create_subprocess_exec(*WORKER_COMMAND, stdin=asyncio.subprocess.PIPE,
+    async def start(cls, command: tuple[str, ...], init: bytes) -> Worker:
+        proc = await asyncio.create_subprocess_exec(*command, stdin=asyncio.subprocess.PIPE,
                                                     stdout=asyncio.subprocess.PIPE)
         worker = cls(proc)
         try:
@@ -100,6 +101,9 @@ class CompilePool:
                  max_waiting: int):
         self._init = json.dumps({"tokenizer_json": tokenizer_json, "vocab_size": vocab_size,
                                  "eos_token_ids": list(eos_token_ids)}).encode()
+        # the CPUs now, before --front-cpu pins the event loop: a process it starts later would inherit its one CPU
+        cpus = ",".join(map(str, sorted(os.sched_getaffinity(0)))) if hasattr(os, "sched_getaffinity") else ""
+        self._command = (*WORKER_COMMAND, cpus) if cpus else WORKER_COMMAND
         self.num_workers = num_workers
         self.max_waiting = max_waiting
         self.num_pending = 0  # checks running or waiting for a process
@@ -112,7 +116,7 @@ class CompilePool:
 
     async def start(self) -> None:
         """Start every process (each builds the tokenizer: ~0.5 s, in parallel)."""
-        workers = await asyncio.gather(*(Worker.start(self._init) for _ in range(self.num_workers)))
+        workers = await asyncio.gather(*(Worker.start(self._command, self._init) for _ in range(self.num_workers)))
         for worker in workers:
             self._workers.add(worker)
             self._release(worker)
@@ -185,7 +189,7 @@ class CompilePool:
 
     async def _start_one(self) -> None:
         try:
-            worker = await Worker.start(self._init)
+            worker = await Worker.start(self._command, self._init)
         except Exception as exc:  # noqa: BLE001 - logged; the pool runs one process short
             log.error("a compile process did not start: %s", exc)
             return

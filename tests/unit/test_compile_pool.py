@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +120,23 @@ def test_the_compile_flags_check_themselves(field, value, message):
     from tokenloop.service.config import ServerConfig
     with pytest.raises(ValueError, match=message):
         ServerConfig(**{field: value})
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_process_started_by_a_pinned_event_loop_compiles_on_all_the_servers_cpus(tokenizer_parts):
+    """--front-cpu pins the event loop's thread; a replacement process it starts would inherit that one CPU."""
+    wide = os.sched_getaffinity(0)
+
+    async def body():
+        pool = pool_of(tokenizer_parts)  # records the CPUs, as App.load_model does before the pin
+        os.sched_setaffinity(0, {min(wide)})
+        try:
+            await pool.start()
+            assert '"a"' in await pool.check("json_schema", QUICK_SCHEMA, timeout=30)
+            (worker,) = pool._workers
+            tasks = [int(task.name) for task in Path(f"/proc/{worker.proc.pid}/task").iterdir()]
+            assert len(tasks) >= 2 and all(os.sched_getaffinity(task) == wide for task in tasks)
+        finally:
+            os.sched_setaffinity(0, wide)
+            pool.close()
+    run(body())
