@@ -16,8 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.e2e.live_server import DEFAULT_MODEL
 from tests.e2e.test_lifecycle import Proc, first_message_then_rest, gen, outcome
 from tokenloop.v1 import tokenloop_pb2 as pb
+
+pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(),
+                                reason="the default model is not prepared: run `make model`")
 
 GRACE = "30"
 # Compiles for 21-34 s with the default model's tokenizer (docs/robustness.md, "Grammar compiles are bounded").
