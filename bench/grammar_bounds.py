@@ -130,21 +130,42 @@ class Server:
         from tokenloop.v1 import tokenloop_pb2_grpc
         return tokenloop_pb2_grpc.TextGenerationStub(grpc.insecure_channel(f"127.0.0.1:{self.port}"))
 
-    def exit_time(self, *signals: int) -> float:
-        """Seconds from the last of `signals` (0.5 s apart) to the process's exit."""
+    def exit_time(self, *signals: int) -> float | str:
+        """Seconds from the last of `signals` (0.5 s apart) to the process's exit; SIGKILL after 120 s."""
         for i, sig in enumerate(signals):
             if i:
                 time.sleep(0.5)
             self.proc.send_signal(sig)
             start = time.monotonic()
-        self.proc.wait(120)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return "still running after 120 s: SIGKILL"
         return time.monotonic() - start
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> float | str:
+    """Seconds `fn()` took, or its gRPC error (e.g. "DEADLINE_EXCEEDED after 30.0 s")."""
+    import grpc
     start = time.perf_counter()
-    fn()
+    try:
+        fn()
+    except grpc.RpcError as err:
+        return f"{err.code().name} after {time.perf_counter() - start:.1f} s"
     return time.perf_counter() - start
+
+
+def _median(fn, times: int) -> float | str:
+    """The median of `times` runs, or the first error."""
+    figures = []
+    for _ in range(times):
+        figure = _timed(fn)
+        if isinstance(figure, str):
+            return figure
+        figures.append(figure)
+    return statistics.median(figures)
 
 
 def part_server(model: str) -> dict:
@@ -157,11 +178,11 @@ def part_server(model: str) -> dict:
                                 '"integer"}}, "required": ["a"]}', stopping=pb.StoppingCriteria(max_new_tokens=4))
     server = Server(model)
     stub = server.stub()
-    tokenize = lambda: stub.Tokenize(pb.TokenizeRequest(text=prompt), timeout=90)  # noqa: E731
-    generate = lambda request: list(stub.Generate(request, timeout=90))  # noqa: E731
+    tokenize = lambda: stub.Tokenize(pb.TokenizeRequest(text=prompt), timeout=30)  # noqa: E731
+    generate = lambda request: list(stub.Generate(request, timeout=30))  # noqa: E731
     generate(cached)
-    out["tokenize_idle_s"] = statistics.median(_timed(tokenize) for _ in range(5))
-    out["cached_generate_idle_s"] = statistics.median(_timed(lambda: generate(cached)) for _ in range(3))
+    out["tokenize_idle_s"] = _median(tokenize, 5)
+    out["cached_generate_idle_s"] = _median(lambda: generate(cached), 3)
     refusals: list = []
 
     def slow(i):
@@ -169,21 +190,19 @@ def part_server(model: str) -> dict:
         request = pb.GenerateRequest(text="Answer:", json_schema=_patterns(500).replace("^k", f"^{'kq'[i]}"))
         try:
             generate(request)
-            refusals.append(("OK", time.perf_counter() - start))
+            refusals.append(("OK", round(time.perf_counter() - start, 2)))
         except grpc.RpcError as err:
-            refusals.append((err.code().name, time.perf_counter() - start))
+            refusals.append((err.code().name, round(time.perf_counter() - start, 2)))
     threads = [threading.Thread(target=slow, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     time.sleep(1.0)
-    out["tokenize_during_2_slow_compiles_s"] = statistics.median(_timed(tokenize) for _ in range(5))
-    out["cached_generate_during_2_slow_compiles_s"] = statistics.median(_timed(lambda: generate(cached))
-                                                                        for _ in range(3))
+    out["tokenize_during_2_slow_compiles_s"] = _median(tokenize, 5)
+    out["cached_generate_during_2_slow_compiles_s"] = _median(lambda: generate(cached), 3)
     for t in threads:
         t.join()
     out["slow_compiles_refused"] = refusals
-    server.proc.terminate()
-    server.proc.wait(60)
+    out["sigterm_after_slow_compiles_exit_s"] = server.exit_time(signal.SIGTERM)
 
     server = Server(model, "--grammar-compile-timeout", "120")
     threading.Thread(target=lambda: _ignore(generate, server.stub(), pb.GenerateRequest(
