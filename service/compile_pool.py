@@ -21,7 +21,7 @@ import queue
 import sys
 import threading
 
-from tokenloop.looper.compile_worker import FRAME
+from tokenloop.looper.compile_worker import FRAME, NICENESS
 
 log = logging.getLogger("tokenloop.service")
 WORKER_COMMAND = (sys.executable, "-m", "tokenloop.looper.compile_worker")
@@ -236,6 +236,11 @@ class CompileThreads(concurrent.futures.Executor):
     def _run(self, initializer) -> None:
         if initializer is not None:
             initializer()
+        try:  # Linux: a thread has its own nice value; builds yield the CPU as the compile processes do
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICENESS))
+        except (AttributeError, OSError):
+            pass
         while (job := self._jobs.get()) is not None:
             future, fn, args, kwargs = job
             if not future.set_running_or_notify_cancel():

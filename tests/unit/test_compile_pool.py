@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run
+from tokenloop.looper.compile_worker import NICENESS
 from tokenloop.looper.tokenizer import ModelCard, Tokenizer
 from tokenloop.service.compile_pool import (
     CompilePool,
@@ -106,6 +107,8 @@ def test_compile_threads_are_daemons_that_run_jobs_and_pass_on_errors():
         assert threads.submit(lambda x: x * 2, 21).result(10) == 42
         names = threads.submit(lambda: (threading.current_thread().name, threading.current_thread().daemon)).result(10)
         assert names[0].startswith("tokenloop-compile-") and names[1]
+        niceness = threads.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(10)
+        assert niceness == os.getpriority(os.PRIO_PROCESS, 0) + NICENESS or niceness == 19  # nice is capped at 19
         with pytest.raises(ZeroDivisionError):
             threads.submit(lambda: 1 / 0).result(10)
     finally:
