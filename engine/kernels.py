@@ -1,7 +1,8 @@
 """Native kernels, compiled at run time with the system C compiler and loaded with ctypes.
 
 `paged_attention.c` holds decode attention that reads the paged KV cache in place; `int8_linear.c` the
-matrix products of int8 weights (`--weights int8`) with float32 activations. Each is built once
+matrix products of int8 weights (`--weights int8`) with float32 activations; `int4_linear.c` those of 4-bit
+weights (`--weights int4`), its code path chosen at run time from the CPU's flags. Each is built once
 per source, compiler flags and CPU (`-march=native`), into a cache directory (`$TOKENLOOP_KERNEL_CACHE`,
 else `$XDG_CACHE_HOME/tokenloop` or `~/.cache/tokenloop`), which takes well under a second. No C
 compiler, or a failed build, means `load()` returns None and the engine uses its pure-torch path:
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 INT8_SOURCE = Path(__file__).with_name("int8_linear.c")
+INT4_SOURCE = Path(__file__).with_name("int4_linear.c")
 OPS_SOURCE = Path(__file__).with_name("layer_ops.c")
 # -ffast-math lets the dot products and exp vectorise. It is given to the compile step only: linked with it,
 # the library would pull in crtfastmath.o, which switches the whole process to flush-denormals-to-zero on
@@ -37,7 +39,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared",)
 FLAGS = COMPILE_FLAGS + LINK_FLAGS
 _lock = threading.Lock()
-_loaded: dict[str, PagedAttention | Int8Linear | LayerOps | None] = {}
+_loaded: dict[str, PagedAttention | Int8Linear | Int4Linear | LayerOps | None] = {}
 
 
 def _cpu_id() -> str:
@@ -164,6 +166,66 @@ class Int8Linear:
             raise RuntimeError(f"int8_linear_f32 failed (code {rc})")
 
 
+class Int4Linear:
+    """ctypes binding of int4_linear.c (4-bit weights, quant.Q4Weight). `isa` is the code path it runs: the
+    fastest this CPU has (int4_best_path) unless one is named; PATHS lists them all, `supported()` those this CPU
+    runs (an AVX-512 path would join them here)."""
+
+    PATHS = {"portable": 1, "avx2": 2}
+
+    def __init__(self, path: Path, isa: str | None = None):
+        self.path = path
+        self._lib = lib = ctypes.CDLL(str(path))
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.int4_path_supported.argtypes = [c_int]
+        lib.int4_path_supported.restype = c_int
+        lib.int4_best_path.restype = c_int
+        self._linear = lib.int4_linear_f32
+        self._linear.argtypes = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
+        self._linear.restype = c_int
+        self._linear2 = lib.int4_linear_f32_2t
+        self._linear2.argtypes = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64]
+        self._linear2.restype = c_int
+        lib.int4_set_spin_us.argtypes = [i64]
+        lib.int4_set_spin_us(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+        if isa is None:
+            best = lib.int4_best_path()
+            isa = next(name for name, code in self.PATHS.items() if code == best)
+        if isa not in self.PATHS or not self.supports(isa):
+            raise ValueError(f"int4 kernel path {isa!r} is not available on this CPU (supported: "
+                             f"{', '.join(self.supported())})")
+        self.isa = isa
+        self._code = self.PATHS[isa]
+
+    def supports(self, isa: str) -> bool:
+        return isa in self.PATHS and bool(self._lib.int4_path_supported(self.PATHS[isa]))
+
+    def supported(self) -> list[str]:
+        return [name for name in self.PATHS if self.supports(name)]
+
+    def with_isa(self, isa: str) -> Int4Linear:
+        """The same library running another code path (tests and benchmarks force each one with it)."""
+        return Int4Linear(self.path, isa)
+
+    def linear2(self, x: torch.Tensor, w, out: torch.Tensor) -> None:
+        """`linear` over all channels on two threads: the caller's and the library's own worker (int4_linear.c)."""
+        num_out = w.num_out
+        half = num_out // 2 // 32 * 32  # keep the kernel's 32-channel blocks whole
+        rc = self._linear2(self._code, x.data_ptr(), x.shape[0], x.shape[1], w.q.data_ptr(), w.sm.data_ptr(),
+                           w.group_size, out.data_ptr(), num_out, 0, half, num_out)
+        if rc != 0:
+            raise RuntimeError(f"int4_linear_f32_2t failed (code {rc})")
+
+    def linear(self, x: torch.Tensor, w, out: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
+        """out[:, begin:end] = x @ w.dequantize().T[:, begin:end] for a quant.Q4Weight w; x [M, K] and out [M, N]
+        float32, contiguous. Releases the GIL (ctypes does)."""
+        num_out = w.num_out
+        rc = self._linear(self._code, x.data_ptr(), x.shape[0], x.shape[1], w.q.data_ptr(), w.sm.data_ptr(),
+                          w.group_size, out.data_ptr(), num_out, begin, num_out if end is None else end)
+        if rc != 0:
+            raise RuntimeError(f"int4_linear_f32 failed (code {rc})")
+
+
 class LayerOps:
     """ctypes binding of layer_ops.c: RMSNorm (+ residual), rotary embedding + K/V cache write, SiLU * up."""
 
@@ -224,6 +286,12 @@ def load() -> PagedAttention | None:
 def load_ops() -> LayerOps | None:
     """The compiled layer operations (layer_ops.c), or None (logged once) when they cannot be built here."""
     return _load(OPS_SOURCE, LayerOps, "layer ops")
+
+
+def load_int4() -> Int4Linear | None:
+    """The compiled 4-bit matrix-product kernel on the fastest path this CPU runs, or None (logged once) when it
+    cannot be built here."""
+    return _load(INT4_SOURCE, Int4Linear, "int4 linear")
 
 
 def load_int8() -> Int8Linear | None:

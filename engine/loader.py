@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .quant import QWeight, qweight
+from .quant import Q4Weight, QWeight, qweight, qweight4
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -140,16 +140,19 @@ def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-                 weights: str = "fp32") -> dict[str, torch.Tensor | QWeight]:
+                 weights: str = "fp32") -> dict[str, torch.Tensor | QWeight | Q4Weight]:
     """Weights by engine name, fused and cast to `dtype`: embed, norm, lm_head, layers.{i}.{qkv,o,gate_up,down,...}.
     weights="int8": the matrices of the linear layers and the lm_head become QWeight (quantized from the
-    checkpoint's own values, after fusing); the embedding lookup, norms and biases keep `dtype`."""
+    checkpoint's own values, after fusing); the embedding lookup, norms and biases keep `dtype`.
+    weights="int4": the layers' matrices become Q4Weight (4 bits, a scale and a minimum per group of 32 columns) and
+    the lm_head int8, as llama.cpp's 4-bit files keep their output matrix at 6 or 8 bits (docs/engine.md: a 4-bit
+    lm_head costs 6 % of perplexity on the default model, the layers 0.x %)."""
     raw = read_tensors(model_dir)
     cast = lambda t: t.to(dtype).contiguous()  # noqa: E731
-    linear = qweight if weights == "int8" else cast
+    linear = {"int8": qweight, "int4": qweight4}.get(weights, cast)
     out = {"embed": cast(_take(raw, "model.embed_tokens.weight")), "norm": cast(_take(raw, "model.norm.weight"))}
     lm_head = raw.pop("lm_head.weight", None)
-    if weights == "int8":
+    if weights in ("int8", "int4"):
         out["lm_head"] = qweight(out["embed"] if lm_head is None or config.tie_word_embeddings else lm_head)
     else:
         out["lm_head"] = out["embed"] if lm_head is None or config.tie_word_embeddings else cast(lm_head)

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .kernels import Int8Linear, name_this_thread
-from .quant import QWeight
+from .kernels import Int4Linear, Int8Linear, name_this_thread
+from .quant import Q4Weight, QWeight
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # tokens per step at which the backends are compared
 MIN_SPLIT_TOKENS = 1
@@ -106,11 +106,14 @@ class MatmulPolicy:
     """`linear(x, w, backend)` = x @ w.T; `backend(num_tokens)` says how a step multiplies."""
 
     def __init__(self, buckets: dict[int, Backend], helper: _Helper | None = None, int8: Int8Linear | None = None,
-                 int8_split: dict[int, bool] | None = None, native: Int8Linear | None = None):
+                 int8_split: dict[int, bool] | None = None, native: Int8Linear | None = None,
+                 int4: Int4Linear | None = None):
         self.buckets = buckets
         self.int8 = int8  # the native int8 kernel for QWeight products; None: torch (dequantize, then F.linear)
+        self.int4 = int4  # the native 4-bit kernel for Q4Weight products; None: torch (dequantize, then F.linear)
         self.native = native or int8  # the native kernels' library, for Backend.NATIVE2 (None: numpy serves)
-        self.int8_split = int8_split or {}  # bucket -> split a QWeight product's output channels over two threads
+        # bucket -> split a QWeight's (or Q4Weight's) product's output channels over two threads
+        self.int8_split = int8_split or {}
         wants_helper = Backend.NUMPY2 in buckets.values() or any(self.int8_split.values())
         self._helper = helper or (_Helper() if wants_helper else None)
 
@@ -181,6 +184,45 @@ class MatmulPolicy:
         policy.int8_split = split
         return policy
 
+    @classmethod
+    def calibrate_int4(cls, weights: Q4Weight | list[Q4Weight], int4: Int4Linear | None,
+                       int8: Int8Linear | None = None) -> MatmulPolicy:
+        """For 4-bit weights: as calibrate_int8, with engine/int4_linear.c on the fastest path this CPU runs; `int8`
+        multiplies the int8 lm_head that goes with them."""
+        policy = cls.fixed(Backend.TORCH)
+        policy.int8 = int8
+        if int4 is None:
+            return policy
+        policy.int4 = int4
+        if (os.cpu_count() or 1) < 2:
+            return policy
+        weights = weights if isinstance(weights, list) else [weights]
+        split = {}
+        with torch.inference_mode():
+            for b in BUCKETS:
+                if b > INT8_TIMED_TOKENS:
+                    split[b] = True
+                    continue
+                x = torch.randn(b, weights[0].shape[1])
+                split[b] = _fastest({s: lambda x=x, s=s: [policy._q4linear(x, w, s) for w in weights]
+                                     for s in (False, True)})
+        policy.int8_split = split
+        return policy
+
+    def _q4linear(self, x: torch.Tensor, w: Q4Weight, split: bool | None = None) -> torch.Tensor:
+        """x [T, K] float32 @ 4-bit w [N, K] -> [T, N] float32; split: over two threads (None: as calibrated)."""
+        if self.int4 is None:  # fallback: the same product in torch, the weight widened on the fly
+            return F.linear(x, w.dequantize().to(x.dtype))
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], w.num_out, dtype=torch.float32)
+        if split is None:
+            split = self.int8_split.get(self._bucket(x.shape[0]), False)
+        if split:
+            self.int4.linear2(x, w, out)
+        else:
+            self.int4.linear(x, w, out)
+        return out
+
     def _bucket(self, num_tokens: int) -> int:
         for b in BUCKETS:
             if num_tokens <= b:
@@ -209,6 +251,8 @@ class MatmulPolicy:
         """x: [T, D_in], w: [D_out, D_in] -> [T, D_out]."""
         if isinstance(w, QWeight):
             return self._qlinear(x, w)
+        if isinstance(w, Q4Weight):
+            return self._q4linear(x, w)
         if backend is Backend.NATIVE2 and self.native is not None and w.dtype == torch.float32 and w.is_contiguous():
             x = x.contiguous()
             out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
@@ -222,6 +266,9 @@ class MatmulPolicy:
         return torch.from_numpy(np.matmul(x_np, w.numpy().T))
 
     def describe(self) -> str:
+        if self.int4 is not None:
+            return f"int4 native kernel ({self.int4.isa}), " + ", ".join(
+                f"<={b}: {'2 threads' if self.int8_split.get(b) else '1 thread'}" for b in BUCKETS)
         if self.int8 is not None:
             return "int8 native kernel, " + ", ".join(
                 f"<={b}: {'2 threads' if self.int8_split.get(b) else '1 thread'}" for b in BUCKETS)

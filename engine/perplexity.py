@@ -1,6 +1,6 @@
-"""Perplexity of the engine's model on a text: how `--weights int8` is held to fp32 (docs/engine.md).
+"""Perplexity of the engine's model on a text: how `--weights int8` and `int4` are held to fp32 (docs/engine.md).
 
-    .venv/bin/python -m tokenloop.engine.perplexity [--model DIR] [--weights fp32,int8] [--text FILE]
+    .venv/bin/python -m tokenloop.engine.perplexity [--model DIR] [--weights fp32,int8,int4] [--text FILE]
 
 The text is cut into windows of `--window` tokens; each window runs as one fresh prefill (the engine's own
 forward pass, the same kernels that serve requests) and every token after a window's first is scored.
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
-    parser.add_argument("--weights", default="fp32,int8", help="comma-separated weight modes")
+    parser.add_argument("--weights", default="fp32,int8,int4", help="comma-separated weight modes")
     parser.add_argument("--text", default=str(DEFAULT_TEXT))
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     args = parser.parse_args(argv)

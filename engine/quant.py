@@ -1,4 +1,4 @@
-"""int8 weights (`--weights int8`): symmetric int8 quantization at load time, one scale per output channel and
+"""int8 weights (`--weights int8`) and 4-bit weights (`--weights int4`, Q4Weight below): symmetric int8 quantization at load time, one scale per output channel and
 group of 32 input columns.
 
 A float weight [N, K] becomes int8 values q and float32 scales s: for each output channel n and group g of G
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-WEIGHT_MODES = ("fp32", "int8")
+WEIGHT_MODES = ("fp32", "int8", "int4")
 GROUP_SIZE = 32
 PACK = 32  # output channels interleaved per column
 
@@ -71,3 +71,69 @@ def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE) -> QWeight:
 
 def qweight(w: torch.Tensor) -> QWeight:
     return quantize(w)
+
+
+@dataclass(frozen=True, slots=True)
+class Q4Weight:
+    """A 4-bit weight of `num_out` x K (`--weights int4`), llama.cpp's Q4_1 block: for output channel n and group g of
+    `group_size` columns, w ~ d[n, g] * q + m[n, g] with q in 0..15, d = (max - min) / 15 and m = min over the group
+    (`symmetric`: Q4_0-like, d = max|w| / -8 signed as llama.cpp does and m = -8 d, so zero is exact).
+
+    Packed for engine/int4_linear.c, 32 output channels per block as QWeight: q [N32, K, 16] uint8, byte j of a
+    block's column holding channel j in its low nibble and channel 16 + j in its high one; sm [N32, K // group_size,
+    2, 32] float16, the scales (sm[:, :, 0]) and minimums (sm[:, :, 1]) of the block's 32 channels. 0.625 bytes per
+    weight (llama.cpp's Q4_1: 20 bytes per 32 weights)."""
+
+    q: torch.Tensor
+    sm: torch.Tensor
+    group_size: int
+    num_out: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_out, self.q.shape[1]))
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, K] uint8 in 0..15, d [N, K // group_size] float32, m [N, K // group_size] float32)."""
+        nb, k, _ = self.q.shape
+        q = torch.cat([self.q & 15, self.q >> 4], dim=2)  # [N32, K, 32]: channels 0..15, then 16..31
+        q = q.permute(0, 2, 1).reshape(nb * PACK, k)[:self.num_out]
+        sm = self.sm.float().permute(0, 3, 1, 2).reshape(nb * PACK, -1, 2)[:self.num_out]
+        return q, sm[:, :, 0].contiguous(), sm[:, :, 1].contiguous()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] the 4-bit values stand for (what the kernel multiplies by)."""
+        q, d, m = self.unpacked()
+        n, k = q.shape
+        w = q.float().view(n, -1, self.group_size) * d[:, :, None] + m[:, :, None]
+        return w.view(n, k).contiguous()
+
+
+def quantize4(w: torch.Tensor, group_size: int = GROUP_SIZE, symmetric: bool = False) -> Q4Weight:
+    """w [N, K] float -> Q4Weight: per output channel and group of columns, Q4_1-like (scale and minimum) or, with
+    `symmetric`, Q4_0-like (a scale alone). The levels are computed from the float16 scale and minimum as stored,
+    so a weight already on a Q4_1 grid (the default checkpoint is a dequantized Q4_1 GGUF) comes back exactly."""
+    n, k = w.shape
+    g = group_size_for(k, group_size)
+    nb = -(-n // PACK)
+    padded = torch.zeros(nb * PACK, k, dtype=torch.float32)
+    padded[:n] = w.float()
+    groups = padded.view(nb * PACK, k // g, g)
+    if symmetric:  # llama.cpp's Q4_0: the value of largest magnitude maps to -8 exactly
+        idx = groups.abs().argmax(dim=-1, keepdim=True)
+        d = (groups.gather(-1, idx).squeeze(-1) / -8.0).half()
+        m = (d.float() * -8.0).half()
+    else:
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+        d, m = ((hi - lo) / 15.0).half(), lo.half()
+    df, mf = d.float()[:, :, None], m.float()[:, :, None]
+    inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
+    q = torch.round((groups - mf) * inv).clamp_(0, 15).to(torch.uint8).view(nb, PACK, k)
+    q = q.permute(0, 2, 1)  # [N32, K, 32]
+    packed = (q[:, :, :PACK // 2] | (q[:, :, PACK // 2:] << 4)).contiguous()
+    sm = torch.stack([d, m], dim=-1).view(nb, PACK, k // g, 2).permute(0, 2, 3, 1).contiguous()
+    return Q4Weight(packed, sm, g, n)
+
+
+def qweight4(w: torch.Tensor) -> Q4Weight:
+    return quantize4(w)

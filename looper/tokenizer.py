@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
 
@@ -80,6 +83,17 @@ class ChatTemplateError(ValueError):
     """The chat template could not render the conversation."""
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A rendered conversation. `pieces` None: encode `text` as is (no message content holds special-token text, or
+    the operator allows it). Otherwise `text` cut at the special tokens the TEMPLATE wrote: (piece, True) is one of
+    those, encoded as its token; (piece, False) is text between them, message content included, in which
+    special-token text is encoded as text."""
+
+    text: str
+    pieces: tuple[tuple[str, bool], ...] | None = None
+
+
 class Tokenizer:
     """tokenizer.json plus the chat template and special tokens of tokenizer_config.json."""
 
@@ -93,6 +107,9 @@ class Tokenizer:
             tid for tok, tid in tokenizer.get_vocab(with_added_tokens=True).items()
             if tok in {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
         )
+        specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)  # longest first, as the tokenizer matches them
+        self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._template = None
         if chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -115,6 +132,13 @@ class Tokenizer:
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
         return cls(tok, config, template)
+
+    @functools.cached_property
+    def _text_tok(self) -> HFTokenizer:
+        """A second instance that encodes special-token text as text (made on the first chat that needs it)."""
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -173,6 +197,58 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def render_chat(self, messages: list[dict[str, str]], allow_special_tokens: bool = False) -> ChatPrompt:
+        """Render a conversation so that special-token text in a message's content stays text (unless
+        `allow_special_tokens`): a user cannot close its turn and open a system one by writing `<|im_end|>`.
+        Content without special-token text (almost all of it) takes the plain path: the same text, the same ids.
+        Otherwise the template renders again with a random placeholder for each content, which locates the special
+        tokens the template itself wrote; raises ChatTemplateError where the template changes content (then the
+        placeholders cannot stand for it)."""
+        text = self.apply_chat_template(messages)
+        find = self._special_text
+        if allow_special_tokens or find is None or not any(find.search(m["content"]) for m in messages):
+            return ChatPrompt(text)
+        nonce = secrets.token_hex(8)
+        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        marked = self.apply_chat_template([dict(m, content=mark) for m, mark in zip(messages, marks)])
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked)  # markup, index, markup, ..., markup
+        for content in (lambda i: messages[i]["content"], lambda i: messages[i]["content"].strip()):  # `| trim`
+            pieces = self._cut(parts, content)
+            if "".join(p for p, _ in pieces) == text:
+                return ChatPrompt(text, pieces)
+        raise ChatTemplateError("the chat template changes message content, so special-token text in it cannot "
+                                "be kept as text")
+
+    def _cut(self, parts: list[str], content) -> tuple[tuple[str, bool], ...]:
+        """`ChatPrompt.pieces` of a render split at its placeholders (markup, index, markup, ..., markup), each
+        placeholder standing for `content(index)`."""
+        pieces: list[tuple[str, bool]] = []
+        run: list[str] = []  # text since the last template special token
+        for k, part in enumerate(parts):
+            if k % 2:  # a message's content
+                run.append(content(int(part)))
+                continue
+            start = 0
+            for match in self._special_text.finditer(part):  # the template's own special tokens
+                run.append(part[start:match.start()])
+                pieces += [("".join(run), False), (match.group(), True)]
+                run, start = [], match.end()
+            run.append(part[start:])
+        pieces.append(("".join(run), False))
+        return tuple(p for p in pieces if p[0])
+
+    def encode_chat(self, prompt: ChatPrompt, add_special_tokens: bool = False) -> tuple[list[int], list[str]]:
+        """The ids of a rendered conversation and each one's vocabulary string (the GIL released past
+        `RELEASE_GIL_OVER`, like `encode`)."""
+        if prompt.pieces is None:
+            return self.encode_with_tokens(prompt.text, add_special_tokens)
+        texts = [p for p, special in prompt.pieces if not special]
+        encoded = iter(self._text_tok.encode_batch(texts, add_special_tokens=False))
+        parts = [self._tok.encode(p, add_special_tokens=False) if special else next(encoded)
+                 for p, special in prompt.pieces]
+        encoding = self._tok.post_process(Encoding.merge(parts), add_special_tokens=add_special_tokens)
+        return encoding.ids, encoding.tokens
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render a conversation to prompt text; raises ChatTemplateError."""

@@ -6,7 +6,8 @@
 # every worker's KV-cache events (trtllm.TrtllmService/SubscribeKvEvents) and routes each chat to the worker
 # that already holds its prompt's prefix. The demo sends two rounds of chats that share one of three system
 # prompts, prints which worker's prefix cache served them (each worker's /metrics), kills one worker with
-# SIGKILL, shows that the router's next requests still succeed, then stops everything.
+# SIGKILL on purpose (a crash, as the demo announces), shows that the router's next requests still succeed, then
+# stops everything. The workers are disowned, so bash does not print its own "Killed" line for the one it kills.
 #
 #   MODEL=models/SmolLM2-135M-Instruct   checkpoint directory
 #   BASE_PORT=50161                       workers on BASE_PORT, +1, +2; their /metrics on BASE_PORT+10, +11, +12
@@ -52,6 +53,7 @@ for i in 0 1 2; do
     "$VENV/bin/tokenloop" serve --model "$MODEL" --host 127.0.0.1 --port "$port" --metrics-port "$metrics" \
         --num-threads 1 >"$WORK/worker$i.log" 2>&1 &
     PIDS+=($!)
+    disown "$!"  # the demo kills one of them on purpose: no "line N: ... Killed" from bash
     URLS+=("grpc://127.0.0.1:$port")
 done
 for i in 0 1 2; do
@@ -63,10 +65,11 @@ echo "== smg launch --policy cache_aware on 127.0.0.1:$ROUTER_PORT -> ${URLS[*]}
 "$VENV/bin/smg" launch --host 127.0.0.1 --port "$ROUTER_PORT" --policy cache_aware --worker-urls "${URLS[@]}" \
     --model-path "$MODEL" --health-check-interval-secs 1 --health-failure-threshold 1 >"$WORK/smg.log" 2>&1 &
 PIDS+=($!)
+disown "$!"
 for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$ROUTER_PORT/readiness" >/dev/null && break; sleep 0.2; done
 curl -sf "http://127.0.0.1:$ROUTER_PORT/readiness" >/dev/null || fail "smg was not ready"
 
-"$VENV/bin/python" - "$ROUTER_PORT" "$BASE_PORT" "$MODEL" "${PIDS[1]}" <<'PY'
+"$VENV/bin/python" -u - "$ROUTER_PORT" "$BASE_PORT" "$MODEL" "${PIDS[1]}" <<'PY'
 import json, os, signal, sys, time, urllib.request
 router, base, model, victim = int(sys.argv[1]), int(sys.argv[2]), os.path.basename(sys.argv[3]), int(sys.argv[4])
 SYSTEMS = [f"You are assistant number {k}. " + " ".join(f"Rule {k}.{i}: answer briefly and politely." for i in range(25))
@@ -86,6 +89,9 @@ def metric(i, name):
         return None
     return next(float(l.split()[-1]) for l in text.splitlines() if l.startswith(f"tokenloop:{name} "))
 
+print("== 12 chats, one at a time: 3 system prompts x 2 rounds x 2 questions. cache_aware sends a chat to the\n"
+      "   worker whose KV events show it holds the chat's prefix; a prefix no worker holds yet goes by load.")
+served = {k: [] for k in range(3)}
 for rnd in range(2):
     for k, system in enumerate(SYSTEMS):
         for q in range(2):
@@ -93,14 +99,25 @@ for rnd in range(2):
             chat(system, f"Round {rnd}, question {q}: say hello.")
             after = [metric(i, "prefix_cache_queries_total") for i in range(3)]
             worker = next(i for i in range(3) if after[i] != before[i])
+            served[k].append(worker)
             print(f"system prompt {k}, round {rnd}, question {q} -> worker {worker}")
+print("== where each system prompt went")
+for k, workers in served.items():
+    stayed = "every time" if len(set(workers)) == 1 else "not always"
+    print(f"system prompt {k}: workers {workers} (the same worker {stayed})")
 for i in range(3):
     print(f"worker {i}: prefix_cache_hit_rate {metric(i, 'prefix_cache_hit_rate'):.2f}, "
           f"kv_blocks_cached {metric(i, 'kv_blocks_cached'):.0f}")
-print("== SIGKILL worker 1; the router's next requests go to the other two")
+idle = [i for i in range(3) if all(i not in w for w in served.values())]
+if idle:
+    print(f"worker {', '.join(map(str, idle))} got no chat, as expected here: the demo sends one chat at a time, so every\n"
+          "   worker is idle when a new system prompt arrives; load cannot tell them apart and two prompts can land\n"
+          "   on the same worker. What the demo shows is affinity (a prompt stays where its prefix is cached), not balance.")
+print(f"== now killing worker 1 (pid {victim}) with SIGKILL on purpose, as a crash would: smg's health check drops it\n"
+      "   and the next 6 chats must all succeed on the other two workers")
 os.kill(victim, signal.SIGKILL)
 ok = sum(chat(SYSTEMS[k % 3], f"After the kill, request {k}") == 200 for k in range(6))
 print(f"{ok} of 6 requests after the kill succeeded")
 sys.exit(0 if ok == 6 else 1)
 PY
-echo "== done"
+echo "== done: the kill above was part of the demo; stopping the other workers and the router"

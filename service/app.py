@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from tokenloop.looper.executor import Executor
 from tokenloop.looper.looper import Looper
@@ -25,6 +25,7 @@ from .admission import Admission
 from .compile_pool import CompilePool, CompileThreads
 from .config import ServerConfig, parse_lora_flag
 from .errors import Unavailable
+from .health import HealthServicer
 from .lora import LoraCatalog
 from .placement import FrontPlacement
 from .structured import GrammarGate
@@ -62,7 +63,7 @@ class App:
     def __init__(self, config: ServerConfig, executor_factory: Callable[[ServerConfig], Executor]):
         self.config = config
         self._executor_factory = executor_factory
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         self.admission = Admission(config.max_concurrent_requests, config.max_queue)
         self.tokenizer: Tokenizer | None = None
         self.card: ModelCard | None = None
@@ -95,7 +96,9 @@ class App:
             max_new_tokens=cfg.max_new_tokens, default_max_new_tokens=min(cfg.default_max_new_tokens,
                                                                           cfg.max_new_tokens),
             max_n=cfg.max_n, max_stop_strings=cfg.max_stop_strings,
-            max_stop_string_length=cfg.max_stop_string_length, max_grammar_bytes=cfg.max_grammar_bytes))
+            max_stop_string_length=cfg.max_stop_string_length, max_grammar_bytes=cfg.max_grammar_bytes,
+            max_stop_token_ids=cfg.max_stop_token_ids, max_detokenize_ids=cfg.max_detokenize_ids,
+            allow_special_tokens_in_chat=cfg.allow_special_tokens_in_chat))
         tokenizer_json = self.tokenizer.to_json()
         compiler = GrammarCompiler(tokenizer_json, self.validator.vocab_size, self.card.eos_token_ids,
                                    cfg.grammar_cache_size)

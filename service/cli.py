@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from .config import DEFAULT_MODEL_DIR, ServerConfig
 from .logs import setup_logging
@@ -20,25 +21,54 @@ TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block
                 "max_lora_rank")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's default shown once (not where its help already says it, nor when there is none), and short
+    placeholders (N, X, VALUE) instead of the flag's name in capitals."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default in ("", [],
+                                                                                                      argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def _get_default_metavar_for_optional(self, action):
+        return {int: "N", float: "X"}.get(action.type, "VALUE")
+
+
+def _version() -> str:
+    try:
+        return version("tokenloop")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenloop", description="gRPC text-generation worker")
-    sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve a model over gRPC",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="tokenloop", description="gRPC text-generation worker",
+                                     epilog="`tokenloop serve --help` for the server's flags; docs/operations.md")
+    parser.add_argument("-V", "--version", action="version", version=f"tokenloop {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="serve")
+    s = sub.add_parser("serve", help="serve a model over gRPC", formatter_class=_HelpFormatter,
+                       usage="tokenloop serve [--model DIR] [--host HOST] [--port N] [options]",
+                       description="Serve a model over gRPC. Flags by group below; docs/operations.md has them all.")
     d = ServerConfig()
     s.add_argument("--model", default=None, help=f"checkpoint directory (default: {DEFAULT_MODEL_DIR}, made by `make model`)")
-    s.add_argument("--backend", choices=("engine", "trtllm"), default=d.backend)
-    s.add_argument("--host", default=d.host)
-    s.add_argument("--port", type=int, default=d.port)
+    s.add_argument("--backend", choices=("engine", "trtllm"), default=d.backend,
+                   help="engine: the embedded PyTorch engine (CPU); trtllm: TensorRT-LLM on a GPU (docs/trtllm.md)")
+    s.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=d.port, help="gRPC port (0: a free one, logged at start-up)")
     s.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port (0: off)")
-    s.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
+    s.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                   help="requests generating at once; more wait in the queue (--max-queue)")
     s.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting for a slot before RESOURCE_EXHAUSTED")
     s.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace, help="seconds to finish in-flight requests on SIGTERM")
     s.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="largest max_new_tokens accepted")
-    s.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    s.add_argument("--default-max-new-tokens", type=int, default=None,
+                   help=f"max_new_tokens of a request that gives none (default: {d.default_max_new_tokens}, or "
+                        "--max-new-tokens when that is smaller)")
     s.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="0: the model's context minus one")
-    s.add_argument("--max-n", type=int, default=d.max_n)
-    s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes)
+    s.add_argument("--max-n", type=int, default=d.max_n, help="most sequences one request may ask for (n)")
+    s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="largest gRPC message received")
     s.add_argument("--kv-events-heartbeat", type=float, default=d.kv_events_heartbeat,
                    help="SubscribeKvEvents: seconds between load-only batches while the engine is idle")
     s.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
@@ -53,11 +83,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="the CPU that the event-loop thread and the looper thread share (they take turns on the GIL); "
                         "auto: the one the server starts on, given two CPUs or more; off: the OS places them")
     s.add_argument("--model-id", default="", help="name reported by GetModelInfo (default: the directory's name)")
-    s.add_argument("--log-level", default=d.log_level, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    s.add_argument("--log-level", default=d.log_level, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log verbosity")
     s.add_argument("--log-format", default=d.log_format, choices=("text", "json"),
                    help="json: one JSON object per line, including one line per finished request")
-    s.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
-    s.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length)
+    s.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most stop strings in one request")
+    s.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
+                   help="longest stop string, in characters")
+    s.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help="most stop_token_ids one request may list (either API)")
+    s.add_argument("--max-detokenize-ids", type=int, default=d.max_detokenize_ids,
+                   help="most token ids one Detokenize call may send (0: the model's context length)")
+    s.add_argument("--allow-special-tokens-in-chat", action="store_true",
+                   help="encode special-token text in chat message content as the special tokens (default: as text, "
+                        "so that a user cannot open a system turn)")
     g = s.add_argument_group("structured output (docs/structured-output.md)")
     g.add_argument("--max-grammar-bytes", type=int, default=d.max_grammar_bytes,
                    help="largest JSON schema, regex, grammar or structural tag a request may carry")
@@ -88,30 +126,38 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-cache-memory-fraction", type=float, default=None, help="KV-cache size as a fraction of free memory")
     e.add_argument("--max-num-tokens", type=int, default=None, help="token budget of one engine step")
     e.add_argument("--max-batch-size", type=int, default=None, help="sequences in one step")
-    e.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    e.add_argument("--weights", choices=("fp32", "int8"), default=None,
+    e.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="activations and KV cache (default float32; bfloat16 halves the KV cache's memory)")
+    e.add_argument("--weights", choices=("fp32", "int8", "int4"), default=None,
                    help="int8: weights of every linear layer and the lm_head quantized at load time (symmetric, per "
-                        "output channel), float32 activations; ~2x faster, within 0.1%% of fp32's perplexity "
-                        "(docs/engine.md). Default fp32: token-for-token equal to transformers")
+                        "output channel), float32 activations; ~2x faster, perplexity +0.3%% against fp32's. int4: "
+                        "the layers as 4 bits with a scale and a minimum per 32 columns (llama.cpp's Q4_1), the "
+                        "lm_head int8 (docs/engine.md). Default fp32: token-for-token equal to transformers")
     e.add_argument("--num-threads", type=int, default=None, help="torch threads")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of a prompt prefix seen before (default on)")
     e.add_argument("--attention-backend", choices=("auto", "native", "torch"), default=None,
                    help="decode attention: native C kernel over the paged KV cache (float32), or torch; "
                         "auto: native where it compiles")
     e.add_argument("--matmul-backend", choices=("auto", "torch", "numpy", "numpy2"), default=None,
                    help="who multiplies the weights; auto: timed at start-up per batch size")
     t = s.add_argument_group("TensorRT-LLM (--backend trtllm)")
-    t.add_argument("--trtllm-api", choices=("auto", "llm", "executor"), default=None)
-    t.add_argument("--kv-cache-free-gpu-memory-fraction", type=float, default=None)
-    t.add_argument("--enable-block-reuse", action=argparse.BooleanOptionalAction, default=None)
+    t.add_argument("--trtllm-api", choices=("auto", "llm", "executor"), default=None,
+                   help="TensorRT-LLM's LLM API or its C++ executor (auto: whichever is installed, LLM API first)")
+    t.add_argument("--kv-cache-free-gpu-memory-fraction", type=float, default=None,
+                   help="KV-cache size as a fraction of free GPU memory")
+    t.add_argument("--enable-block-reuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="TensorRT-LLM's prefix cache (KV block reuse)")
     t.add_argument("--kv-event-buffer-max-size", type=int, default=None,
                    help="KV-cache events TensorRT-LLM buffers for SubscribeKvEvents (default 1024; 0: none)")
-    t.add_argument("--enable-chunked-context", action=argparse.BooleanOptionalAction, default=None)
-    t.add_argument("--scheduler-policy", choices=("max_utilization", "guaranteed_no_evict"), default=None)
-    t.add_argument("--tensor-parallel-size", type=int, default=None)
-    t.add_argument("--pipeline-parallel-size", type=int, default=None)
-    t.add_argument("--beam-width", type=int, default=None)
+    t.add_argument("--enable-chunked-context", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill long prompts in chunks between decode steps")
+    t.add_argument("--scheduler-policy", choices=("max_utilization", "guaranteed_no_evict"), default=None,
+                   help="TensorRT-LLM's batch scheduler")
+    t.add_argument("--tensor-parallel-size", type=int, default=None, help="GPUs one layer is split across")
+    t.add_argument("--pipeline-parallel-size", type=int, default=None, help="GPUs the layers are split across")
+    t.add_argument("--beam-width", type=int, default=None, help="largest beam a request may ask for")
     t.add_argument("--guided-decoding-backend", choices=("auto", "xgrammar", "llguidance", "none"), default=None,
                    help="who matches structured output on the GPU; auto: llguidance on the LLM API, xgrammar on the "
                         "C++ executor")
@@ -127,13 +173,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=args.model or str(DEFAULT_MODEL_DIR), backend=args.backend, host=args.host, port=args.port,
         metrics_port=args.metrics_port, max_concurrent_requests=args.max_concurrent_requests,
         max_queue=args.max_queue, shutdown_grace=args.shutdown_grace, max_new_tokens=args.max_new_tokens,
-        default_max_new_tokens=args.default_max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+        default_max_new_tokens=args.default_max_new_tokens if args.default_max_new_tokens is not None else
+        min(ServerConfig.__dataclass_fields__["default_max_new_tokens"].default, args.max_new_tokens),
+        max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
         kv_events_heartbeat=args.kv_events_heartbeat,
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
         front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,
-        max_stop_string_length=args.max_stop_string_length, max_grammar_bytes=args.max_grammar_bytes,
+        max_stop_string_length=args.max_stop_string_length, max_stop_token_ids=args.max_stop_token_ids,
+        max_detokenize_ids=args.max_detokenize_ids, allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+        max_grammar_bytes=args.max_grammar_bytes,
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
         grammar_compile_workers=args.grammar_compile_workers,
         max_grammar_compiles_waiting=args.max_grammar_compiles_waiting,

@@ -42,6 +42,9 @@ class ServerConfig:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
+    max_stop_token_ids: int = 256  # a model's special tokens fit (a few hundred at most); each is a set lookup per token
+    max_detokenize_ids: int = 0  # Detokenize: 0 = the model's context length (the most one sequence can hold)
+    allow_special_tokens_in_chat: bool = False  # special-token text in chat content: encoded as text unless set
     max_grammar_bytes: int = 262144  # largest JSON schema / regex / grammar / structural tag accepted
     grammar_compile_timeout: float = 10.0  # seconds one constraint may take to compile
     grammar_cache_size: int = 256  # compiled constraints kept (LRU), by their text
@@ -82,6 +85,7 @@ class ServerConfig:
             raise ValueError("--port must be between 0 and 65535")
         if self.max_concurrent_requests < 1:
             raise ValueError("--max-concurrent-requests must be >= 1")
+        _check_limits(self)
         if self.max_queue < 0:
             raise ValueError("--max-queue must be >= 0")
         if self.shutdown_grace < 0:
@@ -93,6 +97,10 @@ class ServerConfig:
         if self.tokenize_inline_chars < 0:
             raise ValueError("--tokenize-inline-chars must be >= 0")
         check_spec(self.front_cpu)
+        if self.max_stop_token_ids < 0:
+            raise ValueError("--max-stop-token-ids must be >= 0")
+        if self.max_detokenize_ids < 0:
+            raise ValueError("--max-detokenize-ids must be >= 0 (0: the model's context length)")
         if self.max_grammar_bytes < 1:
             raise ValueError("--max-grammar-bytes must be >= 1")
         if not self.grammar_compile_timeout > 0:
@@ -109,3 +117,30 @@ class ServerConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+
+
+ENGINE_POSITIVE = ("max_batch_size", "max_num_tokens", "num_threads", "block_size", "kv_cache_tokens", "max_lora_rank")
+
+
+def _check_limits(c: ServerConfig) -> None:
+    """The request limits and the engine's sizes, each message naming its flag and what was given."""
+    if not 0 <= c.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be between 0 and 65535; got {c.metrics_port}")
+    if c.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1; got {c.max_new_tokens}")
+    if not 1 <= c.default_max_new_tokens <= c.max_new_tokens:
+        raise ValueError(f"--default-max-new-tokens must be between 1 and --max-new-tokens ({c.max_new_tokens}); "
+                         f"got {c.default_max_new_tokens}")
+    for flag, value, least in (("--max-n", c.max_n, 1), ("--max-prompt-tokens", c.max_prompt_tokens, 0),
+                               ("--max-stop-strings", c.max_stop_strings, 0),
+                               ("--max-stop-string-length", c.max_stop_string_length, 1),
+                               ("--max-message-bytes", c.max_message_bytes, 1), ("--stall-timeout", c.stall_timeout, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}; got {value}")
+    for name in ENGINE_POSITIVE:
+        value = c.executor_options.get(name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+    fraction = c.executor_options.get("kv_cache_memory_fraction")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"--kv-cache-memory-fraction must be > 0 and <= 1; got {fraction}")

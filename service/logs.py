@@ -37,15 +37,62 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+def escape_controls(text: str) -> str:
+    """`text` with every unprintable character (newline, ESC, NUL, U+2028, ...) written as its Python escape, so
+    that client-supplied text (a request id, a message) cannot start a forged log line or send terminal codes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _value(value) -> str:
+    """An `extra=` value for the text format: escaped, and quoted (logfmt style) where it holds a space, a quote or
+    `=`, so that a client's `request_id` cannot add fields of its own."""
+    text = str(value)
+    if not any(c in text for c in ' "='):
+        return escape_controls(text)
+    return '"' + escape_controls(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
+
+
 class TextFormatter(logging.Formatter):
-    """`time LEVEL logger: message key=value ...` (the `extra=` fields appended)."""
+    """`time LEVEL logger: message key=value ...` (the `extra=` fields appended); the message and the values with
+    control characters escaped (a traceback that follows keeps its lines: it is the server's own text)."""
 
     def __init__(self):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
+
     def format(self, record: logging.LogRecord) -> str:
-        extras = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STD_ATTRS)
+        extras = " ".join(f"{k}={_value(v)}" for k, v in vars(record).items() if k not in _STD_ATTRS)
         return super().format(record) + (" " + extras if extras else "")
+
+
+class RateLimitedLog:
+    """At most one line per `interval` seconds for one kind of event a client can repeat at will (undecodable
+    requests, refused API keys); the next line says how many were left out since the last one."""
+
+    __slots__ = ("logger", "interval", "last", "suppressed", "clock")
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0, clock=time.monotonic):
+        self.logger, self.interval, self.clock = logger, interval, clock
+        self.last = -float("inf")
+        self.suppressed = 0
+
+    def warning(self, message: str, *args) -> bool:
+        """Log `message % args` unless a line went out less than `interval` ago; True when it was logged."""
+        now = self.clock()
+        if now - self.last < self.interval:
+            self.suppressed += 1
+            return False
+        if self.suppressed:
+            message += f" (and {self.suppressed} more like it in the last %.0fs)"
+            args += (now - self.last,)
+        self.last, self.suppressed = now, 0
+        self.logger.warning(message, *args)
+        return True
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:

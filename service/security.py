@@ -15,6 +15,8 @@ from pathlib import Path
 
 import grpc
 
+from .logs import RateLimitedLog
+
 log = logging.getLogger("tokenloop.security")
 
 API_KEYS_ENV = "TOKENLOOP_API_KEYS"
@@ -52,6 +54,12 @@ def key_matches(token: bytes, keys: list[bytes]) -> bool:
     return ok and bool(token)
 
 
+def _unread(data: bytes) -> None:
+    """The refusal's request deserializer: a caller without a key gets UNAUTHENTICATED, garbage or not, and the
+    server spends no parsing on what it sent."""
+    return None
+
+
 def _refusal(handler):
     async def refuse(request_or_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
@@ -60,7 +68,7 @@ def _refusal(handler):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
         yield  # pragma: no cover (an async generator, like the handler it replaces)
 
-    ser, de = handler.response_serializer, handler.request_deserializer
+    ser, de = handler.response_serializer, _unread  # an unauthenticated payload is never parsed
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(refuse, de, ser)
     if handler.unary_stream:
@@ -78,6 +86,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             raise ValueError("ApiKeyInterceptor needs at least one key")
         self.keys = keys
         self.num_refused = 0
+        self.refusals = RateLimitedLog(log)  # a caller without a key repeats at will: one line per 10 s at most
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -86,7 +95,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if key_matches(_bearer(details.invocation_metadata), self.keys):
             return handler
         self.num_refused += 1
-        log.warning("refused an RPC to %s: %s", details.method, UNAUTHENTICATED_MESSAGE)
+        self.refusals.warning("refused an RPC to %s: %s", details.method, UNAUTHENTICATED_MESSAGE)
         return _refusal(handler)
 
 

@@ -18,6 +18,7 @@ from tokenloop.v1 import tokenloop_pb2
 from .app import App
 from .config import ServerConfig
 from .corelog import CoreLogRelay
+from .decoding import DecodingInterceptor
 from .logs import RequestLogInterceptor, RequestLogObserver
 from .security import ApiKeyInterceptor, load_api_keys, server_credentials
 from .servicer import TextGenerationServicer, add_text_generation
@@ -43,8 +44,10 @@ def default_executor_factory(config: ServerConfig) -> Executor:
 
 
 def interceptors(config: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
-    """Outermost first: tracing (optional), the per-request log line, then API keys (when configured)."""
-    out = [i for i in (tracing_interceptor(config.otel_endpoint),) if i is not None]
+    """Outermost first: the refusal of undecodable requests (outermost: it drives whatever handler the others
+    made, see service.decoding), tracing (optional), the per-request log line, then API keys (when configured)."""
+    out: list[grpc.aio.ServerInterceptor] = [DecodingInterceptor()]
+    out += [i for i in (tracing_interceptor(config.otel_endpoint),) if i is not None]
     out.append(RequestLogInterceptor())
     keys = load_api_keys(config.api_key_file)
     if config.api_key_file and not keys:  # never serve openly by mistake

@@ -14,7 +14,7 @@ from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 from . import convert
-from .errors import AlreadyExists, ServiceError, ValidationError, abort_with, status_of
+from .errors import AlreadyExists, ServiceError, abort_with, status_of
 from .logs import RequestRecord, logs_itself
 from .validation import text_size
 
@@ -187,21 +187,21 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         bounds a token's characters), and one that tokenizes to more tokens than the limit is refused after."""
         which = request.WhichOneof("input")
         validator = self.app.validator
-        text = validator.render_chat(request.chat) if which == "chat" else request.text
+        chat = validator.render_chat(request.chat) if which == "chat" else None
+        text = chat.text if chat is not None else request.text
         validator.check_text_length(text, which or "text")
         tok = self.app.tokenizer
-        ids, tokens = tok.encode_with_tokens(text, add_special_tokens=tok.add_bos)
+        if chat is not None:  # as Generate encodes it: special-token text in content stays text
+            ids, tokens = tok.encode_chat(chat, add_special_tokens=tok.add_bos)
+        else:
+            ids, tokens = tok.encode_with_tokens(text, add_special_tokens=tok.add_bos)
         validator.check_prompt_length(len(ids))
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens, text=text if which == "chat" else "")
 
     async def Detokenize(self, request, context):
         try:
             self.app.require_ready()
-            vocab = self.app.validator.vocab_size
-            bad = next((t for t in request.token_ids if t >= vocab), None)
-            if bad is not None:
-                raise ValidationError("token_id_out_of_range",
-                                      f"`token_ids` must be < the vocabulary size {vocab}; got {bad}")
+            self.app.validator.detokenize_ids(request.token_ids)  # how many, then their range
             skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
             text = await self.app.tokenizing(len(request.token_ids), self.app.tokenizer.decode, request.token_ids,
                                              skip)

@@ -93,6 +93,8 @@ def _check_supported(request) -> None:
     if request.tokenized.query_token_ids:
         _refuse("tokenized.query_token_ids", "star attention is not supported by this executor")
     s = request.sampling_config
+    _check(s.beam_width >= 0, "beam_width",
+           f"`sampling_config.beam_width` must be >= 1 (0, unset, means 1); got {s.beam_width}")
     if s.beam_width > 1 or s.beam_width_array:
         _refuse("sampling_config.beam_width", "beam search is not supported by this executor")
     for name in UNSUPPORTED_SAMPLING:

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 
 from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
-from tokenloop.looper.tokenizer import ChatTemplateError, ModelCard, Tokenizer
+from tokenloop.looper.tokenizer import ChatPrompt, ChatTemplateError, ModelCard, Tokenizer
 
 from .errors import ValidationError
 from .structured import structured_of
@@ -31,12 +31,17 @@ class Limits:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
+    max_stop_token_ids: int = 256
+    max_detokenize_ids: int = 0  # 0: the model's context length
     max_request_id_length: int = 256
     max_grammar_bytes: int = 262144
+    allow_special_tokens_in_chat: bool = False  # special-token text in chat content: tokens (True) or text
 
     def __post_init__(self):
         if self.max_context_length < 2:
             raise ValueError("max_context_length must be >= 2")
+        if self.max_detokenize_ids <= 0:
+            object.__setattr__(self, "max_detokenize_ids", self.max_context_length)
         if self.max_prompt_tokens <= 0 or self.max_prompt_tokens >= self.max_context_length:
             object.__setattr__(self, "max_prompt_tokens", self.max_context_length - 1)
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
@@ -90,12 +95,14 @@ class Validator:
             messages.append({"role": m.role, "content": m.content})
         return messages
 
-    def render_chat(self, chat) -> str:
+    def render_chat(self, chat) -> ChatPrompt:
+        """The conversation rendered; special-token text in content stays text unless
+        `--allow-special-tokens-in-chat` (`Tokenizer.render_chat`)."""
         messages = self.chat_messages(chat)
         _check(self.tokenizer.chat_template is not None, "no_chat_template",
                "`chat` input needs a model with a chat template; this model has none (send `text`)")
         try:
-            return self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.render_chat(messages, self.limits.allow_special_tokens_in_chat)
         except ChatTemplateError as exc:
             raise ValidationError("chat_template_failed", f"`chat` could not be rendered: {exc}") from None
 
@@ -106,9 +113,11 @@ class Validator:
         _check(which is not None, "empty_input", "`input` must be set: one of `text`, `token_ids`, `chat`")
         if which == "text":
             _check(len(request.text) > 0, "empty_text", "`text` must not be empty")
+            chat = None
             text = request.text
         elif which == "chat":
-            text = self.render_chat(request.chat)
+            chat = self.render_chat(request.chat)
+            text = chat.text
         else:
             ids = tuple(request.token_ids.ids)
             _check(len(ids) > 0, "empty_token_ids", "`token_ids.ids` must not be empty")
@@ -118,7 +127,11 @@ class Validator:
                    f"`token_ids.ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
             return ids, ""
         self.check_text_length(text, which)
-        ids = tuple(self.tokenizer.encode(text, add_special_tokens=self.tokenizer.add_bos))
+        add_bos = self.tokenizer.add_bos
+        if chat is None or chat.pieces is None:
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_bos))
+        else:  # special-token text in a message's content: encoded as text
+            ids = tuple(self.tokenizer.encode_chat(chat, add_special_tokens=add_bos)[0])
         _check(len(ids) > 0, "empty_prompt", "the prompt encodes to no tokens")
         self.check_prompt_length(len(ids))
         return ids, text
@@ -203,9 +216,21 @@ class Validator:
         for i, text in enumerate(stop):
             _check(0 < len(text) <= lim.max_stop_string_length, "stop_string_length",
                    f"`{prefix}stop[{i}]` must be 1 to {lim.max_stop_string_length} characters long")
+        _check(len(stop_token_ids) <= lim.max_stop_token_ids, "too_many_stop_token_ids",
+               f"`{prefix}stop_token_ids` may hold at most {lim.max_stop_token_ids} ids (--max-stop-token-ids); "
+               f"got {len(stop_token_ids)}")
         bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
         _check(bad is None, "stop_token_id_out_of_range",
                f"`{prefix}stop_token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
+
+    def detokenize_ids(self, ids) -> None:
+        """The rules on Detokenize's `token_ids`: how many (before looking at any), then each one's range."""
+        limit = self.limits.max_detokenize_ids
+        _check(len(ids) <= limit, "too_many_detokenize_ids",
+               f"`token_ids` may hold at most {limit} ids (--max-detokenize-ids); got {len(ids)}")
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        _check(bad is None, "token_id_out_of_range",
+               f"`token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
 
     def output(self, request) -> OutputParams:
         o = request.output
@@ -227,6 +252,7 @@ class Validator:
         constraint is checked but not compiled (`App.grammars.admit` does that)."""
         n = request.n or 1
         _check(1 <= n <= self.limits.max_n, "n", f"`n` must be between 1 and {self.limits.max_n}; got {n}")
+        self.stop_lists(request.stopping.stop, request.stopping.stop_token_ids, "stopping.")  # before tokenizing
         structured = structured_of(request, self.limits.max_grammar_bytes)
         ids, text = self.prompt(request)
         return ValidRequest(

@@ -10,9 +10,14 @@ Rules (README.md "Docs that run as written"):
         failure runs without `set -e` and its status is not checked) and each TEXT in its output;
     <!-- docs-check: covered-by PATH -->     a test or script in this repository runs these commands;
     <!-- docs-check: skip REASON -->         not run here, and why (a GPU, Kubernetes, systemd, another host).
+- A `run` or `covered-by` block spells the path of every tool that `make setup` / `make setup-dev` installs
+  (`.venv/bin/tokenloop-cli`, `.venv/bin/python`, `.venv/bin/grpcurl`, `.venv/bin/buf`, ...), so that it works
+  pasted into a new shell after `make setup` and `make model`, with no virtualenv activated (a block may activate
+  one itself with `source .venv/bin/activate`).
 - How `run` blocks run (tests/e2e/test_docs_commands.py): bash, `set -e -o pipefail` unless errexit=off, from a
   scratch directory that links every top-level entry of the repository (so `.venv/bin/...`, `models/...`,
-  `make ...` work and files a block writes stay out of the tree), with `.venv/bin` and buf on PATH. One shared
+  `make ...` work and files a block writes stay out of the tree), as a new shell would: `.venv/bin` is not on
+  PATH and no virtualenv is active (buf is reached at `.venv/bin/buf`, which `make setup-dev` links). One shared
   `tokenloop serve` with the default model answers blocks without `own-server`: the ports 50051 in them and
   $TOKENLOOP_ADDRESS point at it. A block marked `own-server` starts its servers itself (with `&`); each port
   number it names from `PORTS` becomes a free port for that run (and $PORT, which `make serve` reads, the one
@@ -33,6 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SHELL_LANGUAGES = ("bash", "sh", "shell", "console")
 PORTS = (50051, 50052, 50151, 9464, 30000)  # ports the docs use; own-server blocks get free ones instead
 VERBS = ("run", "covered-by", "skip")
+# what `make setup` / `make setup-dev` put in .venv/bin: a block names them by that path, never bare
+VENV_TOOLS = ("tokenloop-cli", "tokenloop", "python3", "python", "pip", "pytest", "ruff", "grpcurl", "smg", "buf")
+_BARE_TOOL = re.compile(r"(?:^|[|;&(]\s*|\$\(\s*|\b(?:then|do|else|time|exec|nohup|timeout \S+)\s+)"
+                        r"(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(" + "|".join(map(re.escape, VENV_TOOLS)) + r")(?=\s|$)")
 _FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*docs-check:\s*(.*?)\s*-->\s*$")
 
@@ -144,7 +153,22 @@ def problems(block: Block, root: Path = ROOT) -> list[str]:
             return [f"{block.name}: skip needs a reason"]
     except ValueError as exc:
         return [f"{block.name}: {exc}"]
+    bare = bare_tools(block.commands()) if verb in ("run", "covered-by") else []
+    if bare:
+        return [f"{block.name}: write the path of {', '.join(f'`{t}`' for t in bare)}: "
+                f"{', '.join(f'.venv/bin/{t}' for t in bare)} (a new shell has no virtualenv on PATH)"]
     return []
+
+
+def bare_tools(text: str) -> list[str]:
+    """The `.venv/bin` tools a shell text runs by bare name (comments and `source .venv/bin/activate` blocks aside)."""
+    if re.search(r"(^|\s)(source|\.) \.?/?\.venv/bin/activate", text):
+        return []
+    found = []
+    for line in text.splitlines():
+        code = re.sub(r"(^|\s)#.*$", "", line)  # a comment
+        found += [m.group(1) for m in _BARE_TOOL.finditer(code) if m.group(1) not in found]
+    return found
 
 
 def port_map(text: str, shared_port: int | None, free_port) -> dict[int, int]:

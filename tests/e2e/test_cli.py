@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,15 +23,19 @@ def address() -> str:
     return live_address()
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run tokenloop-cli (the console script when installed, else the module from the source tree)."""
+def cli_command() -> list[str]:
+    """tokenloop-cli: the console script when installed, else the module from the source tree."""
     script = Path(sys.executable).parent / "tokenloop-cli"
     if script.exists():
-        cmd = [str(script)]
-    else:
-        code = "import sys; sys.path.insert(0, 'clients/python'); from tokenloop_client.cli import main; main()"
-        cmd = [sys.executable, "-c", code]
-    return subprocess.run([*cmd, *args], cwd=ROOT, check=False, capture_output=True, text=True, timeout=timeout)
+        return [str(script)]
+    code = "import sys; sys.path.insert(0, 'clients/python'); from tokenloop_client.cli import main; sys.exit(main())"
+    return [sys.executable, "-c", code]
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run tokenloop-cli to the end."""
+    return subprocess.run([*cli_command(), *args], cwd=ROOT, check=False, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_generate_prints_the_answer_and_streams_the_same_text(address):
@@ -73,3 +79,61 @@ def test_bench_json_sweeps_concurrency(address):
         assert level["output_tokens"] == 3 * 8  # ignore_eos: every request runs to max_new_tokens
         assert level["output_tokens_per_s"] > 0
         assert level["ttft_s"]["p50"] is not None and level["itl_s"]["p99"] is not None
+
+
+def test_bench_keeps_the_finished_levels_on_ctrl_c(address, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [*cli_command(), "--address", address, "bench", "-c", "1,2", "-d", "5", "--prompt-tokens", "8",
+           "--max-new-tokens", "32", "--out", str(out)]
+    # each level starts requests for 5 s; SIGINT comes right after level 1, while level 2 runs
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # not a terminal: progress comes as lines
+        lines.append(line)
+        if line.startswith("concurrency   1 done"):
+            break
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stdout, rest = proc.communicate(timeout=60)
+    stderr = "".join(lines) + rest
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert lines[0] == ("bench: 2 levels (concurrency 1, 2), 5 s each, then the requests in flight finish: about 10 s "
+                        "or a little more; Ctrl-C stops and keeps the levels that finished\n")
+    assert "bench: interrupted; levels that finished: 1 (the level cut short is left out)" in stderr
+    table = [row for row in stdout.splitlines() if row.startswith("|") and row[1:].strip()[:1].isdigit()]
+    assert [row.split("|")[1].strip() for row in table] == ["1"]
+    saved = json.loads(out.read_text())
+    assert saved["interrupted"] is True and [level["concurrency"] for level in saved["results"]] == [1]
+    assert saved["results"][0]["num_ok"] >= 1 and saved["results"][0]["output_tokens"] % 32 == 0
+
+
+def test_structured_output_cut_off_at_length_exits_3(address, tmp_path):
+    schema = tmp_path / "n.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}')
+    run = cli("--address", address, "generate", "Give me a number.", "--chat", "--json-schema", str(schema),
+              "--max-new-tokens", "3", "--temperature", "0")
+    assert run.returncode == 3, run.stderr
+    assert "Traceback" not in run.stderr
+    assert "error: incomplete output: sequence 0 ended at LENGTH after 3 tokens, before the --json-schema structure " \
+           "was complete (the text above is cut off)." in run.stderr
+    assert "maxLength for strings, maximum for numbers, maxItems for arrays" in run.stderr
+    whole = cli("--address", address, "generate", "Give me a number.", "--chat", "--json-schema", str(schema),
+                "--max-new-tokens", "64", "--temperature", "0")
+    assert whole.returncode == 0, whole.stderr
+    assert isinstance(json.loads(whole.stdout)["n"], int)
+
+
+def test_lora_load_names_the_path_as_typed(address):
+    run = cli("--address", address, "lora", "load", "x", "/no/such/dir")
+    assert run.returncode == 1
+    assert run.stderr == ("error: INVALID_ARGUMENT: LoRA adapter `x`: /no/such/dir is not a directory (the path is "
+                          "read on the server's machine; a relative one from its working directory)\n")
+
+
+def test_an_address_without_a_port_and_options_after_the_command(address):
+    host, port = address.rsplit(":", 1)
+    run = cli("info", "--address", address, "--json")  # global options after the command
+    assert run.returncode == 0, run.stderr
+    if port == "50051":  # only then does HOST alone reach the server
+        assert cli("--address", host, "info").returncode == 0

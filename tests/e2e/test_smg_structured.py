@@ -3,7 +3,7 @@
 SMG turns `response_format` (json_schema, json_object) into `trtllm.TrtllmService` `guided_decoding` (JSON_SCHEMA,
 with {"type": "object"} for json_object); tokenloop compiles it and the engine masks every step, so the
 chat completion's content is JSON that validates, streamed or not. The router fronts the session's shared server
-(tests/e2e/live_server.py); `tokenloop-cli --json-schema` and the README's `buf curl` call run against that
+(tests/e2e/live_server.py); `tokenloop-cli --json-schema` and the `buf curl` call in docs/structured-output.md run against that
 server too.
 """
 
@@ -92,9 +92,8 @@ def test_cli_json_schema_against_the_server(tmp_path):
     jsonschema.validate(json.loads(done.stdout), SCHEMA)
 
 
-def test_the_readme_buf_curl_call(buf, tmp_path):  # noqa: F811 - the fixture
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Structured output"):]
+def test_the_docs_buf_curl_call(buf, tmp_path):  # noqa: F811 - the fixture
+    section = (ROOT / "docs" / "structured-output.md").read_text()
     body = re.search(r"-d '([^']*jsonSchema[^']*)'", section).group(1)
     run = curl(buf, tmp_path, "-d", body, f"http://{live_address()}/tokenloop.v1.TextGeneration/Generate")
     assert run.returncode == 0, run.stderr

@@ -5,13 +5,27 @@ Part 2, running the `run` blocks, is tests/e2e/test_docs_commands.py; the rules 
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from tests.docs_check import Block, all_blocks, blocks, parse_marker, port_map, problems, run_spec, substitute_ports
+from tests.docs_check import (
+    Block,
+    all_blocks,
+    bare_tools,
+    blocks,
+    doc_files,
+    parse_marker,
+    port_map,
+    problems,
+    run_spec,
+    substitute_ports,
+)
 
 
-def test_every_block_of_readme_and_docs_complies():
-    bad = [p for block in all_blocks() for p in problems(block)]
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: p.name)
+def test_every_block_of_readme_and_docs_complies(path):
+    bad = [p for block in blocks(path) for p in problems(block)]
     assert not bad, "\n".join(bad)
 
 
@@ -41,6 +55,10 @@ def test_markers_are_read_from_the_line_above(tmp_path, monkeypatch):
      "doc.md:2: covered-by needs one existing path in the repository; got ['tests/nope.py']"),
     ("<!-- docs-check: run loudly -->\n```bash\nls\n```\n", "doc.md:2: unknown `run` option 'loudly'"),
     ("<!-- docs-check: maybe -->\n```console\n$ ls\n```\n", "doc.md:2: the marker must start with one of run"),
+    ("<!-- docs-check: run -->\n```bash\necho hi | tokenloop-cli generate -\n```\n",
+     "doc.md:2: write the path of `tokenloop-cli`: .venv/bin/tokenloop-cli (a new shell has no virtualenv on PATH)"),
+    ("<!-- docs-check: covered-by doc.md -->\n```console\n$ python3 -c 1 && grpcurl x\n```\n",
+     "doc.md:2: write the path of `python3`, `grpcurl`: .venv/bin/python3, .venv/bin/grpcurl"),
 ])
 def test_each_rule_has_its_message(tmp_path, monkeypatch, text, message):
     monkeypatch.setattr("tests.docs_check.ROOT", tmp_path)
@@ -63,3 +81,26 @@ def test_ports_point_at_the_shared_server_or_at_free_ones():
     assert mapping == {50051: 7777, 30000: 41000}
     assert substitute_ports(text, mapping) == "tokenloop-cli --address localhost:7777 info; curl 127.0.0.1:41000/x; " \
                                                "echo 500510"
+
+
+@pytest.mark.parametrize(("text", "bare"), [
+    ("tokenloop-cli info", ["tokenloop-cli"]), (".venv/bin/tokenloop-cli info", []),
+    ("FOO=1 tokenloop serve --port 1 &", ["tokenloop"]), ("make serve   # runs tokenloop serve", []),
+    ("cd x && python -m y | buf curl z", ["python", "buf"]), ("echo tokenloop-cli", []),
+    ("source .venv/bin/activate\ntokenloop-cli info", []), ("x=$(pip freeze)", ["pip"]),
+])
+def test_bare_tools_are_found_in_command_position(text, bare):
+    assert bare_tools(text) == bare
+
+
+def test_blocks_run_without_the_virtualenv_on_path(monkeypatch):
+    from tests.e2e.test_docs_commands import VENV_BIN, environment
+    monkeypatch.setenv("PATH", f"{VENV_BIN}:/usr/bin:/bin")
+    monkeypatch.setenv("VIRTUAL_ENV", str(VENV_BIN.parent))
+    env = environment("127.0.0.1:1", 1)
+    assert str(VENV_BIN) not in env["PATH"].split(":") and "VIRTUAL_ENV" not in env
+    bare = subprocess.run(["bash", "-c", "tokenloop-cli --version"], env=env, capture_output=True, text=True)
+    spelled = subprocess.run(["bash", "-c", ".venv/bin/tokenloop-cli --version"], env=env, capture_output=True,
+                             text=True, cwd=VENV_BIN.parent.parent)
+    assert bare.returncode == 127  # command not found: a block that forgets the path fails the docs check
+    assert (spelled.returncode, spelled.stdout) == (0, "tokenloop-cli 0.1.0\n")

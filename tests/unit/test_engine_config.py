@@ -25,8 +25,9 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"matmul_backend": "cuda"}, "matmul_backend must be one of auto, torch, numpy"),
     ({"attention_backend": "flash"}, "attention_backend must be one of auto, native, torch"),
     ({"attention_backend": "native", "dtype": "bfloat16"}, "attention_backend 'native' needs dtype float32"),
-    ({"weights": "int4"}, "weights must be one of fp32, int8, got 'int4'"),
+    ({"weights": "int2"}, "weights must be one of fp32, int8, int4, got 'int2'"),
     ({"weights": "int8", "dtype": "bfloat16"}, "weights 'int8' keeps float32 activations and needs dtype float32"),
+    ({"weights": "int4", "dtype": "bfloat16"}, "weights 'int4' keeps float32 activations and needs dtype float32"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError) as err:

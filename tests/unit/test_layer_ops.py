@@ -68,7 +68,7 @@ def test_silu_mul_matches_torch():
 
 
 @needs_kernel
-@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
 def test_forward_with_native_ops_matches_the_torch_forward(tmp_path, weights):
     """The same batches (a prompt chunk, then decodes) through both forward passes: logits agree closely and the
     greedy tokens are equal."""

@@ -6,6 +6,7 @@ from .client import Client, TextStream
 from .errors import (
     CancelledError,
     DeadlineExceededError,
+    IncompleteOutputError,
     InternalError,
     InvalidArgumentError,
     NotFoundError,
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient", "AsyncTextStream", "CancelledError", "ChatMessage", "Client", "Completion",
-    "DeadlineExceededError", "Delta", "FinishReason", "GenerateResult", "InternalError",
+    "DeadlineExceededError", "Delta", "FinishReason", "GenerateResult", "IncompleteOutputError", "InternalError",
     "InvalidArgumentError", "Load", "LoraAdapter", "ModelInfo", "NotFoundError", "ParameterError", "PermissionDeniedError",
     "ResourceExhaustedError", "RetryPolicy", "TextStream", "Timing", "TokenLogprob", "TokenizeResult",
     "TokenloopError", "TopLogprob", "UnauthenticatedError", "UnavailableError", "UnimplementedError",

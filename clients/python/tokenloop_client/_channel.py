@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+from .errors import ParameterError
+
+DEFAULT_PORT = 50051
+DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORT}"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 _OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024),)
@@ -55,8 +57,8 @@ class ChannelConfig:
 
     @property
     def target(self) -> str:
-        """The address without an http:// or https:// prefix."""
-        return self.address.split("://", 1)[-1]
+        """The address without an http:// or https:// prefix, with port 50051 when it names none."""
+        return with_port(self.address.split("://", 1)[-1])
 
     @property
     def secure(self) -> bool:
@@ -70,9 +72,9 @@ class ChannelConfig:
     def credentials(self) -> grpc.ChannelCredentials:
         """TLS credentials from the CA file and optional client certificate."""
         return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.tls_ca),
-            private_key=_read(self.tls_key),
-            certificate_chain=_read(self.tls_cert),
+            root_certificates=read_pem("tls_ca", self.tls_ca),
+            private_key=read_pem("tls_key", self.tls_key),
+            certificate_chain=read_pem("tls_cert", self.tls_cert),
         )
 
     def options(self) -> list[tuple[str, object]]:
@@ -83,8 +85,28 @@ class ChannelConfig:
         return opts
 
 
-def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
+def with_port(target: str) -> str:
+    """`target` with `:50051` added when it names no port (gRPC itself would dial 443); `unix:` paths as given."""
+    if target.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return target
+    if target.startswith("["):  # [IPv6] or [IPv6]:port
+        return target if "]:" in target else f"{target}:{DEFAULT_PORT}"
+    if target.count(":") > 1:  # a bare IPv6 address
+        return f"[{target}]:{DEFAULT_PORT}"
+    return target if ":" in target else f"{target}:{DEFAULT_PORT}"
+
+
+def read_pem(name: str, path: str | None) -> bytes | None:
+    """The bytes of a PEM file; a ParameterError naming `name` when it cannot be read."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        why = "is a directory, not a PEM file" if isinstance(exc, IsADirectoryError) else \
+            f"cannot be read ({exc.strerror or exc})"
+        raise ParameterError(name, f"{name} {path}: {why}") from None
 
 
 def sync_channel(cfg: ChannelConfig) -> grpc.Channel:

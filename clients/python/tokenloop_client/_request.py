@@ -66,6 +66,8 @@ class GenerationParams:
                 else:
                     setattr(target, name, value)
         if self.n is not None:
+            if self.n < 1:  # the proto's 0 means "unset": the server would quietly run one sequence
+                raise ParameterError("n", f"`n` must be >= 1 (the number of sequences); got {self.n}")
             req.n = self.n
         if self.lora:
             req.lora = self.lora

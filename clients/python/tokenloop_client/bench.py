@@ -104,11 +104,16 @@ async def one_request(client: AsyncClient, ids: list[int], cfg: BenchConfig, lor
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn in place."""
+    """Progress of one level on stderr: a bar redrawn in place on a terminal ("bar"), a line every LINE_EVERY_S
+    seconds otherwise ("lines", for logs and CI), or nothing ("off")."""
 
-    def __init__(self, cfg: BenchConfig, enabled: bool) -> None:
+    LINE_EVERY_S = 5.0
+
+    def __init__(self, cfg: BenchConfig, mode: str | bool) -> None:
         self.cfg = cfg
-        self.enabled = enabled
+        self.mode = {True: "bar", False: "off"}.get(mode, mode)
+        if self.mode not in ("bar", "lines", "off"):
+            raise ValueError(f"progress mode must be 'bar', 'lines' or 'off'; got {mode!r}")
         self.start = time.perf_counter()
         self.records: list[RequestRecord] = []
 
@@ -121,30 +126,37 @@ class Progress:
             parts.append((time.perf_counter() - self.start) / self.cfg.duration_s)
         return min(1.0, max(parts))
 
-    def draw(self, final: bool = False) -> None:
-        """Redraw the bar."""
-        if not self.enabled:
-            return
+    def status(self) -> str:
+        """Requests done, output tokens per second, errors, seconds so far (and of how many)."""
         elapsed = time.perf_counter() - self.start
-        width = 24
-        done = int(self.fraction() * width)
         num_tokens = sum(r.output_tokens for r in self.records)
         num_errors = sum(r.code != "OK" for r in self.records)
-        line = (f"\rconcurrency {self.cfg.concurrency:>3} [{'#' * done}{'.' * (width - done)}] "
-                f"{len(self.records):>4} req  {num_tokens / max(elapsed, 1e-9):7.1f} tok/s  "
-                f"{num_errors} err  {elapsed:6.1f}s")
-        sys.stderr.write(line + ("\n" if final else ""))
+        of = f" of {self.cfg.duration_s:g}s" if self.cfg.duration_s else ""
+        return (f"{len(self.records):>4} req  {num_tokens / max(elapsed, 1e-9):7.1f} tok/s  {num_errors} err  "
+                f"{elapsed:6.1f}s{of}")
+
+    def draw(self, final: bool = False) -> None:
+        """Redraw the bar, or write a line."""
+        if self.mode == "bar":
+            width = 24
+            done = int(self.fraction() * width)
+            sys.stderr.write(f"\rconcurrency {self.cfg.concurrency:>3} [{'#' * done}{'.' * (width - done)}] "
+                             f"{self.status()}" + ("\n" if final else ""))
+        elif self.mode == "lines":
+            sys.stderr.write(f"concurrency {self.cfg.concurrency:>3} {'done   ' if final else 'running'} "
+                             f"{self.status()}\n")
         sys.stderr.flush()
 
     async def run(self) -> None:
-        """Redraw every quarter second until cancelled."""
+        """Redraw every quarter second (a bar) or write a line every LINE_EVERY_S seconds until cancelled."""
+        every = 0.25 if self.mode == "bar" else self.LINE_EVERY_S
         while True:
+            await asyncio.sleep(every)
             self.draw()
-            await asyncio.sleep(0.25)
 
 
-async def run_level(client: AsyncClient, cfg: BenchConfig, show_progress: bool = False) -> dict:
-    """Run one load level and return its summary."""
+async def run_level(client: AsyncClient, cfg: BenchConfig, show_progress: bool | str = False) -> dict:
+    """Run one load level and return its summary; show_progress: a Progress mode ("bar", "lines", "off")."""
     num_prompts = min(cfg.num_requests or 256, 256)
     prompts = await make_prompts(client, cfg.prompt_tokens, num_prompts)
     progress = Progress(cfg, show_progress)

@@ -3,24 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
 import sys
 import time
 
-from . import bench, report
+from . import __version__, cli_bench
 from ._channel import DEFAULT_ADDRESS
-from .aio import AsyncClient
+from ._cli_help import (
+    INCOMPLETE,
+    IncompleteOutput,
+    Parser,
+    UsageError,
+    check_complete,
+    check_tls_files,
+    describe_target,
+    positive,
+    report,
+    short,
+)
 from .client import Client
-from .errors import TokenloopError, UnavailableError
+from .errors import ParameterError, TokenloopError, UnavailableError
 from .types import ChatMessage, GenerateResult
 
 HEALTH_POLL_S = 0.5  # health --wait: seconds between checks
+HEALTH_REPORT_S = 5.0  # health --wait: seconds between progress lines on stderr
 
 
-def _client_kwargs(args: argparse.Namespace) -> dict:
+def client_kwargs(args: argparse.Namespace) -> dict:
     names = ("api_key", "tls", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "timeout")
     return {name: getattr(args, name) for name in names}
 
@@ -41,7 +52,7 @@ def _read_file(path: str, flag: str) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as exc:
-        raise SystemExit(f"tokenloop-cli: {flag} {path}: {exc.strerror}") from None
+        raise UsageError(f"{flag} {path}: {exc.strerror}") from None
 
 
 def _summary(result: GenerateResult) -> str:
@@ -74,6 +85,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> None:
         print(f"--- sequence {c.index} ({c.finish_reason.value}) ---\n{c.text}")
     if not args.quiet:
         print(_summary(result), file=sys.stderr)
+    check_complete(result, args)
 
 
 def cmd_chat(client: Client, args: argparse.Namespace) -> None:
@@ -143,61 +155,28 @@ def cmd_tokenize(client: Client, args: argparse.Namespace) -> None:
 
 
 def cmd_health(client: Client, args: argparse.Namespace) -> None:
-    """Print the grpc.health.v1 status; exit 1 unless SERVING. With --wait S, poll until SERVING for up to S s."""
-    deadline = time.monotonic() + (args.wait or 0.0)
+    """Print the grpc.health.v1 status; exit 1 unless SERVING. With --wait S, poll until SERVING for up to S s,
+    with a progress line on stderr every few seconds."""
+    start = time.monotonic()
+    deadline, next_report = start + (args.wait or 0.0), start  # a first line at the first miss
     while True:
         try:
-            status = client.health(args.service)
-        except UnavailableError:  # not listening yet (or any more)
+            status, why = client.health(args.service), ""
+        except UnavailableError as err:  # not listening yet (or any more)
             if time.monotonic() >= deadline:
                 raise
-            status = None
+            status, why = None, err.message
         if status == "SERVING" or time.monotonic() >= deadline:
             break
+        if time.monotonic() >= next_report:
+            state = f"status {status}" if status else f"no answer ({short(why)})"
+            print(f"health: waiting for {describe_target(args)}: {state}; {time.monotonic() - start:.0f} s of "
+                  f"{args.wait:g} s", file=sys.stderr, flush=True)
+            next_report += HEALTH_REPORT_S
         time.sleep(HEALTH_POLL_S)
     print(status)
     if status != "SERVING":
         raise SystemExit(1)
-
-
-def cmd_bench(args: argparse.Namespace) -> None:
-    """Run one load level per concurrency and report throughput and latency."""
-    results = asyncio.run(_bench(args))
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        print(report.table(results["results"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **results}, indent=2)
-                    + "\n")
-        print(f"results written to {args.out}", file=sys.stderr)
-    if args.plot:
-        report.plot(results["results"], args.plot, title=args.title or results["server"]["model_id"])
-        print(f"plot written to {args.plot}", file=sys.stderr)
-
-
-async def _bench(args: argparse.Namespace) -> dict:
-    show = sys.stderr.isatty() if args.progress is None else args.progress
-    async with AsyncClient(args.address, **_client_kwargs(args)) as client:
-        info = await client.model_info()
-        levels = []
-        for concurrency in args.concurrency:
-            cfg = bench.BenchConfig(concurrency, args.num_requests, args.duration, args.prompt_tokens,
-                                    args.max_new_tokens, args.temperature, not args.no_ignore_eos,
-                                    tuple("" if name == "base" else name for name in args.lora))
-            levels.append(await bench.run_level(client, cfg, show))
-    return {"server": {"address": args.address, **dataclasses.asdict(info)}, "results": levels}
-
-
-def _concurrency_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("concurrency values must be >= 1")
-    return values
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -216,72 +195,78 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     s.add_argument("--grammar", metavar="FILE", help="constrain the output to this grammar (GBNF or Lark)")
 
 
+def _global_options(p: argparse.ArgumentParser, top: bool) -> None:
+    """Connection options. On the top parser with defaults and help; on every sub-command too (hidden, no
+    default), so that `tokenloop-cli info --address HOST:PORT` works as well as `tokenloop-cli --address ... info`."""
+    def add(*names, default=None, **kw):
+        if not top:
+            kw.update(default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        elif default is not None:
+            kw["default"] = default
+        p.add_argument(*names, **kw)
+
+    add("--address", default=os.environ.get("TOKENLOOP_ADDRESS", DEFAULT_ADDRESS), metavar="HOST:PORT",
+        help=f"the server (default $TOKENLOOP_ADDRESS or {DEFAULT_ADDRESS}; no port: 50051; https://... turns on TLS)")
+    add("--api-key", default=os.environ.get("TOKENLOOP_API_KEY"),
+        help="sent as 'authorization: Bearer KEY' (default $TOKENLOOP_API_KEY)")
+    add("--tls", action="store_true", help="use TLS with the system's root certificates")
+    add("--tls-ca", metavar="PEM", help="CA certificate to verify the server; implies TLS")
+    add("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (with --tls-key)")
+    add("--tls-key", metavar="PEM", help="client private key for mutual TLS (with --tls-cert)")
+    add("--tls-server-name", metavar="NAME", help="expected server name in its certificate")
+    add("--timeout", type=float, metavar="S", help="per-call deadline in seconds")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for tokenloop-cli."""
-    p = argparse.ArgumentParser(prog="tokenloop-cli", description="Talk to a tokenloop server.")
-    p.add_argument("--address", default=os.environ.get("TOKENLOOP_ADDRESS", DEFAULT_ADDRESS),
-                   help=f"HOST:PORT (default {DEFAULT_ADDRESS}; https://HOST:PORT turns on TLS)")
-    p.add_argument("--api-key", default=os.environ.get("TOKENLOOP_API_KEY"),
-                   help="sent as 'authorization: Bearer KEY' (default $TOKENLOOP_API_KEY)")
-    p.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
-    p.add_argument("--tls-ca", help="CA certificate (PEM) to verify the server; implies TLS")
-    p.add_argument("--tls-cert", help="client certificate (PEM) for mTLS")
-    p.add_argument("--tls-key", help="client private key (PEM) for mTLS")
-    p.add_argument("--tls-server-name", help="expected server name in its certificate")
-    p.add_argument("--timeout", type=float, help="per-call deadline in seconds")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="tokenloop-cli", description="Talk to a tokenloop server.",
+                                epilog="`tokenloop-cli COMMAND --help` for a command's options; exit status: 0 ok, "
+                                       "1 the server refused or failed, 2 a usage error, 3 a structured output "
+                                       "cut off at LENGTH, 130 Ctrl-C. Docs: docs/clients.md")
+    p.add_argument("-V", "--version", action="version", version=f"tokenloop-cli {__version__}")
+    _global_options(p, top=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, top=False)
+    parents = [common]
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="generate from a prompt ('-' reads stdin)")
+    g = sub.add_parser("generate", parents=parents, help="generate from a prompt ('-' reads stdin)")
     g.add_argument("prompt")
     g.add_argument("--stream", action="store_true", help="print text as it arrives")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
-    g.add_argument("-n", "--n", type=int, help="number of sequences")
+    g.add_argument("-n", "--n", type=positive, help="number of sequences (>= 1)")
     g.add_argument("--json", action="store_true", help="also print the whole result as JSON")
     g.add_argument("-q", "--quiet", action="store_true", help="no summary line on stderr")
     _add_sampling(g)
 
-    c = sub.add_parser("chat", help="interactive chat that keeps the conversation")
+    c = sub.add_parser("chat", parents=parents, help="interactive chat that keeps the conversation")
     c.add_argument("--system", help="system prompt")
     _add_sampling(c)
 
-    i = sub.add_parser("info", help="model, limits, load and health")
+    i = sub.add_parser("info", parents=parents, help="model, limits, load and health")
     i.add_argument("--json", action="store_true")
 
-    t = sub.add_parser("tokenize", help="token ids of a text")
+    t = sub.add_parser("tokenize", parents=parents, help="token ids of a text")
     t.add_argument("text")
     t.add_argument("--chat", action="store_true", help="render as a user message with the chat template")
     t.add_argument("--json", action="store_true")
 
-    h = sub.add_parser("health", help="grpc.health.v1 status (exit 1 unless SERVING)")
+    h = sub.add_parser("health", parents=parents, help="grpc.health.v1 status (exit 1 unless SERVING)")
     h.add_argument("--service", default="", help="service name ('' = the whole server)")
     h.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="wait up to S seconds for SERVING (a server that is starting or loading its model)")
 
-    b = sub.add_parser("bench", help="load generator: throughput, TTFT and inter-token latency")
-    b.add_argument("-c", "--concurrency", type=_concurrency_list, default=[1],
-                   help="concurrent streams; a comma list (1,4,16) sweeps (default 1)")
-    b.add_argument("-r", "--num-requests", type=int, help="requests per level (default 32 without --duration)")
-    b.add_argument("-d", "--duration", type=float, help="seconds per level: stop starting requests after")
-    b.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default 64)")
-    b.add_argument("--max-new-tokens", type=int, default=128, help="output length in tokens (default 128)")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--no-ignore-eos", action="store_true", help="let sequences end at EOS (shorter outputs)")
-    b.add_argument("--lora", action="append", default=[], metavar="NAME",
-                   help="requests name these LoRA adapters in turn (repeatable; 'base' = no adapter)")
-    b.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    b.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE (no file unless asked)")
-    b.add_argument("--plot", metavar="PNG", help="draw throughput and latency against concurrency")
-    b.add_argument("--title", help="plot title (default: the model id)")
-    b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="live progress bar on stderr (default: when stderr is a terminal)")
-    lo = sub.add_parser("lora", help="list, load or unload LoRA adapters")
-    lsub = lo.add_subparsers(dest="lora_command", required=True)
-    lsub.add_parser("list", help="the adapters the server serves").add_argument("--json", action="store_true")
-    ll = lsub.add_parser("load", help="load a PEFT adapter directory (a path on the server) as NAME")
+    cli_bench.add_parser(sub, parents)
+    lo = sub.add_parser("lora", parents=parents, help="list, load or unload LoRA adapters")
+    lsub = lo.add_subparsers(dest="lora_command", required=True, metavar="list|load|unload")
+    lsub.add_parser("list", parents=parents, help="the adapters the server serves").add_argument(
+        "--json", action="store_true")
+    ll = lsub.add_parser("load", parents=parents, help="load a PEFT adapter directory (a path on the server) as NAME")
     ll.add_argument("name")
-    ll.add_argument("path")
+    ll.add_argument("path", help="the adapter's directory as the server sees it (relative: to the server's "
+                                 "working directory)")
     ll.add_argument("--id", type=int, help="its integer id, the router API's lora_config.task_id (default: next free)")
-    lu = lsub.add_parser("unload", help="unload an adapter no request is using")
+    lu = lsub.add_parser("unload", parents=parents, help="unload an adapter no request is using")
     lu.add_argument("name")
     return p
 
@@ -289,7 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_lora(client: Client, args: argparse.Namespace) -> None:
     """LoRA adapters: list, load, unload."""
     if args.lora_command == "load":
-        adapters = [client.load_lora_adapter(args.name, args.path, id=args.id)]
+        try:
+            adapters = [client.load_lora_adapter(args.name, args.path, id=args.id)]
+        except TokenloopError as err:  # the server elides file paths from messages; this one is what was typed
+            err.message = err.message.replace("<path>", args.path)
+            if "not a directory" in err.message or "not a PEFT adapter" in err.message:
+                err.message += " (the path is read on the server's machine; a relative one from its working directory)"
+            raise
     elif args.lora_command == "unload":
         adapters = [client.unload_lora_adapter(args.name)]
     else:
@@ -308,21 +299,21 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "token
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of tokenloop-cli."""
+    """Entry point of tokenloop-cli: exit 0, 1 (the server refused or failed), 2 (usage), 3 (incomplete), 130."""
     args = build_parser().parse_args(argv)
-    if args.command == "bench" and args.num_requests is None and args.duration is None:
-        args.num_requests = 32
     try:
+        check_tls_files(args)
         if args.command == "bench":
-            cmd_bench(args)
-        else:
-            with Client(args.address, **_client_kwargs(args)) as client:
-                COMMANDS[args.command](client, args)
+            return cli_bench.run(args)
+        with Client(args.address, **client_kwargs(args)) as client:
+            COMMANDS[args.command](client, args)
     except TokenloopError as err:
-        print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+        report(err, args)
         return 1
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except IncompleteOutput:  # the text and the message are out already
+        return INCOMPLETE
+    except (UsageError, ParameterError, ValueError) as err:
+        print(f"tokenloop-cli: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -65,6 +65,18 @@ class ParameterError(TypeError, ValueError):
         self.message = message
 
 
+class IncompleteOutputError(ValueError):
+    """A sequence's text is not the whole structure it was asked for: it ended at LENGTH (`max_new_tokens` or the
+    context) before the JSON value, regex or grammar was complete. `completion` is the sequence, text and all."""
+
+    def __init__(self, completion) -> None:
+        c = completion
+        super().__init__(f"sequence {c.index} ended at LENGTH after {c.usage.completion_tokens} tokens, before its "
+                         "structure was complete: raise max_new_tokens, or bound the schema (maxLength, maximum, "
+                         "maxItems) so that every valid value fits")
+        self.completion = completion
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TokenloopError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, fields
 
 from ._gen import tokenloop_pb2 as pb
+from .errors import IncompleteOutputError
 
 
 class FinishReason(str, enum.Enum):
@@ -122,6 +124,18 @@ class Completion:
             prompt_token_ids=tuple(msg.prompt_token_ids),
         )
 
+    @property
+    def truncated(self) -> bool:
+        """True when the sequence ended at LENGTH: a structured output is then incomplete (not valid JSON)."""
+        return self.finish_reason is FinishReason.LENGTH
+
+    def json(self):
+        """The text parsed as JSON; IncompleteOutputError when the sequence ended at LENGTH (cut off mid-value),
+        json.JSONDecodeError when the text is not JSON for another reason (an unconstrained request)."""
+        if self.truncated:
+            raise IncompleteOutputError(self)
+        return json.loads(self.text)
+
 
 @dataclass(frozen=True)
 class GenerateResult:
@@ -139,6 +153,10 @@ class GenerateResult:
     def finish_reason(self) -> FinishReason:
         """Finish reason of the first sequence."""
         return self.completions[0].finish_reason
+
+    def json(self):
+        """The first sequence's text parsed as JSON (Completion.json: IncompleteOutputError when it ended at LENGTH)."""
+        return self.completions[0].json()
 
     @property
     def usage(self) -> Usage:

@@ -1,0 +1,433 @@
+/* y = x @ w.T with 4-bit weights (--weights int4): float32 activations, float32 accumulation.
+ *
+ *   x      [M, K]             float32 activations (rows contiguous)
+ *   q      [N32, K, 16]       uint8, two 4-bit weights per byte, 32 output channels per block: byte j of column k
+ *                             of block b holds channel 32b + j in its low nibble and channel 32b + 16 + j in its
+ *                             high nibble (N32 = ceil(N / 32); channels past N are zero)
+ *   sm     [N32, NG, 2, 32]   IEEE half floats: the scale d (sm[b, g, 0, l]) and the minimum m (sm[b, g, 1, l]) of
+ *                             channel 32b + l over group g of G columns (NG = K / G, G divides K);
+ *                             w_real[n, k] = d[n, k / G] * q[n, k] + m[n, k / G]  (llama.cpp's Q4_1 block)
+ *   y      [M, N]             float32; only columns n_begin .. n_end-1 are written (n_begin a multiple of 32)
+ *
+ * Arithmetic, the same for every row count and thread split: xs[g] = the sum of the row's x over group g (one
+ * function, in order); for each group in order, partial = the sum of x[k] * q[k] over its columns in order (one
+ * FMA each on the integer-valued nibbles 0..15), then total += partial * d, then total += xs[g] * m. A row's
+ * result does not depend on how many rows came with it, so greedy decoding stays batch invariant.
+ *
+ * Paths (`path` argument; int4_best_path() says which this CPU runs, int4_path_supported() which it can):
+ *   1 portable C: any CPU, any compiler; the channel loops are left to the compiler to vectorise.
+ *   2 AVX2 + FMA + F16C (x86-64, chosen at run time from the CPU's flags, compiled with a target attribute so the
+ *     library builds and loads on CPUs without it):
+ *     - fewer than six rows (a decoding stream): two 32-channel blocks at a time; each 8 bytes of a column are
+ *       widened to 32-bit lanes (one vpmovzxbd from memory) and split there into the low nibbles (and) and the high
+ *       ones (shift), each converted (vcvtdq2ps) right before its FMA: 3.5 instructions per 8 weights, against 3 for
+ *       int8's; every weight is read from memory once as half a byte, from two sequential streams;
+ *     - six rows and more: 16 channels widened once into a float buffer [K, 16] that stays in L1/L2, then a
+ *       6 x 16 register tile over it (12 partial sums), as int8_linear.c does.
+ *   An AVX-512 variant would be path 3 beside these (same layout, same order of operations per output).
+ *
+ * Two threads: int4_linear_f32_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on this
+ * library's own worker thread in one call (a worker that spins briefly, then sleeps on a futex: the scheme of
+ * int8_linear.c, which has its own). Returns 0, or < 0 on bad arguments, no memory, or a path this CPU lacks.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
+
+#define PACK 32  /* output channels per packed block */
+#define BLOCK 16 /* channels widened together for the tiled path */
+#define ROWS 6   /* rows of one register tile */
+
+enum { PATH_PORTABLE = 1, PATH_AVX2 = 2 };
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_X86 1
+#include <immintrin.h>
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#else
+#define HAVE_X86 0
+#endif
+
+static inline void store_n(float *y, int64_t n, int64_t n_end, const float *out, int64_t count) {
+    if (n_end - n < count) count = n_end - n;
+    if (count > 0) memcpy(y + n, out, sizeof(float) * (size_t)count);
+}
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24, exact in float */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* xs[m * NG + g] = sum of x[m, g*G .. (g+1)*G-1], in order. One function for every path and row count. */
+__attribute__((noinline)) static void group_sums(const float *x, int64_t M, int64_t K, int64_t G, float *xs) {
+    const int64_t NG = K / G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < NG; g++) {
+            float s = 0.0f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) s += x[m * K + k];
+            xs[m * NG + g] = s;
+        }
+}
+
+/* ---- portable C ---- */
+
+static void linear_portable(const float *x, const float *xs, int64_t M, int64_t K, const uint8_t *q,
+                            const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t b_begin, int64_t b_end,
+                            int64_t n_end) {
+    (void)N;
+    const int64_t NG = K / G;
+    float total[PACK], partial[PACK], d[PACK], mn[PACK];
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = b_begin; b < b_end; b++) {
+            const uint8_t *qb = q + b * K * (PACK / 2);
+            for (int l = 0; l < PACK; l++) total[l] = 0.0f;
+            for (int64_t g = 0; g < NG; g++) {
+                for (int l = 0; l < PACK; l++) partial[l] = 0.0f;
+                for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                    const float xv = x[m * K + k];
+                    const uint8_t *p = qb + k * (PACK / 2);
+                    for (int l = 0; l < PACK / 2; l++) partial[l] += xv * (float)(p[l] & 15);
+                    for (int l = 0; l < PACK / 2; l++) partial[l + PACK / 2] += xv * (float)(p[l] >> 4);
+                }
+                const uint16_t *s = sm + (b * NG + g) * 2 * PACK;
+                for (int l = 0; l < PACK; l++) d[l] = half_to_float(s[l]), mn[l] = half_to_float(s[PACK + l]);
+                const float xg = xs[m * NG + g];
+                for (int l = 0; l < PACK; l++) total[l] += partial[l] * d[l];
+                for (int l = 0; l < PACK; l++) total[l] += xg * mn[l];
+            }
+            store_n(y + m * N, b * PACK, n_end, total, PACK);
+        }
+}
+
+/* ---- AVX2 + FMA + F16C ---- */
+
+#if HAVE_X86
+
+AVX2_FN static inline __m256 lo8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+AVX2_FN static inline __m256 hi8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))); }
+/* 8 bytes -> 8 int32 lanes (one vpmovzxbd from memory); the low nibbles, then the high ones, as floats */
+AVX2_FN static inline __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+AVX2_FN static inline __m256 low4(__m256i v, __m256i mask) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, mask)); }
+AVX2_FN static inline __m256 high4(__m256i v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+AVX2_FN static inline __m256 half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* one row x against blocks b and b + 1 (nb = 2) or b alone (nb = 1); out [nb * 32] */
+AVX2_FN static void row_blocks_avx2(const float *x, const float *xs, const uint8_t *q, const uint16_t *sm, int64_t K,
+                                    int64_t G, int64_t b, int nb, float *out) {
+    const int64_t NG = K / G;
+    const uint8_t *qb = q + b * K * (PACK / 2), *qc = qb + K * (PACK / 2);
+    const uint16_t *sb = sm + b * NG * 2 * PACK, *sc = sb + NG * 2 * PACK;
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0, t4 = t0, t5 = t0, t6 = t0, t7 = t0;
+    for (int64_t g = 0; g < NG; g++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        if (nb == 2) {
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                const __m256 xv = _mm256_broadcast_ss(x + k);
+                const uint8_t *p = qb + k * 16, *r = qc + k * 16;
+                __m256i v = widen8(p), w = widen8(p + 8);  /* channels 0..7 | 16..23, 8..15 | 24..31 */
+                a0 = _mm256_fmadd_ps(xv, low4(v, mask), a0), a1 = _mm256_fmadd_ps(xv, low4(w, mask), a1);
+                a2 = _mm256_fmadd_ps(xv, high4(v), a2), a3 = _mm256_fmadd_ps(xv, high4(w), a3);
+                v = widen8(r), w = widen8(r + 8);
+                a4 = _mm256_fmadd_ps(xv, low4(v, mask), a4), a5 = _mm256_fmadd_ps(xv, low4(w, mask), a5);
+                a6 = _mm256_fmadd_ps(xv, high4(v), a6), a7 = _mm256_fmadd_ps(xv, high4(w), a7);
+            }
+        } else {
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                const __m256 xv = _mm256_broadcast_ss(x + k);
+                const uint8_t *p = qb + k * 16;
+                const __m256i v = widen8(p), w = widen8(p + 8);
+                a0 = _mm256_fmadd_ps(xv, low4(v, mask), a0), a1 = _mm256_fmadd_ps(xv, low4(w, mask), a1);
+                a2 = _mm256_fmadd_ps(xv, high4(v), a2), a3 = _mm256_fmadd_ps(xv, high4(w), a3);
+            }
+        }
+        const __m256 xg = _mm256_broadcast_ss(xs + g);
+        const uint16_t *s = sb + g * 2 * PACK;
+        t0 = _mm256_fmadd_ps(a0, half8(s), t0), t1 = _mm256_fmadd_ps(a1, half8(s + 8), t1);
+        t2 = _mm256_fmadd_ps(a2, half8(s + 16), t2), t3 = _mm256_fmadd_ps(a3, half8(s + 24), t3);
+        t0 = _mm256_fmadd_ps(xg, half8(s + 32), t0), t1 = _mm256_fmadd_ps(xg, half8(s + 40), t1);
+        t2 = _mm256_fmadd_ps(xg, half8(s + 48), t2), t3 = _mm256_fmadd_ps(xg, half8(s + 56), t3);
+        if (nb == 2) {
+            const uint16_t *u = sc + g * 2 * PACK;
+            t4 = _mm256_fmadd_ps(a4, half8(u), t4), t5 = _mm256_fmadd_ps(a5, half8(u + 8), t5);
+            t6 = _mm256_fmadd_ps(a6, half8(u + 16), t6), t7 = _mm256_fmadd_ps(a7, half8(u + 24), t7);
+            t4 = _mm256_fmadd_ps(xg, half8(u + 32), t4), t5 = _mm256_fmadd_ps(xg, half8(u + 40), t5);
+            t6 = _mm256_fmadd_ps(xg, half8(u + 48), t6), t7 = _mm256_fmadd_ps(xg, half8(u + 56), t7);
+        }
+    }
+    _mm256_storeu_ps(out, t0), _mm256_storeu_ps(out + 8, t1), _mm256_storeu_ps(out + 16, t2);
+    _mm256_storeu_ps(out + 24, t3);
+    if (nb == 2)
+        _mm256_storeu_ps(out + 32, t4), _mm256_storeu_ps(out + 40, t5), _mm256_storeu_ps(out + 48, t6),
+            _mm256_storeu_ps(out + 56, t7);
+}
+
+/* channels 16h .. 16h+15 of block b (h = 0: the low nibbles, 1: the high ones) as floats: wf[k * 16 + l] */
+AVX2_FN static void widen_half_avx2(const uint8_t *q, int64_t K, int64_t b, int h, float *wf) {
+    const uint8_t *p = q + b * K * (PACK / 2);
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int64_t k = 0; k < K; k++) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(p + k * 16));
+        v = _mm_and_si128(h ? _mm_srli_epi16(v, 4) : v, mask);
+        _mm256_storeu_ps(wf + k * BLOCK, lo8(v));
+        _mm256_storeu_ps(wf + k * BLOCK + 8, hi8(v));
+    }
+}
+
+/* six rows x (stride K) against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
+AVX2_FN static void tile6_avx2(const float *x, const float *xs, const float *wf, const uint16_t *sm, int64_t K,
+                               int64_t G, int64_t b, int h, float *out) {
+    const int64_t NG = K / G;
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *x4 = x + 4 * K, *x5 = x + 5 * K;
+    __m256 t[12];
+    for (int i = 0; i < 12; i++) t[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+        __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            const __m256 b0 = _mm256_loadu_ps(wf + k * BLOCK), b1 = _mm256_loadu_ps(wf + k * BLOCK + 8);
+            __m256 xv = _mm256_broadcast_ss(x0 + k);
+            a00 = _mm256_fmadd_ps(xv, b0, a00), a01 = _mm256_fmadd_ps(xv, b1, a01);
+            xv = _mm256_broadcast_ss(x1 + k);
+            a10 = _mm256_fmadd_ps(xv, b0, a10), a11 = _mm256_fmadd_ps(xv, b1, a11);
+            xv = _mm256_broadcast_ss(x2 + k);
+            a20 = _mm256_fmadd_ps(xv, b0, a20), a21 = _mm256_fmadd_ps(xv, b1, a21);
+            xv = _mm256_broadcast_ss(x3 + k);
+            a30 = _mm256_fmadd_ps(xv, b0, a30), a31 = _mm256_fmadd_ps(xv, b1, a31);
+            xv = _mm256_broadcast_ss(x4 + k);
+            a40 = _mm256_fmadd_ps(xv, b0, a40), a41 = _mm256_fmadd_ps(xv, b1, a41);
+            xv = _mm256_broadcast_ss(x5 + k);
+            a50 = _mm256_fmadd_ps(xv, b0, a50), a51 = _mm256_fmadd_ps(xv, b1, a51);
+        }
+        const uint16_t *s = sm + (b * NG + g) * 2 * PACK + h * BLOCK;
+        const __m256 d0 = half8(s), d1 = half8(s + 8), m0 = half8(s + PACK), m1 = half8(s + PACK + 8);
+        const __m256 a[12] = {a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51};
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 xg = _mm256_broadcast_ss(xs + r * NG + g);
+            t[2 * r] = _mm256_fmadd_ps(a[2 * r], d0, t[2 * r]);
+            t[2 * r + 1] = _mm256_fmadd_ps(a[2 * r + 1], d1, t[2 * r + 1]);
+            t[2 * r] = _mm256_fmadd_ps(xg, m0, t[2 * r]);
+            t[2 * r + 1] = _mm256_fmadd_ps(xg, m1, t[2 * r + 1]);
+        }
+    }
+    for (int i = 0; i < 12; i++) _mm256_storeu_ps(out + i * 8, t[i]);
+}
+
+AVX2_FN static int linear_avx2(const float *x, const float *xs, int64_t M, int64_t K, const uint8_t *q,
+                               const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t b_begin, int64_t b_end,
+                               int64_t n_end) {
+    const int64_t NG = K / G, M6 = M / ROWS * ROWS;
+    if (M6 > 0) {
+        float *wf = malloc(sizeof(float) * (size_t)(K * BLOCK));
+        if (!wf) return -2;
+        float t[ROWS * BLOCK];
+        for (int64_t b = b_begin; b < b_end; b++)
+            for (int h = 0; h < PACK / BLOCK; h++) {
+                const int64_t n = b * PACK + h * BLOCK;
+                if (n >= n_end) break;
+                widen_half_avx2(q, K, b, h, wf);
+                for (int64_t m = 0; m < M6; m += ROWS) {
+                    tile6_avx2(x + m * K, xs + m * NG, wf, sm, K, G, b, h, t);
+                    for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, n, n_end, t + r * BLOCK, BLOCK);
+                }
+            }
+        free(wf);
+    }
+    float out[2 * PACK];
+    for (int64_t m = M6; m < M; m++)
+        for (int64_t b = b_begin; b < b_end; b += 2) {
+            const int nb = b + 1 < b_end ? 2 : 1;
+            row_blocks_avx2(x + m * K, xs + m * NG, q, sm, K, G, b, nb, out);
+            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
+        }
+    return 0;
+}
+
+#endif /* HAVE_X86 */
+
+/* 1 when this CPU (and this build) can run `path` */
+int int4_path_supported(int path) {
+    if (path == PATH_PORTABLE) return 1;
+#if HAVE_X86
+    if (path == PATH_AVX2) {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+#endif
+    return 0;
+}
+
+/* the fastest path this CPU runs */
+int int4_best_path(void) { return int4_path_supported(PATH_AVX2) ? PATH_AVX2 : PATH_PORTABLE; }
+
+int int4_linear_f32(int path, const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *sm, int64_t G,
+                    float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (M < 0 || K < 1 || G < 1 || K % G != 0 || n_begin < 0 || n_begin % PACK != 0 || n_end > N || n_begin > n_end)
+        return -1;
+    if (!int4_path_supported(path)) return -3;
+    if (M == 0 || n_begin == n_end) return 0;
+    const int64_t NG = K / G, b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
+    float stack_xs[64];
+    float *xs = M * NG <= 64 ? stack_xs : malloc(sizeof(float) * (size_t)(M * NG));
+    if (!xs) return -2;
+    group_sums(x, M, K, G, xs);
+    int rc = 0;
+#if HAVE_X86
+    if (path == PATH_AVX2)
+        rc = linear_avx2(x, xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
+    else
+#endif
+        linear_portable(x, xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
+    if (xs != stack_xs) free(xs);
+    return rc;
+}
+
+/* ---- one worker thread for int4_linear_f32_2t (int8_linear.c's scheme; this library's own thread) ---- */
+
+typedef struct {
+    int path;
+    const float *x;
+    int64_t M, K;
+    const uint8_t *q;
+    const uint16_t *sm;
+    int64_t G;
+    float *y;
+    int64_t N, n_begin, n_end;
+    int rc;
+} job_t;
+
+static job_t job;
+static _Atomic uint32_t posted, finished;
+static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
+static pid_t worker_pid = 0;
+static int64_t worker_spin_ns = 200000;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void wait_change(_Atomic uint32_t *word, uint32_t seen, int64_t spin_ns) {
+    if (atomic_load_explicit(word, memory_order_acquire) != seen) return;
+    const int64_t deadline = now_ns() + spin_ns;
+    for (unsigned i = 1;; i++) {
+        if (atomic_load_explicit(word, memory_order_acquire) != seen) return;
+        if ((i & 63) == 0) {
+            if (now_ns() > deadline) break;
+            sched_yield();
+        } else {
+            cpu_relax();
+        }
+    }
+    while (atomic_load_explicit(word, memory_order_acquire) == seen) {
+#if defined(__linux__)
+        syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+        struct timespec nap = {0, 50000};
+        nanosleep(&nap, NULL);
+#endif
+    }
+}
+
+static void wake(_Atomic uint32_t *word) {
+#if defined(__linux__)
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+#else
+    (void)word;
+#endif
+}
+
+static int run_job(const job_t *j) {
+    return int4_linear_f32(j->path, j->x, j->M, j->K, j->q, j->sm, j->G, j->y, j->N, j->n_begin, j->n_end);
+}
+
+static void *worker_main(void *arg) {
+    (void)arg;
+    uint32_t seen = 0;
+    for (;;) {
+        wait_change(&posted, seen, worker_spin_ns);
+        seen = atomic_load_explicit(&posted, memory_order_acquire);
+        job.rc = run_job(&job);
+        atomic_fetch_add_explicit(&finished, 1, memory_order_release);
+        wake(&finished);
+    }
+    return NULL;
+}
+
+static int ensure_worker(void) {
+    if (worker_pid == getpid()) return 0;
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    atomic_store(&posted, 0);
+    atomic_store(&finished, 0);
+    const int rc = pthread_create(&thread, &attr, worker_main, NULL);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) return -1;
+#if defined(__linux__)
+    pthread_setname_np(thread, "tokenloop-i4");
+#endif
+    worker_pid = getpid();
+    return 0;
+}
+
+/* How long (microseconds) the worker spins for its next job before it sleeps. */
+void int4_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
+
+/* int4_linear_f32 over channels [n_begin, n_end), split at `mid` (a multiple of 32): [n_begin, mid) here,
+ * [mid, n_end) on the worker thread; when the worker is busy with another caller, all of it here. */
+int int4_linear_f32_2t(int path, const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *sm, int64_t G,
+                       float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end) {
+    if (mid % PACK != 0 || mid < n_begin || mid > n_end) return -1;
+    job_t mine = {path, x, M, K, q, sm, G, y, N, n_begin, mid, 0};
+    job_t theirs = mine;
+    theirs.n_begin = mid, theirs.n_end = n_end;
+    int have_worker = pthread_mutex_trylock(&caller_lock) == 0;
+    if (have_worker && ensure_worker() != 0) {
+        pthread_mutex_unlock(&caller_lock);
+        have_worker = 0;
+    }
+    if (!have_worker) {
+        mine.n_end = n_end;
+        return run_job(&mine);
+    }
+    job = theirs;
+    const uint32_t done_before = atomic_load_explicit(&finished, memory_order_acquire);
+    atomic_fetch_add_explicit(&posted, 1, memory_order_release);
+    wake(&posted);
+    const int rc = run_job(&mine);
+    wait_change(&finished, done_before, 2000000);
+    const int theirs_rc = job.rc;
+    pthread_mutex_unlock(&caller_lock);
+    return rc != 0 ? rc : theirs_rc;
+}

@@ -1,0 +1,161 @@
+"""`tokenloop-cli` on a user's mistakes, with no server: one line naming the flag, the exit status, no traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tokenloop_client import Completion, FinishReason, IncompleteOutputError, Timing, Usage
+from tokenloop_client._channel import ChannelConfig, with_port
+from tokenloop_client.errors import ParameterError
+
+CLI = [sys.executable, "-m", "tokenloop_client.cli"]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    run = subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    assert "Traceback" not in run.stderr, run.stderr
+    return run
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--tls-ca", "/nope", "info"], "tokenloop-cli: error: --tls-ca /nope: No such file or directory\n"),
+    (["--tls-cert", "/nope", "--tls-key", "/etc/hostname", "info"],
+     "tokenloop-cli: error: --tls-cert /nope: No such file or directory\n"),
+    (["--tls-cert", "/etc/hostname", "--tls-key", "/nope", "info"],
+     "tokenloop-cli: error: --tls-key /nope: No such file or directory\n"),
+    (["--tls-ca", "/tmp", "info"], "tokenloop-cli: error: --tls-ca /tmp: is a directory; give the PEM file in it\n"),
+    (["--tls-key", "/etc/hostname", "info"],
+     "tokenloop-cli: error: --tls-key needs --tls-cert too (the client certificate and its key, for mutual TLS)\n"),
+])
+def test_tls_file_mistakes_are_one_line_naming_the_flag(args, message):
+    run = cli(*args)
+    assert (run.returncode, run.stderr, run.stdout) == (2, message, "")
+
+
+def test_no_server_at_the_address_says_what_was_tried_and_what_to_check():
+    port = closed_port()
+    run = cli("--address", f"127.0.0.1:{port}", "info")
+    assert run.returncode == 1
+    lines = run.stderr.splitlines()
+    assert lines[0].startswith(f"error: UNAVAILABLE: no tokenloop server answered at 127.0.0.1:{port} (plaintext): ")
+    assert "Connection refused" in lines[0]
+    assert lines[1:] == [
+        f"  is a server running there? start one with: .venv/bin/tokenloop serve --port {port}",
+        "  another address? tokenloop-cli --address HOST:PORT ... (or set $TOKENLOOP_ADDRESS)",
+        "  a TLS server? add --tls-ca CA.pem (or --tls for a publicly signed certificate)"]
+
+
+def test_health_wait_reports_progress_then_the_hints():
+    port = closed_port()
+    run = cli("--address", f"127.0.0.1:{port}", "health", "--wait", "6")
+    assert run.returncode == 1
+    waiting = [line for line in run.stderr.splitlines() if line.startswith("health: waiting")]
+    assert len(waiting) >= 2  # one at the first miss, one every 5 s
+    assert waiting[0].startswith(f"health: waiting for 127.0.0.1:{port} (plaintext): no answer (Connection refused); ")
+    assert waiting[0].endswith(" of 6 s")
+    assert "is a server running there?" in run.stderr
+
+
+@pytest.mark.parametrize(("address", "target"), [
+    ("localhost", "localhost:50051"), ("localhost:7", "localhost:7"), ("https://example.com", "example.com:50051"),
+    ("[::1]", "[::1]:50051"), ("[::1]:9", "[::1]:9"), ("::1", "[::1]:50051"), ("unix:/tmp/s", "unix:/tmp/s"),
+])
+def test_an_address_without_a_port_dials_50051(address, target):
+    assert with_port(address.split("://", 1)[-1]) == target
+    assert ChannelConfig(address).target == target
+
+
+def test_the_library_names_the_unreadable_tls_file():
+    with pytest.raises(ParameterError) as info:
+        ChannelConfig(tls_ca="/nope").credentials()
+    assert (info.value.parameter, str(info.value)) == ("tls_ca", "tls_ca /nope: cannot be read (No such file or directory)")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["generate", "x", "-n", "0"], "tokenloop-cli generate: error: argument -n/--n: must be >= 1; got 0"),
+    (["bench", "-c", "1,x"], "tokenloop-cli bench: error: argument -c/--concurrency: expected comma-separated "
+                             "integers such as 1,4,16; got '1,x'"),
+])
+def test_usage_mistakes_exit_2_with_the_rule(args, message):
+    run = cli(*args)
+    assert run.returncode == 2
+    assert run.stderr.splitlines()[-1] == message
+
+
+def test_global_options_work_after_the_command_too():
+    from tokenloop_client.cli import build_parser
+    after = build_parser().parse_args(["info", "--address", "h:1", "--timeout", "3"])
+    before = build_parser().parse_args(["--address", "h:1", "--timeout", "3", "info"])
+    assert (after.address, after.timeout) == (before.address, before.timeout) == ("h:1", 3.0)
+    nested = build_parser().parse_args(["lora", "list", "--address", "h:2"])
+    assert nested.address == "h:2"
+    assert build_parser().parse_args(["info"]).address  # the default survives a sub-command without it
+
+
+def test_version():
+    run = cli("--version")
+    assert (run.returncode, run.stdout) == (0, "tokenloop-cli 0.1.0\n")
+
+
+def test_help_fits_a_screen():
+    run = cli("--help")
+    assert run.returncode == 0 and len(run.stdout.splitlines()) <= 40
+
+
+def completion(reason: FinishReason, text: str) -> Completion:
+    return Completion(0, text, (), reason, Usage(3, 7), Timing())
+
+
+def test_a_structure_cut_off_at_length_raises_on_json():
+    cut = completion(FinishReason.LENGTH, '{"n": 1111')
+    assert cut.truncated
+    with pytest.raises(IncompleteOutputError) as info:
+        cut.json()
+    assert str(info.value).startswith("sequence 0 ended at LENGTH after 7 tokens, before its structure was complete")
+    assert info.value.completion is cut
+    done = completion(FinishReason.STRUCTURE_COMPLETE, '{"n": 1}')
+    assert not done.truncated and done.json() == {"n": 1}
+
+
+def test_a_command_option_before_the_command_says_where_it_goes():
+    run = cli("-q", "generate", "x")
+    assert run.returncode == 2
+    assert run.stderr.splitlines()[-2:] == [
+        "tokenloop-cli: error: unrecognized arguments: -q",
+        "  -q is an option of generate: put it after the command, e.g. tokenloop-cli generate -q ..."]
+
+
+@pytest.mark.parametrize(("message", "connected"), [
+    ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused", False),
+    ("errors resolving nosuch.invalid:1: [Domain name not found]", False),
+    ("Socket closed", False),
+    ("the server is shutting down", True),
+    ("the executor is not available: injected fault (retried 3 times; last: UNAVAILABLE: failed to connect to all "
+     "addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused)", True),  # a server answered first
+])
+def test_hints_only_when_no_server_answered(message, connected):
+    import grpc
+
+    from tokenloop_client._cli_help import not_connected
+    from tokenloop_client.errors import UnavailableError
+    assert not_connected(UnavailableError(grpc.StatusCode.UNAVAILABLE, message)) is not connected
+
+
+def test_the_library_refuses_n_0_instead_of_running_one_sequence():
+    from tokenloop_client._gen import tokenloop_pb2 as pb
+    from tokenloop_client._request import GenerationParams
+    with pytest.raises(ParameterError) as info:
+        GenerationParams(n=0).apply(pb.GenerateRequest())
+    assert (info.value.parameter, str(info.value)) == ("n", "`n` must be >= 1 (the number of sequences); got 0")
