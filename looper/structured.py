@@ -29,6 +29,10 @@ KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
 # A constraint whose first token mask takes longer than this is refused: every engine step would wait that long
 # for its sequences (a 9-byte regex, `a{100000}`, takes ~300 ms a step). The test schemas take 0.1-5 ms.
 MAX_FIRST_MASK_S = 0.05
+# The compile walks this many tokens into the constraint (the lowest token id allowed at each step): llguidance
+# checks its row limit (`max_items_in_row`, 2,000 Earley items) only once a token is consumed, so a Lark rule of
+# 20,000 alternatives compiled and computed its first mask fine, then failed the request at its first token.
+PROBE_TOKENS = 4
 # GBNF is converted to Lark by llguidance's Python converter, whose rule resolution is quadratic in a chain of rules
 # (and holds the GIL): 256 rules take at most ~0.25 s, 5,000 took 93 s. Larger grammars are welcome in Lark.
 MAX_GBNF_RULES = 256
@@ -133,13 +137,14 @@ class GrammarCompiler:
                 self._cache.move_to_end((kind, spec))
             return grammar
 
-    def compile(self, kind: str, spec: str) -> Grammar:
+    def compile(self, kind: str, spec: str, text: str | None = None) -> Grammar:
         """Compile (llguidance releases the GIL meanwhile) and cache; raises GrammarError naming the library's
-        reason. Call it off the event loop: a large schema takes milliseconds to seconds."""
+        reason. Call it off the event loop: a large schema takes milliseconds to seconds. `text`: the spec's
+        `grammar_text`, when a compile process already made it (a GBNF conversion holds the GIL)."""
         grammar = self.cached(kind, spec)
         if grammar is not None:
             return grammar
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(kind, spec), log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer, text or grammar_text(kind, spec), log_level=0)
         grammar = Grammar(kind, matcher, self.vocab_size)
         self._probe(grammar)
         with self._lock:
@@ -151,19 +156,27 @@ class GrammarCompiler:
         return grammar
 
     def _probe(self, grammar: Grammar) -> None:
-        """Compute the first token mask here, off the engine thread: it warms the lexer states every copy shares,
-        and a constraint too costly to match (MAX_FIRST_MASK_S) is refused before it can slow every step."""
-        matcher = grammar.template
-        if not matcher.is_error():
-            mask = np.zeros(grammar.num_mask_words, dtype=np.int32)
+        """Walk the first PROBE_TOKENS tokens here, off the engine thread: it warms the lexer states every copy
+        shares, and a constraint too costly to match (MAX_FIRST_MASK_S a mask) or past llguidance's row limit is
+        refused at admission, before it can slow every step or fail mid-generation."""
+        matcher = grammar.template.deep_copy()
+        mask = np.zeros(grammar.num_mask_words, dtype=np.int32)
+        for step in range(PROBE_TOKENS):
+            if matcher.is_error() or matcher.is_stopped():
+                break
             start = time.perf_counter()
-            matcher.deep_copy().unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
             elapsed = time.perf_counter() - start
             if elapsed > MAX_FIRST_MASK_S:
-                raise GrammarError(grammar.kind, f"too costly to match: its first token mask took {elapsed * 1e3:.0f} "
-                                                 f"ms (the limit is {MAX_FIRST_MASK_S * 1e3:.0f} ms)")
-        if matcher.is_error():
-            raise GrammarError(grammar.kind, matcher.get_error())
+                which = "first token mask" if step == 0 else f"token mask {step + 1}"
+                raise GrammarError(grammar.kind, f"too costly to match: its {which} took {elapsed * 1e3:.0f} ms (the "
+                                                 f"limit is {MAX_FIRST_MASK_S * 1e3:.0f} ms)")
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+            if matcher.is_error() or not len(allowed):
+                break
+            matcher.consume_token(int(allowed[0]))
+        if matcher.is_error():  # the library's reason, without the parser state dump that follows it
+            raise GrammarError(grammar.kind, matcher.get_error().split("<state>")[0].strip())
 
     def __len__(self) -> int:
         return len(self._cache)

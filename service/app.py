@@ -22,6 +22,7 @@ from tokenloop.looper.tokenizer import ModelCard, Tokenizer
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from .admission import Admission
+from .compile_pool import CompilePool, CompileThreads
 from .config import ServerConfig, parse_lora_flag
 from .errors import Unavailable
 from .health import HealthServicer
@@ -34,9 +35,10 @@ log = logging.getLogger("tokenloop.service")
 
 SERVICE_NAMES = ("tokenloop.v1.TextGeneration", "trtllm.TrtllmService")
 TOKENIZE_THREADS = 2  # threads that tokenize long inputs (App.tokenizing); more would only share the same cores
-# They also compile structured-output grammars, and llguidance recurses ~3 KB of stack per nested grammar rule: a
-# GBNF chain of 3,000 rules overflowed the default 8 MB and killed the process. 256 MB holds the deepest grammar
-# --max-grammar-bytes lets in (past ~30,000 levels llguidance refuses it); it is address space, touched only as used.
+# Grammars compile on threads of their own (service/compile_pool.py), and llguidance recurses ~3 KB of stack per nested
+# grammar rule: a GBNF chain of 3,000 rules overflowed the default 8 MB and killed the process. 256 MB holds the
+# deepest grammar --max-grammar-bytes lets in (past ~30,000 levels llguidance refuses it); it is address space, touched
+# only as used. The tokenizer threads keep it too (a tokenizer's pre-tokenizer regexes recurse as well).
 TOKENIZE_THREAD_STACK = 256 << 20
 # Objects allocated between two young-generation collections of the cyclic GC (CPython's default is 700).
 GC_GEN0_THRESHOLD = 20_000
@@ -97,9 +99,14 @@ class App:
             max_stop_string_length=cfg.max_stop_string_length, max_grammar_bytes=cfg.max_grammar_bytes,
             max_stop_token_ids=cfg.max_stop_token_ids, max_detokenize_ids=cfg.max_detokenize_ids,
             allow_special_tokens_in_chat=cfg.allow_special_tokens_in_chat))
-        compiler = GrammarCompiler(self.tokenizer.to_json(), self.validator.vocab_size, self.card.eos_token_ids,
+        tokenizer_json = self.tokenizer.to_json()
+        compiler = GrammarCompiler(tokenizer_json, self.validator.vocab_size, self.card.eos_token_ids,
                                    cfg.grammar_cache_size)
-        self.grammars = GrammarGate(compiler, self.tokenize_pool, cfg.grammar_compile_timeout)
+        processes = CompilePool(tokenizer_json, self.validator.vocab_size, self.card.eos_token_ids,
+                                cfg.grammar_compile_workers, cfg.max_grammar_compiles_waiting)
+        threads = CompileThreads(cfg.grammar_compile_workers, TOKENIZE_THREAD_STACK,
+                                 initializer=self.placement.release_this_thread)
+        self.grammars = GrammarGate(compiler, processes, cfg.grammar_compile_timeout, threads)
         self.executor = self._executor_factory(cfg)
 
     async def start(self) -> None:
@@ -107,6 +114,7 @@ class App:
         await self.set_serving(False)
         self.placement.choose()  # a --front-cpu outside the process's CPUs fails here, before the model loads
         await asyncio.to_thread(self.load_model)
+        await self.grammars.processes.start()
         self.loras = LoraCatalog(self.executor, self.config.max_loras)
         for value in self.config.loras:  # a bad adapter fails start-up, naming it
             await self.loras.load(*parse_lora_flag(value))
@@ -128,16 +136,19 @@ class App:
         asyncio.ensure_future(self.set_serving(False))
         self.dead.set()
 
-    async def drain(self, grace: float) -> None:
-        """Stop admitting, let in-flight requests finish within `grace`, then fail the rest."""
+    async def drain(self, grace: float, now: asyncio.Event | None = None) -> None:
+        """Stop admitting, let in-flight requests finish within `grace` (or until `now` is set), then fail the rest.
+        Compiles stop at once: their processes are killed and their requests fail UNAVAILABLE."""
         self.admission.close("the server is shutting down")
         self.not_ready_reason = "the server is shutting down"
+        if self.grammars is not None and self.grammars.processes is not None:
+            self.grammars.processes.close()
         await self.set_serving(False)
         if self.looper is None:
             return
         loop = asyncio.get_running_loop()
         end = loop.time() + grace
-        while self.looper.num_open and loop.time() < end:
+        while self.looper.num_open and loop.time() < end and not (now is not None and now.is_set()):
             await asyncio.sleep(0.05)
         self.looper.stop()  # fails what is left with UNAVAILABLE
         await asyncio.sleep(0.05)  # let the final hand-off reach the streams
@@ -149,6 +160,8 @@ class App:
             self.executor.shutdown()
         if self._tokenize_pool is not None:
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self.grammars is not None and self.grammars.threads is not None:
+            self.grammars.threads.shutdown(wait=False)
         self.placement.restore()
 
     async def tokenizing(self, size: int, fn: Callable, *args):
@@ -162,7 +175,7 @@ class App:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool(), fn, *args)
 
     def tokenize_pool(self) -> ThreadPoolExecutor:
-        """The tokenizer threads (long inputs, and constraints to compile), started on first use, all at once, with
+        """The tokenizer threads (long inputs only: never a compile), started on first use, all at once, with
         TOKENIZE_THREAD_STACK stacks (`threading.stack_size` applies to threads started while it is set)."""
         if self._tokenize_pool is None:
             previous = threading.stack_size(TOKENIZE_THREAD_STACK)

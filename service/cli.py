@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a constraint may take to compile before its request is refused")
     g.add_argument("--grammar-cache-size", type=int, default=d.grammar_cache_size,
                    help="compiled constraints kept, most recently used first (0: none)")
+    g.add_argument("--grammar-compile-workers", type=int, default=d.grammar_compile_workers,
+                   help="compile processes (one killed and replaced at a compile's timeout), and as many threads")
+    g.add_argument("--max-grammar-compiles-waiting", type=int, default=d.max_grammar_compiles_waiting,
+                   help="compiles waiting for a compile process; more are refused with RESOURCE_EXHAUSTED")
     lo = s.add_argument_group("LoRA adapters (docs/lora.md)")
     lo.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                     help="serve the PEFT adapter in DIR as NAME (repeatable); requests select it with `lora`")
@@ -188,6 +192,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_detokenize_ids=args.max_detokenize_ids, allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
         max_grammar_bytes=args.max_grammar_bytes,
         grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
+        grammar_compile_workers=args.grammar_compile_workers,
+        max_grammar_compiles_waiting=args.max_grammar_compiles_waiting,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         loras=tuple(args.lora), max_loras=args.max_loras,
         tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file, otel_endpoint=args.otel_endpoint)

@@ -48,6 +48,8 @@ class ServerConfig:
     max_grammar_bytes: int = 262144  # largest JSON schema / regex / grammar / structural tag accepted
     grammar_compile_timeout: float = 10.0  # seconds one constraint may take to compile
     grammar_cache_size: int = 256  # compiled constraints kept (LRU), by their text
+    grammar_compile_workers: int = 2  # compile processes (killed at the timeout) and the threads that build matchers
+    max_grammar_compiles_waiting: int = 8  # compiles waiting for a process before RESOURCE_EXHAUSTED
     max_message_bytes: int = 16 * 1024 * 1024
     poll_timeout: float = 0.02
     kv_events_heartbeat: float = 1.0  # SubscribeKvEvents: seconds between load-only batches while idle
@@ -113,6 +115,10 @@ class ServerConfig:
             raise ValueError("--grammar-compile-timeout must be > 0")
         if self.grammar_cache_size < 0:
             raise ValueError("--grammar-cache-size must be >= 0")
+        if self.grammar_compile_workers < 1:
+            raise ValueError("--grammar-compile-workers must be >= 1")
+        if self.max_grammar_compiles_waiting < 0:
+            raise ValueError("--max-grammar-compiles-waiting must be >= 0")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"--log-format must be 'text' or 'json'; got {self.log_format!r}")
         if bool(self.tls_cert) != bool(self.tls_key):

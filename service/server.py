@@ -86,6 +86,8 @@ class Server:
         self.port = 0
         self.extra_services: list[str] = []
         self._stop = asyncio.Event()
+        self._stop_now = asyncio.Event()  # a second SIGTERM/SIGINT: end the drain at once
+        self.forced_by: int | None = None  # the signal that ended the drain early
 
     def _add_services(self) -> None:
         add_text_generation(TextGenerationServicer(self.app), self.grpc)
@@ -120,8 +122,14 @@ class Server:
                  self.config.backend, self.config.host, self.port)
         return self.port
 
-    def request_stop(self) -> None:
-        self._stop.set()
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """SIGTERM/SIGINT: the first drains (Server.stop); the next one cancels what is left at once."""
+        if not self._stop.is_set():
+            self._stop.set()
+        elif not self._stop_now.is_set():
+            self.forced_by = signum
+            self._stop_now.set()
+            log.warning("%s again: stopping now; the requests left end UNAVAILABLE", signal.Signals(signum).name)
 
     def reload_certificates(self) -> None:
         """SIGHUP: read the TLS files again at the next handshake."""
@@ -129,7 +137,8 @@ class Server:
             self.certificates.request_reload()
 
     async def wait(self) -> int:
-        """Serve until a stop is requested (SIGTERM/SIGINT) or the executor dies; returns an exit code."""
+        """Serve until a stop is requested (SIGTERM/SIGINT) or the executor dies; returns an exit code: 0 after a
+        drain, 1 when the executor died, 128 + the signal's number when a second signal cut the drain short."""
         stop = asyncio.ensure_future(self._stop.wait())
         dead = asyncio.ensure_future(self.app.dead.wait())
         await asyncio.wait([stop, dead], return_when=asyncio.FIRST_COMPLETED)
@@ -137,14 +146,19 @@ class Server:
         dead.cancel()
         died = self.app.dead.is_set()
         await self.stop(grace=1.0 if died else self.config.shutdown_grace)
+        if self.forced_by is not None:
+            return 128 + self.forced_by
         return 1 if died and self.config.exit_on_engine_death else 0
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain in-flight requests within `grace` seconds, fail the rest, close everything."""
+        """Drain in-flight requests within `grace` seconds (a second signal: none), fail the rest, close everything.
+        Compiles in progress are killed at once (App.drain)."""
         grace = self.config.shutdown_grace if grace is None else grace
-        log.info("draining (grace %.1fs)", grace)
-        await self.app.drain(grace)
-        await self.grpc.stop(1.0)
+        num_open = self.app.looper.num_open if self.app.looper is not None else 0
+        log.info("draining: up to %.1fs for %d in-flight requests; press Ctrl-C again (or send SIGTERM) to stop now",
+                 grace, num_open)
+        await self.app.drain(grace, self._stop_now)
+        await self.grpc.stop(0 if self._stop_now.is_set() else 1.0)
         if self.config.metrics_port:
             from .metrics import stop_metrics_server
             stop_metrics_server(self.app)
@@ -153,7 +167,8 @@ class Server:
 
 
 async def run(config: ServerConfig) -> int:
-    """Run a server until SIGTERM/SIGINT; exit code 0 after a clean drain, 2 when it cannot start."""
+    """Run a server until SIGTERM/SIGINT; exit code 0 after a drain, 2 when it cannot start, 128 + the signal's
+    number (130 for SIGINT, 143 for SIGTERM) when a second signal stopped it at once (Server.wait)."""
     try:
         server = Server(config)
     except (OSError, ValueError) as exc:  # an unreadable or empty API key file
@@ -161,7 +176,7 @@ async def run(config: ServerConfig) -> int:
         return 2
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.request_stop)
+        loop.add_signal_handler(sig, server.request_stop, sig)
     loop.add_signal_handler(signal.SIGHUP, server.reload_certificates)
     relay = CoreLogRelay() if config.tls_cert else None  # failed TLS handshakes: rate-limited log lines
     if relay is not None:

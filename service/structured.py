@@ -1,14 +1,12 @@
 """Structured output at the door: the rules on a request's constraint (either API), and its compile off the event loop.
 
 `structured_of` and `structured_of_guided` check what needs no compile (one rule, one message each) and return an
-uncompiled `StructuredOutput`; `GrammarGate.admit` then compiles it (a cache hit: here, in microseconds; a miss: on a
-tokenizer thread, llguidance releasing the GIL, under `--grammar-compile-timeout`). A schema, regex or grammar the
-library refuses is INVALID_ARGUMENT naming the field and carrying the library's words.
-
-A compile that outlives its timeout fails its request at once, but its thread cannot be stopped: it finishes the
-compile, bounded by llguidance's own limits on grammar size and lexer work (LLParserLimits), caches the result (a
-retry is then a cache hit) and returns to the pool. The pool has two threads, so at most two such compiles run at a
-time; further compiles wait for a thread, within the same timeout.
+uncompiled `StructuredOutput`; `GrammarGate.admit` then compiles it. A cache hit: here, in microseconds. A miss: first
+in a compile process (service/compile_pool.py) under `--grammar-compile-timeout`, the process killed at the timeout;
+then, once it compiled there, the matcher is built from its grammar text on a compile thread (llguidance releasing the
+GIL), in about the time the check took. Neither is shared with tokenization. A schema, regex or grammar the library
+refuses is INVALID_ARGUMENT naming the field and carrying the library's words; a full compile queue
+(`--grammar-compile-workers` running, `--max-grammar-compiles-waiting` waiting) is RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -16,14 +14,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from concurrent.futures import Executor
 
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 
 from tokenloop.looper.request import StructuredOutput, ValidRequest
 from tokenloop.looper.structured import GrammarCompiler, GrammarError, describe_error, one_line
 
-from .errors import ValidationError
+from .compile_pool import (
+    CompileCrashed,
+    CompilePool,
+    CompilePoolClosed,
+    CompileQueueFull,
+    CompileRefused,
+    CompileTimeout,
+)
+from .errors import Overloaded, Unavailable, ValidationError
 
 log = logging.getLogger("tokenloop.service")
 GUIDE_TYPES = tpb.GuidedDecodingParams.GuideType
@@ -78,16 +84,19 @@ def structured_of_guided(request, max_bytes: int) -> StructuredOutput | None:
 
 
 class GrammarGate:
-    """Compiles the constraint of admitted requests: cached ones at once, the others on `pool()` with a timeout."""
+    """Compiles the constraint of admitted requests: cached ones at once, the others in a compile process (killed
+    at the timeout), then on a compile thread."""
 
-    def __init__(self, compiler: GrammarCompiler, pool: Callable, timeout: float):
+    def __init__(self, compiler: GrammarCompiler, processes: CompilePool | None, timeout: float,
+                 threads: Executor | None = None):
         self.compiler = compiler
-        self._pool = pool  # () -> the Executor to compile on (App's tokenizer threads)
+        self.processes = processes  # None: no process check (a bench of the cached path)
+        self.threads = threads  # None: the event loop's default executor
         self.timeout = timeout
 
     async def admit(self, valid: ValidRequest, field: str | None = None) -> ValidRequest:
         """`valid` with its constraint compiled; ValidationError naming `field` (default: the kind) when it does
-        not compile, or not within the timeout."""
+        not compile, or not within the timeout; Overloaded when too many compiles wait."""
         structured = valid.structured
         if structured is None or structured.grammar is not None:
             return valid
@@ -98,19 +107,34 @@ class GrammarGate:
         return dataclasses.replace(valid, structured=dataclasses.replace(structured, grammar=grammar))
 
     async def _compile(self, structured: StructuredOutput, field: str):
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._pool(), self.compiler.compile, structured.kind, structured.spec)
+        kind, spec = structured.kind, structured.spec
         try:
-            return await asyncio.wait_for(job, self.timeout)
-        except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
-            log.warning("a %s did not compile within %.3g s (%d bytes)", structured.kind, self.timeout,
-                        len(structured.spec))
+            text = None
+            if self.processes is not None:
+                text = await self.processes.check(kind, spec, self.timeout)
+            return await asyncio.get_running_loop().run_in_executor(self.threads, self.compiler.compile, kind, spec,
+                                                                    text)
+        except CompileTimeout as exc:
+            if exc.waited:
+                raise Overloaded(f"no compile process was free within {self.timeout:g} s (--grammar-compile-workers "
+                                 f"{self.processes.num_workers}, all busy): retry later") from None
+            log.warning("a %s did not compile within %.3g s (%d bytes): its compile process was killed", kind,
+                        self.timeout, len(spec))
             raise ValidationError("structure_compile_timeout",
                                   f"`{field}` did not compile within {self.timeout:g} s (--grammar-compile-timeout): "
                                   "make it simpler") from None
-        except GrammarError as exc:
-            message = describe_error(exc)
+        except CompileQueueFull as exc:
+            raise Overloaded(f"too many constraints are compiling ({exc}; --max-grammar-compiles-waiting): retry "
+                             f"later, or send one the server has compiled before") from None
+        except CompilePoolClosed:
+            raise Unavailable("the server is shutting down") from None
+        except (GrammarError, CompileRefused) as exc:
+            message = describe_error(GrammarError(exc.kind, str(exc)))
             raise ValidationError("invalid_structure", message.replace(f"`{exc.kind}`", f"`{field}`", 1)) from None
+        except CompileCrashed as exc:
+            log.warning("a %s crashed its compile process (%d bytes): %s", kind, len(spec), exc)
+            raise ValidationError("invalid_structure", f"`{field}` does not compile: it crashed the compiler "
+                                                       f"({exc})") from None
         except Exception as exc:  # noqa: BLE001 - whatever the library raises on a bad input is the input's fault
             raise ValidationError("invalid_structure", f"`{field}` does not compile: "
                                                        f"{one_line(f'{type(exc).__name__}: {exc}')}") from None

@@ -137,7 +137,7 @@ def test_bad_constraints_are_invalid_argument_and_nothing_else_breaks(checkpoint
     run(body())
 
 
-def test_a_compile_past_its_timeout_is_refused_and_finishes_in_the_background(checkpoint):
+def test_a_compile_past_its_timeout_is_refused_and_its_process_killed(checkpoint):
     big = {"type": "object", "additionalProperties": False, "required": [f"k{i}" for i in range(3000)],
            "properties": {f"k{i}": {"type": "integer", "minimum": 0, "maximum": 9} for i in range(3000)}}
     schema = json.dumps(big)  # ~0.4 s to compile here: well past the 0.02 s allowed
@@ -149,14 +149,73 @@ def test_a_compile_past_its_timeout_is_refused_and_finishes_in_the_background(ch
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details() == ("`json_schema` did not compile within 0.02 s (--grammar-compile-timeout): "
                                            "make it simpler")
-            compiler = server.app.grammars.compiler
-            for _ in range(3000):  # the thread finishes the compile and caches it
-                if compiler.cached("json_schema", schema) is not None:
-                    break
-                await asyncio.sleep(0.01)
-            assert compiler.cached("json_schema", schema) is not None
+            processes = server.app.grammars.processes
+            assert processes.num_killed == 1  # the compile stopped with its request: nothing finishes it
+            assert server.app.grammars.compiler.cached("json_schema", schema) is None
+            server.app.grammars.timeout = 30.0
             retry = await complete(stub, generate(json_schema=schema, stopping=pb.StoppingCriteria(max_new_tokens=8)))
-            assert retry.finish_reason == pb.LENGTH and retry.text.startswith('{"k0": ')  # a cache hit: served
+            assert retry.finish_reason == pb.LENGTH and retry.text.startswith('{"k0": ')  # a new process compiled it
+    run(body())
+
+
+# 300 `patternProperties` keys: ~13 s to compile with the tiny model's tokenizer (500 with the default model's: 21 s).
+SLOW_SCHEMAS = [json.dumps({"type": "object", "patternProperties": {f"^{p}{i}_[a-z]+$": {"type": "integer"}
+                                                                    for i in range(300)}}) for p in "kq"]
+
+
+def test_slow_compiles_stop_at_their_timeout_while_tokenize_and_cached_schemas_answer(tmp_path_factory):
+    checkpoint = make_tiny_model(tmp_path_factory.mktemp("llama-long-prompts"), "llama", max_positions=4096)
+
+    async def body():
+        async with engine_server(checkpoint, grammar_compile_timeout=5.0, grammar_compile_workers=2,
+                                 max_grammar_compiles_waiting=1) as (server, stub, _):
+            processes = server.app.grammars.processes
+            cached = generate(json_schema=json.dumps(SCHEMA), stopping=pb.StoppingCriteria(max_new_tokens=8))
+            await complete(stub, cached)  # compiled once: a cache hit from now on
+            slow = [asyncio.ensure_future(complete(stub, generate(json_schema=s))) for s in SLOW_SCHEMAS]
+            while processes.num_pending < 2:
+                await asyncio.sleep(0.01)
+            # both compile processes are busy: tokenization and cached constraints do not wait for them
+            tokens = await stub.Tokenize(pb.TokenizeRequest(text="a long prompt " * 215))  # 3,010 characters
+            assert len(tokens.token_ids) > 400 and processes.num_pending == 2
+            done = await complete(stub, cached)
+            assert done.finish_reason == pb.LENGTH and processes.num_pending == 2
+            waiting = asyncio.ensure_future(complete(stub, generate(regex="[a-z]{3}")))  # waits for a process
+            while processes.num_pending < 3:
+                await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as full:  # past 2 running + 1 waiting
+                await complete(stub, generate(regex="[0-9]{3}"))
+            assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert full.value.details().startswith("too many constraints are compiling (2 compiles run and 1 wait; "
+                                                   "--max-grammar-compiles-waiting)")
+            for job in slow:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await job
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "did not compile within 5 s" in err.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as waited:  # its 5 s passed before a process was free
+                await waiting
+            assert waited.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert waited.value.details() == ("no compile process was free within 5 s (--grammar-compile-workers 2, "
+                                              "all busy): retry later")
+            assert processes.num_killed == 2
+            done = await complete(stub, generate(regex="[a-z]{3}"))  # compiled by a process started in their place
+            assert len(done.text) == 3
+    run(body())
+
+
+def test_a_grammar_past_the_matchers_row_limit_is_refused_at_admission(checkpoint):
+    alternatives = " | ".join(f'"w{i}"' for i in range(20000))
+
+    async def body():
+        async with engine_server(checkpoint) as (_, stub, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await complete(stub, generate(grammar=f"start: {alternatives}\n"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == ("`grammar` is not a valid grammar: Parser Error: Current row has 20001 "
+                                           "items; max is 2000; consider making your grammar left-recursive if it's "
+                                           "right-recursive")
+            check_regex((await complete(stub, generate(regex=REGEXES["phone"]))).text, REGEXES["phone"])
     run(body())
 
 

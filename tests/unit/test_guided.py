@@ -124,3 +124,15 @@ def test_a_matcher_that_fails_fails_its_row_alone(compiler, tokenizer):
         finite = set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist())
         assert finite == allowed_by_library(seqs[row].matcher, compiler.vocab_size)
     assert guided.mask_logits(torch.randn(2, compiler.vocab_size), [seq(grammar), seq(grammar)]) == {}
+
+
+def test_a_rule_past_the_row_limit_is_refused_at_compile_not_at_its_first_token(compiler):
+    """llguidance checks `max_items_in_row` only once a token is consumed: the probe walks a few tokens."""
+    alternatives = " | ".join(f'"w{i}"' for i in range(20000))
+    with pytest.raises(GrammarError) as err:
+        compiler.compile("grammar", f"start: {alternatives}\n")
+    assert describe_error(err.value) == ("`grammar` is not a valid grammar: Parser Error: Current row has 20001 items; "
+                                         "max is 2000; consider making your grammar left-recursive if it's "
+                                         "right-recursive")
+    small = compiler.compile("grammar", 'start: "w1" | "w2" | "w3"\n')  # the same shape, within the limit
+    assert small.matcher().consume_tokens(compiler.tokenizer.tokenize_str("w2"))
