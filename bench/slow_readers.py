@@ -129,7 +129,8 @@ async def one_run(model: str, grace: float, args) -> dict:
 async def measure(args) -> dict:
     runs = {}
     for name, grace in (("off", 0.0), ("on", args.grace)):
-        runs[name] = await one_run(args.model, grace, args)
+        if name in args.runs.split(","):
+            runs[name] = await one_run(args.model, grace, args)
     return {"runs": runs, "new_tokens": args.new_tokens, "deadline_s": args.deadline,
             "hostile_tokens": args.hostile_tokens}
 
@@ -145,6 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--stall-timeout", type=float, default=10.0, help="--stall-timeout of both runs")
     p.add_argument("--max-queue-wait", type=float, default=0.0,
                    help="--max-queue-wait of both runs (default 0, no bound: the wait itself is measured)")
+    p.add_argument("--runs", default="off,on", help="which runs: off (--slow-reader-grace 0), on, or both")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     add_out_argument(p, "RESULTS-slow-readers.md (by hand)")
     args = p.parse_args(argv)

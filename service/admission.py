@@ -6,6 +6,13 @@ longer than its wait bound (--max-queue-wait) is refused the same way, with its 
 A request holds its claim as a `Slot`: abortable by id until it reaches the looper, given back
 while its reader stalls (its generation paused) and taken again, through the same line, when
 the reader reads again.
+
+The line is fair between peers (a peer is one client connection, grpc's `context.peer()`), as a
+fair queue is between flows: a freed slot goes to the waiting request whose peer holds the fewest
+slots (first come, first served among equals), and when the line is full, a newcomer from a peer
+with fewer waiting requests than the peer with the most takes the place of that peer's newest
+waiter (which is refused as a full line would refuse it). One connection opening hundreds of
+streams therefore cannot keep another connection's request waiting behind all of them.
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ PUSHBACK = (("grpc-retry-pushback-ms", RETRY_PUSHBACK_MS),)
 class Slot:
     """One request's claim: waiting, held, or given back while its generation is paused."""
 
-    __slots__ = ("admission", "request_id", "max_wait", "held", "aborted", "waiter")
+    __slots__ = ("admission", "request_id", "max_wait", "peer", "held", "aborted", "waiter")
 
-    def __init__(self, admission: Admission, request_id: str, max_wait: float):
+    def __init__(self, admission: Admission, request_id: str, max_wait: float, peer: str = ""):
         self.admission = admission
         self.request_id = request_id
         self.max_wait = max_wait  # seconds a wait for the slot may take (0: no bound)
+        self.peer = peer  # the client connection (grpc's context.peer()): the unit of fairness
         self.held = False
         self.aborted = False  # Abort named it before it reached the looper
         self.waiter: asyncio.Future | None = None  # while it waits in the line
@@ -37,7 +45,7 @@ class Slot:
         """Release the slot for another request (the caller paused this one's generation)."""
         if self.held:
             self.held = False
-            self.admission.release()
+            self.admission.release(self.peer)
 
     async def take_again(self) -> None:
         """Wait for a slot again, in line with new arrivals (not refused for a full line or while draining: this
@@ -51,8 +59,17 @@ class Slot:
             raise Cancelled(f"request {self.request_id!r} was aborted (Abort) while waiting for admission")
 
 
+class _Waiter:
+    """A place in the line."""
+
+    __slots__ = ("future", "peer")
+
+    def __init__(self, future: asyncio.Future, peer: str):
+        self.future, self.peer = future, peer
+
+
 class Admission:
-    """A FIFO slot counter with a bounded waiting line, closed while draining."""
+    """A slot counter with a bounded waiting line, fair between peers, closed while draining."""
 
     def __init__(self, max_concurrent: int, max_queue: int):
         if max_concurrent < 1 or max_queue < 0:
@@ -60,7 +77,8 @@ class Admission:
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.num_active = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: deque[_Waiter] = deque()  # arrival order
+        self._held: dict[str, int] = {}  # peer -> slots its requests hold
         self._pending: dict[str, Slot] = {}  # request id -> claim, from arrival until the looper has it
         self.closed_reason = ""
 
@@ -81,28 +99,29 @@ class Admission:
         past `slot.max_wait`, Cancelled when aborted while waiting."""
         if not again:
             self._refuse_if_closed()
+        peer = slot.peer if slot is not None else ""
         if self.num_active < self.max_concurrent and not self._waiters:
             self.num_active += 1
+            self._held[peer] = self._held.get(peer, 0) + 1
             if slot is not None:
                 slot.held = True
             return
         if len(self._waiters) >= self.max_queue and not again:
-            raise Overloaded(
-                f"the server is at capacity ({self.max_concurrent} requests in flight, {self.max_queue} "
-                "waiting); retry later", trailers=PUSHBACK)
+            self._make_room(peer)
         loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
+        waiter = _Waiter(loop.create_future(), peer)
         self._waiters.append(waiter)
         timer = None
         if slot is not None:
-            slot.waiter = waiter
+            slot.waiter = waiter.future
             if slot.max_wait > 0:
-                timer = loop.call_later(slot.max_wait, _expire, waiter, slot.max_wait)
+                timer = loop.call_later(slot.max_wait, _expire, waiter.future, slot.max_wait)
         try:
-            await waiter  # the releasing request hands its slot over (num_active unchanged)
+            await waiter.future  # the releasing request hands its slot over (num_active unchanged)
         except BaseException:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self.release()  # got the slot as we were cancelled: pass it on
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.release(peer)  # got the slot as we were cancelled: pass it on
             elif waiter in self._waiters:
                 self._waiters.remove(waiter)
             raise
@@ -114,13 +133,46 @@ class Admission:
         if slot is not None:
             slot.held = True
 
-    def release(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self.num_active -= 1
+    def _make_room(self, peer: str) -> None:
+        """The line is full: refuse the newcomer from `peer`, unless another peer has more requests waiting, whose
+        newest waiter is then refused in its place."""
+        counts: dict[str, int] = {}
+        for w in self._waiters:
+            if not w.future.done():
+                counts[w.peer] = counts.get(w.peer, 0) + 1
+        heaviest = max(counts, key=counts.__getitem__, default=None)
+        refusal = Overloaded(
+            f"the server is at capacity ({self.max_concurrent} requests in flight, {self.max_queue} "
+            "waiting); retry later", trailers=PUSHBACK)
+        if heaviest is None or counts[heaviest] <= counts.get(peer, 0) + 1:
+            raise refusal
+        victim = next(w for w in reversed(self._waiters) if w.peer == heaviest and not w.future.done())
+        self._waiters.remove(victim)
+        victim.future.set_exception(refusal)
+
+    def release(self, peer: str = "") -> None:
+        """A slot held for `peer` is free: hand it to the waiter whose peer holds the fewest slots (the earliest
+        among equals), or count it free."""
+        held = self._held.get(peer, 0) - 1
+        if held > 0:
+            self._held[peer] = held
+        else:
+            self._held.pop(peer, None)
+        best = None
+        for w in self._waiters:
+            if w.future.done():
+                continue
+            if best is None or self._held.get(w.peer, 0) < self._held.get(best.peer, 0):
+                best = w
+                if not self._held.get(w.peer, 0):
+                    break  # a peer that holds nothing: nobody comes before it
+        if best is None:
+            self._waiters.clear()  # only finished entries were left
+            self.num_active -= 1
+            return
+        self._waiters.remove(best)
+        self._held[best.peer] = self._held.get(best.peer, 0) + 1
+        best.future.set_result(None)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request that has not reached the looper yet: True when one had that id. Waiting in the line,
@@ -140,9 +192,10 @@ class Admission:
             del self._pending[slot.request_id]
 
     @asynccontextmanager
-    async def slot(self, request_id: str = "", max_wait: float = 0.0):
-        """`async with admission.slot(rid, max_wait) as slot:` holds one slot for the body (unless given back)."""
-        claim = Slot(self, request_id, max_wait)
+    async def slot(self, request_id: str = "", max_wait: float = 0.0, peer: str = ""):
+        """`async with admission.slot(rid, max_wait, peer) as slot:` holds one slot for the body (unless given
+        back); `peer` is the client connection, the unit of fairness in the line."""
+        claim = Slot(self, request_id, max_wait, peer)
         if request_id:
             if request_id in self._pending:
                 raise AlreadyExists(f"`request_id` {request_id!r} is already waiting for admission")

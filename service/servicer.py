@@ -195,7 +195,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
             try:
                 app.require_ready()
-                async with app.admission.slot(rid, app.config.max_queue_wait) as slot:
+                async with app.admission.slot(rid, app.config.max_queue_wait, context.peer()) as slot:
                     valid = await app.tokenizing(text_size(request), app.validator.generate, request, rid,
                                                  deadline_of(context))
                     valid = await app.grammars.admit(valid)  # a `structured` constraint: compiled, or cached

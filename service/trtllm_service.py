@@ -321,7 +321,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
             try:
                 app.require_ready()
-                async with app.admission.slot(rid, getattr(app.config, "max_queue_wait", 0.0)) as slot:
+                async with app.admission.slot(rid, getattr(app.config, "max_queue_wait", 0.0), context.peer()) as slot:
                     valid = to_valid_request(app.validator, request, rid, deadline_of(context), app.loras)
                     valid = await app.grammars.admit(valid, "guided_decoding.guide")  # compiled, or cached
                     valid = await app.loras.admit(valid)  # `lora_config.task_id`: its adapter resident

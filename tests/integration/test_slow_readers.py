@@ -97,8 +97,9 @@ def test_a_paused_and_resumed_greedy_stream_gives_the_same_tokens(checkpoint):
 
 def test_hundreds_of_never_reading_streams_do_not_keep_a_new_client_out(checkpoint):
     """200 streams that never read (over 64 slots and a line of 256) stay open; a well-behaved client's Generate
-    completes within its deadline beside them. With --slow-reader-grace 0 (the old behaviour) the same client
-    waits in line behind them until its deadline."""
+    completes within its deadline beside them, and it is admitted with the first slot given back (the line is
+    fair between connections: its connection holds no slot), not behind the 136 that waited before it. With
+    --slow-reader-grace 0 (the old behaviour) the same client waits in line behind them until its deadline."""
     num_streams = 200
 
     async def attack(server, deadline_s: float):
@@ -106,18 +107,21 @@ def test_hundreds_of_never_reading_streams_do_not_keep_a_new_client_out(checkpoi
         calls = [pb_grpc.TextGenerationStub(channels[i % 4]).Generate(gen(max_new=1000, request_id=f"h{i}"))
                  for i in range(num_streams)]
         first_reads = [asyncio.ensure_future(c.read()) for c in calls]  # one message each at most, then no more
+        submitted = []  # request ids in the order they reached the looper
+        looper_submit = server.app.looper.submit
+        server.app.looper.submit = lambda valid, *a: submitted.append(valid.request_id) or looper_submit(valid, *a)
         try:
             app = server.app
             assert await wait_for(lambda: app.looper.num_open + app.admission.num_waiting >= num_streams, 30)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as good:
                 try:
-                    msgs = await read_all(pb_grpc.TextGenerationStub(good).Generate(gen(max_new=8),
-                                                                                    timeout=deadline_s))
+                    msgs = await read_all(pb_grpc.TextGenerationStub(good).Generate(
+                        gen(max_new=8, request_id="good"), timeout=deadline_s))
                     outcome = msgs[-1].complete.usage.completion_tokens
                 except grpc.aio.AioRpcError as err:
                     outcome = err.code()
             still_open = sum(not c.done() for c in calls)
-            return outcome, still_open
+            return outcome, still_open, submitted
         finally:
             for c in calls:
                 c.cancel()
@@ -127,11 +131,12 @@ def test_hundreds_of_never_reading_streams_do_not_keep_a_new_client_out(checkpoi
 
     async def body():  # (the server stops its executor: one engine each)
         async with serving(checkpoint, engine(checkpoint), slow_reader_grace=0.5, stall_timeout=60) as (server, _, _):
-            outcome, still_open = await attack(server, deadline_s=30)
+            outcome, still_open, submitted = await attack(server, deadline_s=30)
             assert outcome == 8 and still_open == num_streams  # served beside them; none of them was cut off
+            assert submitted.index("good") < 64 + 8, submitted.index("good")  # FIFO would make it 200
             assert await wait_for(lambda: quiet(server.app), 30)  # every slot back once they hang up
         async with serving(checkpoint, engine(checkpoint), slow_reader_grace=0, stall_timeout=60) as (server, _, _):
-            outcome, still_open = await attack(server, deadline_s=3)
+            outcome, still_open, _ = await attack(server, deadline_s=3)
             assert outcome == grpc.StatusCode.DEADLINE_EXCEEDED and still_open == num_streams
             assert await wait_for(lambda: quiet(server.app), 30)
     run(body())

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from tests.conftest import run
-from tokenloop.service.admission import Admission
+from tokenloop.service.admission import Admission, Slot
 from tokenloop.service.errors import AlreadyExists, Cancelled, Overloaded, QueueTimeout, Unavailable
 
 
@@ -294,3 +294,65 @@ def test_the_flags_reach_the_config():
     assert (config.slow_reader_grace, config.max_queue_wait) == (0.5, 12.0)
     defaults = config_from_args(_parser().parse_args(["serve"]))
     assert (defaults.slow_reader_grace, defaults.max_queue_wait) == (1.0, 30.0)
+
+
+def test_a_freed_slot_goes_to_the_peer_holding_fewest_so_one_connection_cannot_queue_another_out():
+    """Peer A holds both slots and has three requests waiting; B's request, arriving after them, gets the next
+    freed slot. Among peers holding equally many, the line is first come, first served."""
+    async def body():
+        adm = Admission(max_concurrent=2, max_queue=8)
+        held = [Slot(adm, f"a{i}", 0.0, "A") for i in range(2)]
+        for s in held:
+            await adm.acquire(s)
+        order = []
+
+        async def wait(name, peer):
+            await adm.acquire(Slot(adm, name, 0.0, peer))
+            order.append(name)
+
+        tasks = [asyncio.ensure_future(wait(n, "A")) for n in ("a2", "a3", "a4")]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.ensure_future(wait("b0", "B")))
+        await asyncio.sleep(0)
+        held[0].give_back()  # A now holds 1, B 0: B first
+        await asyncio.sleep(0)
+        assert order == ["b0"]
+        held[1].give_back()  # A holds 0, B 1: A's earliest
+        await asyncio.sleep(0)
+        assert order == ["b0", "a2"]
+        for _ in range(3):
+            adm.release("A")
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        assert order == ["b0", "a2", "a3", "a4"]
+    run(body())
+
+
+def test_a_full_line_sheds_the_newest_waiter_of_the_peer_with_most_waiting():
+    async def body():
+        adm = Admission(max_concurrent=1, max_queue=3)
+        await adm.acquire(Slot(adm, "a0", 0.0, "A"))
+        tasks = [asyncio.ensure_future(adm.acquire(Slot(adm, f"a{i}", 0.0, "A"))) for i in (1, 2, 3)]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):  # A itself is refused when its own line is full
+            await adm.acquire(Slot(adm, "a4", 0.0, "A"))
+        b = asyncio.ensure_future(adm.acquire(Slot(adm, "b0", 0.0, "B")))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="at capacity"):  # A's newest waiter gave B its place
+            await tasks[2]
+        assert adm.num_waiting == 3 and not b.done()
+        c = asyncio.ensure_future(adm.acquire(Slot(adm, "c0", 0.0, "C")))  # A: 2 waiting, C: 0 -> A sheds again
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):
+            await tasks[1]
+        with pytest.raises(Overloaded):  # now A 1, B 1, C 1 waiting: nobody has more than D would, D is refused
+            await adm.acquire(Slot(adm, "d0", 0.0, "D"))
+        adm.release("A")
+        await asyncio.sleep(0)
+        assert b.done() or c.done() or tasks[0].done()
+        for t in (b, c, tasks[0]):
+            if not t.done():
+                adm.release("")
+                await asyncio.sleep(0)
+        await asyncio.gather(b, c, tasks[0])
+    run(body())
