@@ -280,48 +280,7 @@ static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER; /* one caller of
 static pid_t worker_pid = 0;  /* the process that started the worker (a forked child starts its own) */
 static int64_t worker_spin_ns = 200000;
 
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-/* wait until *word != seen: spin up to spin_ns, then sleep (futex; a short nap where there is none) */
-static void wait_change(_Atomic uint32_t *word, uint32_t seen, int64_t spin_ns) {
-    if (atomic_load_explicit(word, memory_order_acquire) != seen) return;
-    const int64_t deadline = now_ns() + spin_ns;
-    for (unsigned i = 1;; i++) {
-        if (atomic_load_explicit(word, memory_order_acquire) != seen) return;
-        if ((i & 63) == 0) {
-            if (now_ns() > deadline) break;
-            sched_yield();
-        } else {
-            cpu_relax();
-        }
-    }
-    while (atomic_load_explicit(word, memory_order_acquire) == seen) {
-#if defined(__linux__)
-        syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-#else
-        struct timespec nap = {0, 50000};
-        nanosleep(&nap, NULL);
-#endif
-    }
-}
-
-static void wake(_Atomic uint32_t *word) {
-#if defined(__linux__)
-    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
-#else
-    (void)word;
-#endif
-}
+#include "kernel_sync.h"
 
 static int run_job(const job_t *j);
 

@@ -71,7 +71,8 @@ def build(source: Path = SOURCE) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), cc.encode(),
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may #include
+    digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(FLAGS).encode(), cc.encode(),
                                         platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{digest}.so"
     if target.is_file():
