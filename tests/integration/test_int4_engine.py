@@ -5,7 +5,7 @@ the start-up log say int4.
 The reference is the same engine in float32 on a copy of the checkpoint whose layer matrices were replaced by their
 4-bit values (levels times scales plus minimums) and whose lm_head by its int8 values times scales, what
 `--weights int4` serves: the two runs differ only in float rounding, so greedy tokens must agree. (The real model's
-quality contract, perplexity and agreement with fp32, is tests/e2e/test_int4_quality.py.)
+quality contract, perplexity and agreement with fp32, is tests/e2e/test_weights_quality.py.)
 """
 
 from __future__ import annotations

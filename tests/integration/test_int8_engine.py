@@ -3,7 +3,7 @@ batch invariance holds, and GetModelInfo / the start-up log say int8.
 
 The reference is the same engine in float32 on a copy of the checkpoint whose linear and lm_head weights were
 replaced by their int8 values times their scales, so the two runs differ only in float rounding: greedy tokens
-must agree. (The real model's quality contract, perplexity and agreement with fp32, is tests/e2e/test_int8_quality.py.)
+must agree. (The real model's quality contract, perplexity and agreement with fp32, is tests/e2e/test_weights_quality.py.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,103 @@
+"""The quality contracts of the quantized weight modes on the real default model, each rule as a test:
+
+- perplexity on tests/data/perplexity-en.txt (2,735 tokens of English) within 1 % of fp32's for `--weights int8`,
+  2 % for `--weights int4`;
+- for 16 fixed chat prompts, greedy output equals fp32's first 16 tokens in at least 12 of 16;
+- batch invariance: each prompt's greedy tokens are the same alone and in a batch of all 16.
+
+fp32's perplexity and greedy tokens are computed once for both modes. The default checkpoint is a dequantized Q4_1
+GGUF, so 4 bits in groups of 32 with a minimum recover its layers exactly (docs/engine.md, "int4 weights").
+Needs `make model`; skips with that reason otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_helpers import greedy_request, run_all, tokens
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.engine import Engine
+from tokenloop.engine.perplexity import DEFAULT_TEXT, load_engine, perplexity
+from tokenloop.looper.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+NUM_NEW = 16
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences what a hash table is.",
+    "Give me three tips for sleeping better.",
+    "What is the difference between weather and climate?",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Write a short poem about a cat who likes rain.",
+    "How do I boil an egg?",
+    "Name the planets of the solar system in order.",
+    "What does a compiler do?",
+    "Suggest a name for a small bakery by the sea.",
+    "Summarise the story of Cinderella in one sentence.",
+    "What are the health benefits of walking every day?",
+    "Explain photosynthesis to a ten-year-old.",
+    "Write a polite email declining a meeting invitation.",
+]
+PERPLEXITY_RULE = {"int8": 0.01, "int4": 0.02}  # largest relative perplexity increase over fp32
+ENGINE = dict(kv_cache_tokens=8192, max_num_tokens=256, max_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_dir) -> list[list[int]]:
+    tok = Tokenizer.from_dir(default_model_dir)
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def text_ids(default_model_dir) -> list[int]:
+    ids = Tokenizer.from_dir(default_model_dir).encode(DEFAULT_TEXT.read_text())
+    assert len(ids) >= 2000
+    return ids
+
+
+@pytest.fixture(scope="module")
+def fp32_perplexity(default_model_dir, text_ids) -> float:
+    value, scored = perplexity(load_engine(default_model_dir, "fp32"), text_ids)
+    assert scored >= 2000 and 5 < value < 100  # a sane model on English prose
+    return value
+
+
+@pytest.fixture(scope="module")
+def fp32_greedy(default_model_dir, prompts) -> list[list[int]]:
+    fp32 = Engine.from_dir(default_model_dir, EngineConfig(weights="fp32", **ENGINE))
+    try:
+        return greedy(fp32, prompts)
+    finally:
+        fp32.shutdown()
+
+
+def greedy(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
+    ids, steps = run_all(engine, [greedy_request(p, NUM_NEW) for p in batch])
+    return [tokens(steps[(i, 0)]) for i in ids]
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_perplexity_close_to_fp32(default_model_dir, text_ids, fp32_perplexity, weights):
+    value, _ = perplexity(load_engine(default_model_dir, weights), text_ids)
+    change = value / fp32_perplexity - 1
+    print(f"perplexity: fp32 {fp32_perplexity:.4f}, {weights} {value:.4f} ({100 * change:+.2f} %)")
+    assert abs(change) < PERPLEXITY_RULE[weights], f"{weights} perplexity {value:.4f} against fp32 {fp32_perplexity:.4f}"
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_greedy_follows_fp32_and_is_batch_invariant(default_model_dir, prompts, fp32_greedy, weights):
+    engine = Engine.from_dir(default_model_dir, EngineConfig(weights=weights, **ENGINE))
+    try:
+        assert engine.dtype == weights
+        together = greedy(engine, prompts)
+        alone = [greedy(engine, [p])[0] for p in prompts]
+    finally:
+        engine.shutdown()
+    assert all(len(t) == NUM_NEW for t in together)
+    assert alone == together  # batch invariance
+    same = sum(a == b for a, b in zip(together, fp32_greedy))
+    print(f"{weights} equals fp32 on {same} of 16 prompts (first {NUM_NEW} tokens)")
+    assert same >= 12, f"{weights} equals fp32 on {same} of 16 prompts (first {NUM_NEW} tokens)"
