@@ -318,47 +318,12 @@ typedef struct {
     int rc;
 } job_t;
 
-static job_t job;
-static _Atomic uint32_t posted, finished;
-static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
-static pid_t worker_pid = 0;
-static int64_t worker_spin_ns = 200000;
-
-#include "kernel_sync.h"
+static int run_job(const job_t *j);
+#define WORKER_THREAD_NAME "tokenloop-i4"
+#include "kernel_worker.h"
 
 static int run_job(const job_t *j) {
     return int4_linear_f32(j->path, j->x, j->M, j->K, j->q, j->sm, j->G, j->y, j->N, j->n_begin, j->n_end);
-}
-
-static void *worker_main(void *arg) {
-    (void)arg;
-    uint32_t seen = 0;
-    for (;;) {
-        wait_change(&posted, seen, worker_spin_ns);
-        seen = atomic_load_explicit(&posted, memory_order_acquire);
-        job.rc = run_job(&job);
-        atomic_fetch_add_explicit(&finished, 1, memory_order_release);
-        wake(&finished);
-    }
-    return NULL;
-}
-
-static int ensure_worker(void) {
-    if (worker_pid == getpid()) return 0;
-    pthread_t thread;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    atomic_store(&posted, 0);
-    atomic_store(&finished, 0);
-    const int rc = pthread_create(&thread, &attr, worker_main, NULL);
-    pthread_attr_destroy(&attr);
-    if (rc != 0) return -1;
-#if defined(__linux__)
-    pthread_setname_np(thread, "tokenloop-i4");
-#endif
-    worker_pid = getpid();
-    return 0;
 }
 
 /* How long (microseconds) the worker spins for its next job before it sleeps. */
@@ -372,22 +337,5 @@ int int4_linear_f32_2t(int path, const float *x, int64_t M, int64_t K, const uin
     job_t mine = {path, x, M, K, q, sm, G, y, N, n_begin, mid, 0};
     job_t theirs = mine;
     theirs.n_begin = mid, theirs.n_end = n_end;
-    int have_worker = pthread_mutex_trylock(&caller_lock) == 0;
-    if (have_worker && ensure_worker() != 0) {
-        pthread_mutex_unlock(&caller_lock);
-        have_worker = 0;
-    }
-    if (!have_worker) {
-        mine.n_end = n_end;
-        return run_job(&mine);
-    }
-    job = theirs;
-    const uint32_t done_before = atomic_load_explicit(&finished, memory_order_acquire);
-    atomic_fetch_add_explicit(&posted, 1, memory_order_release);
-    wake(&posted);
-    const int rc = run_job(&mine);
-    wait_change(&finished, done_before, 2000000);
-    const int theirs_rc = job.rc;
-    pthread_mutex_unlock(&caller_lock);
-    return rc != 0 ? rc : theirs_rc;
+    return run_split(mine, theirs);
 }

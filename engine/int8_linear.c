@@ -274,47 +274,9 @@ typedef struct {
     int rc;
 } job_t;
 
-static job_t job;
-static _Atomic uint32_t posted, finished; /* job counters: the caller bumps `posted`, the worker `finished` */
-static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER; /* one caller of the worker at a time */
-static pid_t worker_pid = 0;  /* the process that started the worker (a forked child starts its own) */
-static int64_t worker_spin_ns = 200000;
-
-#include "kernel_sync.h"
-
 static int run_job(const job_t *j);
-
-static void *worker_main(void *arg) {
-    (void)arg;
-    uint32_t seen = 0; /* ensure_worker zeroed the counters before starting this thread; a job may be posted already */
-    for (;;) {
-        wait_change(&posted, seen, worker_spin_ns);
-        seen = atomic_load_explicit(&posted, memory_order_acquire);
-        job.rc = run_job(&job);
-        atomic_fetch_add_explicit(&finished, 1, memory_order_release);
-        wake(&finished);
-    }
-    return NULL;
-}
-
-/* the worker of this process, started on first use; 0 when running, < 0 when it cannot be started */
-static int ensure_worker(void) {
-    if (worker_pid == getpid()) return 0;
-    pthread_t thread;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    atomic_store(&posted, 0);
-    atomic_store(&finished, 0);
-    const int rc = pthread_create(&thread, &attr, worker_main, NULL);
-    pthread_attr_destroy(&attr);
-    if (rc != 0) return -1;
-#if defined(__linux__)
-    pthread_setname_np(thread, "tokenloop-i8");
-#endif
-    worker_pid = getpid();
-    return 0;
-}
+#define WORKER_THREAD_NAME "tokenloop-i8"
+#include "kernel_worker.h"
 
 /* How long (microseconds) the worker spins for its next job before it sleeps. */
 void int8_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
@@ -322,29 +284,6 @@ void int8_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin
 static int run_job(const job_t *j) {
     return j->kind == 1 ? f32_linear_f32(j->x, j->M, j->K, j->fw, j->y, j->N, j->n_begin, j->n_end)
                         : int8_linear_f32(j->x, j->M, j->K, j->q, j->scale, j->G, j->y, j->N, j->n_begin, j->n_end);
-}
-
-/* run `mine` here and `theirs` (the same product, the channels after mine's) on the worker; when the worker is
- * busy with another caller (a second engine in the process) or cannot start, run both here */
-static int run_split(job_t mine, job_t theirs) {
-    int have_worker = pthread_mutex_trylock(&caller_lock) == 0;
-    if (have_worker && ensure_worker() != 0) {
-        pthread_mutex_unlock(&caller_lock);
-        have_worker = 0;
-    }
-    if (!have_worker) {
-        mine.n_end = theirs.n_end;
-        return run_job(&mine);
-    }
-    job = theirs;
-    const uint32_t done_before = atomic_load_explicit(&finished, memory_order_acquire);
-    atomic_fetch_add_explicit(&posted, 1, memory_order_release);
-    wake(&posted);
-    const int rc = run_job(&mine);
-    wait_change(&finished, done_before, 2000000);
-    const int theirs_rc = job.rc;
-    pthread_mutex_unlock(&caller_lock);
-    return rc != 0 ? rc : theirs_rc;
 }
 
 /* int8_linear_f32 over channels [n_begin, n_end), split at `mid` (a multiple of 8): [n_begin, mid) here,
