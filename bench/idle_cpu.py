@@ -35,7 +35,7 @@ def executor_factory(kind: str):
         from tokenloop.service.server import default_executor_factory
         return default_executor_factory
     from bench.null_executor import NullExecutor, sample_token_ids
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
     return lambda cfg: NullExecutor(sample_token_ids(Tokenizer.from_dir(cfg.model)), rate=200.0)
 
 

@@ -179,7 +179,7 @@ def _install_trace(ex) -> None:
 
 async def _serve_full(args) -> tuple[object, object]:
     from bench.null_executor import NullExecutor, sample_token_ids
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
     from tokenloop.service.config import ServerConfig
     from tokenloop.service.server import Server
     ex = NullExecutor(sample_token_ids(Tokenizer.from_dir(args.model)), rate=args.rate, record=True)

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..looper.executor import EngineDeadError, ExecutorStats, Step, merge_steps
-from ..looper.kv_events import CacheCleared, KvEventHub
-from ..looper.request import ValidRequest
-from ..looper.stream import ErrorKind
-from ..looper.tokenizer import ModelCard
+from ..core.executor import EngineDeadError, ErrorKind, ExecutorStats, Step, merge_steps
+from ..core.kv_events import CacheCleared, KvEventHub
+from ..core.request import ValidRequest
+from ..core.tokenizer import ModelCard
 from . import kernels, runner
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -47,7 +46,7 @@ def default_num_threads() -> int:
 
 
 class Engine:
-    """Serves one Llama-family checkpoint; implements tokenloop.looper.executor.Executor."""
+    """Serves one Llama-family checkpoint; implements tokenloop.core.executor.Executor."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, start: bool = True):
         self.config = config or EngineConfig()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ..looper.executor import Step
-from ..looper.request import FinishReason
-from ..looper.stream import ErrorKind
+from ..core.executor import ErrorKind, Step
+from ..core.request import FinishReason
 from . import guided
 from .sampler import Sample
 from .scheduler import Scheduler

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..looper.request import FinishReason, ValidRequest
+from ..core.request import FinishReason, ValidRequest
 
 _seq_ids = itertools.count()
 

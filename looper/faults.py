@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from .executor import EngineDeadError, Executor, ExecutorStats, Step
-from .request import ValidRequest
+from tokenloop.core.executor import EngineDeadError, Executor, ExecutorStats, Step
+from tokenloop.core.request import ValidRequest
 
 log = logging.getLogger("tokenloop.faults")
 

@@ -15,12 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from tokenloop.core.executor import EngineDeadError, Executor, Step, merge_steps
+from tokenloop.core.request import ValidRequest
+from tokenloop.core.threads import name_this_thread
+
 from .detokenizer import Decoder
-from .executor import EngineDeadError, Executor, Step, merge_steps
 from .outputs import RequestState
-from .request import ValidRequest
 from .stream import ErrorKind, Event, RequestFailed, RequestStream
-from .threads import name_this_thread
 
 log = logging.getLogger("tokenloop.looper")
 

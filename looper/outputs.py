@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 
+from tokenloop.core.executor import Step
+from tokenloop.core.request import FinishReason, ValidRequest
+
 from .detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
-from .executor import Step
-from .request import FinishReason, ValidRequest
 from .stream import Chunk, Complete, Event, RequestStream, Timing, TokenLogprob
 
 

@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health_pb2
 
-from tokenloop.looper.executor import Executor
+from tokenloop.core.executor import Executor
+from tokenloop.core.request import ValidRequest
+from tokenloop.core.structured import GrammarCompiler
+from tokenloop.core.tokenizer import ModelCard, Tokenizer
 from tokenloop.looper.looper import Looper
-from tokenloop.looper.request import ValidRequest
 from tokenloop.looper.stream import Complete
-from tokenloop.looper.structured import GrammarCompiler
-from tokenloop.looper.tokenizer import ModelCard, Tokenizer
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from .admission import Admission
@@ -167,7 +167,7 @@ class App:
     async def tokenizing(self, size: int, fn: Callable, *args):
         """`fn(*args)`, a call that tokenizes (validation, Tokenize, Detokenize) an input of `size` characters
         (or ids): here when `size` is at most `--tokenize-inline-chars`, else on a tokenizer thread. `tokenizers`
-        releases the GIL while it works (looper.tokenizer), so the event loop keeps writing every other stream and the
+        releases the GIL while it works (core.tokenizer), so the event loop keeps writing every other stream and the
         looper keeps polling while a long prompt is tokenized; done here, a prompt of 8k tokens would stop both for
         ~15 ms. Short inputs stay here: the hop to a thread and back (two wake-ups) costs more than they do."""
         if size <= self.config.tokenize_inline_chars:

@@ -6,7 +6,8 @@ import re
 
 import grpc
 
-from tokenloop.looper.stream import ErrorKind, RequestFailed
+from tokenloop.core.executor import ErrorKind
+from tokenloop.looper.stream import RequestFailed
 
 
 class ServiceError(Exception):

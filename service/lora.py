@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from tokenloop.core.request import ValidRequest
 from tokenloop.engine.lora import LoraError, LoraInUseError
-from tokenloop.looper.request import ValidRequest
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from .config import LORA_NAME as NAME

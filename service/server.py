@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenloop.looper.executor import Executor
+from tokenloop.core.executor import Executor
 from tokenloop.v1 import tokenloop_pb2
 
 from .app import App
@@ -30,7 +30,7 @@ log = logging.getLogger("tokenloop.service")
 def default_executor_factory(config: ServerConfig) -> Executor:
     """The executor for `--backend` (imported lazily), wrapped by $TOKENLOOP_DEBUG_FAULT when set."""
     if config.backend == "trtllm":
-        from tokenloop.looper.trtllm import create_trtllm_executor
+        from tokenloop.trtllm import create_trtllm_executor
         executor = create_trtllm_executor(config.model, **config.executor_options)
     else:
         from tokenloop.engine.config import EngineConfig

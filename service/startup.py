@@ -55,7 +55,7 @@ def check_trtllm_installed() -> None:
     """--backend trtllm needs the tensorrt_llm package (found, not imported: that takes seconds and a GPU)."""
     import importlib.util
 
-    from tokenloop.looper.trtllm import MISSING_TRTLLM
+    from tokenloop.trtllm import MISSING_TRTLLM
 
     if importlib.util.find_spec("tensorrt_llm") is None:
         raise StartupError(MISSING_TRTLLM)

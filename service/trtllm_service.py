@@ -22,8 +22,8 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
-from tokenloop.looper.kv_events import ResumeOutOfRange
-from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
+from tokenloop.core.kv_events import ResumeOutOfRange
+from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
 from .convert import field_key, string_field, varint

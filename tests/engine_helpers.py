@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from tokenloop.looper.executor import Step
-from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
+from tokenloop.core.executor import Step
+from tokenloop.core.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
 
 
 def greedy_request(prompt, max_new_tokens: int = 64, **stopping) -> ValidRequest:

@@ -26,11 +26,11 @@ from tests.integration.service_harness import serving
 from tests.lora_helpers import write_adapter
 from tests.structured_helpers import check_json, compiler_for, constrained
 from tests.tiny_model import make_tiny_model
+from tokenloop.core.request import FinishReason
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.quant import Q4Weight, qweight, qweight4
-from tokenloop.looper.request import FinishReason
-from tokenloop.looper.tokenizer import Tokenizer
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 CONFIG = dict(kv_cache_tokens=4096, max_num_tokens=64, max_batch_size=16, block_size=8, max_lora_rank=8)

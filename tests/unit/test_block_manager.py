@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared
 from tokenloop.engine.block_manager import BlockManager, block_hash
 from tokenloop.engine.sequence import Sequence
-from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared
 
 
 def seq(tokens) -> Sequence:

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from tests.scripted_executor import ScriptedExecutor
-from tokenloop.looper.executor import EngineDeadError
+from tokenloop.core.executor import EngineDeadError
+from tokenloop.core.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.looper.faults import FaultyExecutor, parse_fault_spec, with_faults
-from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.service.cli import _parser, config_from_args
 from tokenloop.service.config import ServerConfig
 from tokenloop.service.logs import JsonFormatter, TextFormatter
@@ -116,7 +116,8 @@ def test_an_empty_or_missing_api_key_file_stops_start_up(tmp_path, monkeypatch):
 
 
 def test_client_messages_lose_paths_stack_frames_and_excess_length():
-    from tokenloop.looper.stream import ErrorKind, RequestFailed
+    from tokenloop.core.executor import ErrorKind
+    from tokenloop.looper.stream import RequestFailed
     from tokenloop.service.errors import Unavailable, ValidationError, status_of
     trt = ("generation failed: [TensorRT-LLM][ERROR] Assertion failed: bad shape "
            "(/home/jenkins/agent/cpp/tensorrt_llm/runtime/gptDecoder.cpp:231)\n1  0x7f3 tensorrt_llm::common::throw")

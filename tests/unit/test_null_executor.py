@@ -14,12 +14,12 @@ from bench.null_executor import NullExecutor, sample_token_ids
 from tests.conftest import run
 from tests.integration.service_harness import serving
 from tests.scripted_executor import ScriptedExecutor
+from tokenloop.core.executor import Executor, Step, merge_steps
+from tokenloop.core.request import FinishReason, StoppingParams, ValidRequest
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.looper.detokenizer import IncrementalDetokenizer, is_byte_level, token_texts
-from tokenloop.looper.executor import Executor, Step, merge_steps
 from tokenloop.looper.looper import Looper
-from tokenloop.looper.request import FinishReason, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, Timing, TokenLogprob
-from tokenloop.looper.tokenizer import Tokenizer
 from tokenloop.service.convert import StreamWriter
 from tokenloop.v1 import tokenloop_pb2 as pb
 

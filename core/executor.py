@@ -7,11 +7,21 @@ thread is the only caller of every method except `stats()`, which any thread may
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .request import FinishReason, ValidRequest
-from .stream import ErrorKind
+
+
+class ErrorKind(enum.Enum):
+    """How a request failed; the service maps each to one gRPC status code."""
+
+    UNAVAILABLE = "unavailable"  # executor dead, server shutting down
+    INTERNAL = "internal"  # the executor failed this request
+    INVALID_ARGUMENT = "invalid_argument"  # the executor refused this request at enqueue
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
 
 
 class EngineDeadError(RuntimeError):
@@ -91,7 +101,7 @@ class ExecutorStats:
 
 @runtime_checkable
 class Executor(Protocol):
-    """What the looper drives. Implementations: engine.Engine, looper.trtllm_*.
+    """What the looper drives. Implementations: engine.Engine, trtllm.executor.TrtllmExecutor, trtllm.llmapi.TrtllmLlmApi.
 
     Optional, not part of the checked protocol: `wake() -> None`, thread-safe, makes a blocked (or the
     next) `await_responses` return early. The looper calls it from the event loop after queueing a new
