@@ -32,7 +32,7 @@ DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 
 def executor_factory(kind: str):
     if kind == "engine":
-        from tokenloop.service.server import default_executor_factory
+        from tokenloop.service.executors import default_executor_factory
         return default_executor_factory
     from bench.null_executor import NullExecutor, sample_token_ids
     from tokenloop.core.tokenizer import Tokenizer

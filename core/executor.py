@@ -103,22 +103,8 @@ class ExecutorStats:
 class Executor(Protocol):
     """What the looper drives. Implementations: engine.Engine, trtllm.executor.TrtllmExecutor, trtllm.llmapi.TrtllmLlmApi.
 
-    Optional, not part of the checked protocol: `wake() -> None`, thread-safe, makes a blocked (or the
-    next) `await_responses` return early. The looper calls it from the event loop after queueing a new
-    request or a cancel, so that it is taken at once instead of after the executor's wait (up to the
-    looper's `poll_timeout`). Without it, commands wait for the current `await_responses` to return.
-
-    Optional too: `set_death_callback(callback) -> None`: the executor calls `callback(reason)` once, from any
-    thread, when it dies (at once if it is already dead). The looper then fails every stream and reports the
-    death even while no request is in flight (it waits on its command channel then, not on the executor).
-
-    Optional, not part of the checked protocol: `pause(id) -> None` and `resume(id) -> None`, both idempotent,
-    unknown or finished ids ignored. `pause` stops generating for a request and frees what it holds in the
-    executor (KV blocks) while keeping its output so far; steps already made may still arrive. `resume` lets it
-    generate again from where it stopped: the same tokens as if never paused (greedy; seeded sampling keeps its
-    RNG). The service pauses a request whose reader stopped reading (--slow-reader-grace) and gives its admission
-    slot to another; the looper sends both through its channel like `cancel`. An executor without them (the
-    TensorRT-LLM adapters) keeps generating for a stalled reader, which keeps its slot until --stall-timeout.
+    Optional abilities (wake, pause / resume, a death callback, LoRA, KV events) are protocols of their own in
+    core/capabilities.py, read once where the executor is built.
     """
 
     def enqueue(self, request: ValidRequest) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from ..core.executor import EngineDeadError, ErrorKind, ExecutorStats, Step, merge_steps
 from ..core.kv_events import CacheCleared, KvEventHub
+from ..core.lora import LoraRegistry
 from ..core.request import ValidRequest
 from ..core.tokenizer import ModelCard
 from . import kernels, runner
@@ -26,7 +27,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .kernels import PagedAttention
 from .loader import ModelConfig, load_weights
-from .lora import LoraRegistry, LoraWeights, read_adapter
+from .lora import LoraWeights, read_adapter
 from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
 from .postprocess import cancelled_steps, error_steps, steps_for_samples
@@ -74,6 +75,7 @@ class Engine:
         self.kv_events.publish([CacheCleared()])  # the first batch: a fresh, empty cache (TensorRT-LLM's `created`)
         self.eos_token_ids = self.card.eos_token_ids
         self.loras = LoraRegistry()  # the adapters requests may name (GenerateRequest.lora)
+        self.lora_enabled, self.lora_disabled_reason = True, ""  # core.capabilities.RunsLoras
         self._requests: dict[int, list[Sequence]] = {}  # engine thread only
         self._ids = itertools.count(1)
         self._lock = threading.Lock()

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health_pb2
 
+from tokenloop.core.capabilities import Capabilities
 from tokenloop.core.executor import Executor
 from tokenloop.core.request import ValidRequest
 from tokenloop.core.structured import GrammarCompiler
@@ -69,6 +70,7 @@ class App:
         self.card: ModelCard | None = None
         self.validator: Validator | None = None
         self.executor: Executor | None = None
+        self.capabilities = Capabilities()  # what the executor can do beyond Executor (core.capabilities), once built
         self.grammars: GrammarGate | None = None  # compiles `structured` constraints (service.structured)
         self.looper: Looper | None = None
         self.loras: LoraCatalog | None = None  # the LoRA adapters requests may name (service.lora)
@@ -108,6 +110,7 @@ class App:
                                  initializer=self.placement.release_this_thread)
         self.grammars = GrammarGate(compiler, processes, cfg.grammar_compile_timeout, threads)
         self.executor = self._executor_factory(cfg)
+        self.capabilities = Capabilities.of(self.executor)  # its optional abilities, read once here
 
     async def start(self) -> None:
         """Load the model (health NOT_SERVING meanwhile), start the looper, then serve."""
@@ -115,12 +118,12 @@ class App:
         self.placement.choose()  # a --front-cpu outside the process's CPUs fails here, before the model loads
         await asyncio.to_thread(self.load_model)
         await self.grammars.processes.start()
-        self.loras = LoraCatalog(self.executor, self.config.max_loras)
+        self.loras = LoraCatalog(self.executor, self.config.max_loras, self.capabilities)
         for value in self.config.loras:  # a bad adapter fails start-up, naming it
             await self.loras.load(*parse_lora_flag(value))
         loop = asyncio.get_running_loop()
         self.looper = Looper(self.executor, self.tokenizer, poll_timeout=self.config.poll_timeout,
-                             on_death=self._on_death)
+                             on_death=self._on_death, capabilities=self.capabilities)
         self.looper.start(loop)
         if self.placement.pin(threading.get_native_id(), self.looper.thread_id) is not None:
             # threads started from now on by the event loop would inherit its one CPU
@@ -220,7 +223,8 @@ class App:
 
     @property
     def dtype(self) -> str:
-        return str(getattr(self.executor, "dtype", self.card.torch_dtype)).removeprefix("torch.")
+        dtype = self.capabilities.dtype
+        return str(self.card.torch_dtype if dtype is None else dtype).removeprefix("torch.")
 
     def load(self) -> pb.Load:
         adm = self.admission

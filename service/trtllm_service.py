@@ -409,7 +409,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
         if app.not_ready_reason:
             await abort_with(context, Unavailable(app.not_ready_reason))
             return
-        hub = getattr(app.executor, "kv_events", None)
+        hub = app.capabilities.kv_events
         if hub is None:
             await abort_with(context, Unimplemented(
                 "SubscribeKvEvents is not available: this executor publishes no KV-cache events "

@@ -12,11 +12,11 @@ import pytest
 
 from tests.engine_helpers import greedy_request, run_all, tokens
 from tests.lora_helpers import ADAPTERS, make_adapter, peft_greedy
+from tokenloop.core.lora import LoraError, LoraInUseError
 from tokenloop.core.request import ValidRequest
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.lora import LoraError, LoraInUseError
 
 pytest.importorskip("peft")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

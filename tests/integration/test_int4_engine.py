@@ -145,7 +145,7 @@ def test_a_prefix_cache_hit_on_int4_changes_no_token(checkpoints, engines):
 
 def test_model_info_reports_int4(checkpoints):
     from tokenloop.service.config import ServerConfig
-    from tokenloop.service.server import default_executor_factory
+    from tokenloop.service.executors import default_executor_factory
 
     async def body() -> str:
         config = ServerConfig(model=str(checkpoints[0]), executor_options={"weights": "int4", "kv_cache_tokens": 512})

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tests.fakes import scenarios
 from tests.fakes.fixtures import fake_trtllm, make_engine_dir
 from tests.lora_helpers import write_adapter
-from tokenloop.engine.lora import LoraError, LoraInUseError
+from tokenloop.core.lora import LoraError, LoraInUseError
 from tokenloop.trtllm import TrtllmConfig, create_trtllm_executor
 from tokenloop.trtllm.lora import read_trtllm_adapter
 
