@@ -39,7 +39,7 @@ class Step:
     INVALID_ARGUMENT when the request's own values made it fail; None means INTERNAL).
     """
 
-    request_id: int
+    executor_id: int  # the id enqueue() returned for the request (ValidRequest.request_id is the client's)
     seq_index: int
     token_ids: list[int]
     logprobs: list[float] | None = None
@@ -58,7 +58,7 @@ def merge_steps(steps: list[Step]) -> list[Step]:
     by_seq: dict[tuple[int, int], Step] = {}
     out: list[Step] = []
     for step in steps:
-        key = (step.request_id, step.seq_index)
+        key = (step.executor_id, step.seq_index)
         prev = by_seq.get(key)
         if prev is None or prev.is_final or step.error is not None or prev.error is not None:
             by_seq[key] = step
@@ -117,7 +117,7 @@ class Executor(Protocol):
         Raises EngineDeadError when the executor has died."""
         ...
 
-    def cancel(self, request_id: int) -> None:
+    def cancel(self, executor_id: int) -> None:
         """Idempotent. The request then ends with a final step of FinishReason.CANCELLED per
         unfinished sequence; unknown or finished ids are ignored."""
         ...

@@ -226,7 +226,7 @@ class Looper:
         now = time.monotonic()
         outbox = self._outbox
         for step in steps:
-            state = in_flight.get(step.request_id)
+            state = in_flight.get(step.executor_id)
             if state is None:
                 continue
             # the common decode step, inline: one chunk queued for the stream's next hand-off

@@ -7,8 +7,6 @@ streaming, a `Complete` when the sequence ends).
 
 from __future__ import annotations
 
-import time
-
 from tokenloop.core.executor import Step
 from tokenloop.core.request import FinishReason, ValidRequest
 
@@ -154,6 +152,3 @@ class RequestState:
                 logprobs=seq.logprobs if not self.request.stream else None))
         return events
 
-
-def monotonic() -> float:
-    return time.monotonic()

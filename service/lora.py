@@ -17,35 +17,15 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import grpc
-
 from tokenloop.core.capabilities import Capabilities
 from tokenloop.core.lora import LoraError, LoraInUseError
 from tokenloop.core.request import ValidRequest
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from .config import LORA_NAME as NAME
-from .errors import AlreadyExists, Overloaded, ServiceError, ValidationError
+from .errors import AlreadyExists, InUse, NotFound, Overloaded, Unimplemented, ValidationError
 
 MAX_TASK_ID = (1 << 63) - 1
-
-
-class NotFound(ServiceError):
-    """An adapter name or task id that is not loaded."""
-
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class InUse(ServiceError):
-    """Unloading an adapter that requests are using."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class Unsupported(ServiceError):
-    """The executor serves no LoRA adapters."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED
 
 
 @dataclass(slots=True)
@@ -179,7 +159,7 @@ class LoraCatalog:
 
     def _require_support(self) -> None:
         if not self.supported:
-            raise Unsupported(self._unsupported_reason)
+            raise Unimplemented(self._unsupported_reason)
 
 
 def with_lora(valid: ValidRequest, name: str) -> ValidRequest:

@@ -55,7 +55,7 @@ def engine(default_model_dir, adapters):
     eng = Engine.from_dir(default_model_dir, EngineConfig(dtype="float32", max_num_tokens=128, max_batch_size=16,
                                                           kv_cache_tokens=8192))
     for name, path in adapters.items():
-        eng.load_lora(name, path)
+        eng.add_lora(eng.read_lora(name, path))
     yield eng
     eng.shutdown()
 

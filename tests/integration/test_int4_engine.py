@@ -58,7 +58,7 @@ def engines(checkpoints, tmp_path_factory):
     int4 = Engine.from_dir(original, EngineConfig(weights="int4", **CONFIG))
     ref = Engine.from_dir(dequantized, EngineConfig(weights="fp32", **CONFIG))
     for engine in (int4, ref):
-        engine.load_lora("a", adapter)
+        engine.add_lora(engine.read_lora("a", adapter))
     yield int4, ref
     int4.shutdown()
     ref.shutdown()

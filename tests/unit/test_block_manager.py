@@ -10,7 +10,7 @@ from tokenloop.engine.sequence import Sequence
 
 
 def seq(tokens) -> Sequence:
-    return Sequence(request_id=1, seq_index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens))
+    return Sequence(executor_id=1, seq_index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens))
 
 
 def compute(bm: BlockManager, s: Sequence, n: int) -> None:

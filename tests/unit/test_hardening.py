@@ -72,9 +72,9 @@ def poll_until(ex, predicate, timeout=5.0):
 def test_faulty_executor_fails_one_request_then_dies_after_n_polls():
     ex = FaultyExecutor(ScriptedExecutor(), die_after_polls=30, request_marker="BOOM")
     ok, doomed = ex.enqueue(request("fine")), ex.enqueue(request("BOOM here"))
-    steps = poll_until(ex, lambda s: any(x.error for x in s) and any(x.request_id == ok for x in s))
-    assert [s.error for s in steps if s.request_id == doomed] == ["injected fault"]
-    assert all(s.error is None for s in steps if s.request_id == ok)
+    steps = poll_until(ex, lambda s: any(x.error for x in s) and any(x.executor_id == ok for x in s))
+    assert [s.error for s in steps if s.executor_id == doomed] == ["injected fault"]
+    assert all(s.error is None for s in steps if s.executor_id == ok)
     with pytest.raises(EngineDeadError, match="injected fault after 30 polls"):
         poll_until(ex, lambda s: False)
     assert ex.stats().kv_blocks_total == 64  # everything else is the real executor's

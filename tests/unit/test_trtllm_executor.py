@@ -171,9 +171,9 @@ def test_error_response_and_unknown_reason_fail_only_their_request(fake, engine_
     odd = executor.enqueue(scenarios.request(prompt=(5, scenarios.UNKNOWN_REASON_TOKEN)))
     good = executor.enqueue(scenarios.request(max_new=2))
     steps = steps_until_final(executor, num_final=3)
-    errors = {s.request_id: s.error for s in steps if s.error}
+    errors = {s.executor_id: s.error for s in steps if s.error}
     assert "fake request failure" in errors[bad] and "unknown reason SOMETHING_NEW" in errors[odd]
-    assert [s.token_ids for s in steps if s.request_id == good] == [[21], [22]]
+    assert [s.token_ids for s in steps if s.executor_id == good] == [[21], [22]]
     executor.cancel(bad)  # the looper cancels a failed request: already forgotten, not sent
     assert bad not in last_request(fake)[0].cancel_calls
 
