@@ -43,7 +43,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q tests/unit $(TEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check service looper engine bench tests clients/python/tokenloop_client
+	$(BIN)/ruff check service looper engine core trtllm bench tests clients/python/tokenloop_client
 	@if [ -x .cache/buf/node_modules/.bin/buf ]; then .cache/buf/node_modules/.bin/buf lint; else echo "buf not installed (make setup-dev): skipping buf lint"; fi
 
 # Generated code is committed (so clients and `pip install` need no grpcio-tools); CI fails when it is stale.

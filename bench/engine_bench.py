@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shared_prefix:
         from bench import shared_prefix
         return shared_prefix.main(args.model, engine_flags, args.out, args.new_tokens)
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
 
     corpus = Tokenizer.from_dir(args.model).encode(TEXT)
     all_scenarios = make_scenarios(corpus)

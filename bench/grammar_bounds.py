@@ -55,7 +55,7 @@ TIGHT = {"max_items_in_row": 200, "initial_lexer_fuel": 50_000, "step_lexer_fuel
 _CHILD = """
 import json, sys, threading, time, llguidance
 sys.path.insert(0, {root!r})
-from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+from tokenloop.core.tokenizer import ModelCard, Tokenizer
 from tokenloop.looper import structured as S
 
 def main():

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--walks", type=int, default=20)
     add_out_argument(parser, "results-grammar-libs.json")
     args = parser.parse_args(argv)
-    from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+    from tokenloop.core.tokenizer import ModelCard, Tokenizer
 
     card, tokenizer = ModelCard.from_dir(args.model), Tokenizer.from_dir(args.model)
     tokenizer_json = str(Path(args.model) / "tokenizer.json")

@@ -24,7 +24,7 @@ from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tokenloop.looper.tokenizer import Tokenizer  # noqa: E402
+from tokenloop.core.tokenizer import Tokenizer  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
 from tokenloop.v1 import tokenloop_pb2_grpc  # noqa: E402
 

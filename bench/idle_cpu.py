@@ -32,10 +32,10 @@ DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 
 def executor_factory(kind: str):
     if kind == "engine":
-        from tokenloop.service.server import default_executor_factory
+        from tokenloop.service.executors import default_executor_factory
         return default_executor_factory
     from bench.null_executor import NullExecutor, sample_token_ids
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
     return lambda cfg: NullExecutor(sample_token_ids(Tokenizer.from_dir(cfg.model)), rate=200.0)
 
 

@@ -18,8 +18,8 @@ import heapq
 import threading
 import time
 
-from tokenloop.looper.executor import ExecutorStats, Step
-from tokenloop.looper.request import FinishReason, ValidRequest
+from tokenloop.core.executor import ExecutorStats, Step
+from tokenloop.core.request import FinishReason, ValidRequest
 
 SAMPLE_TEXT = (
     "The looper turns executor steps into text: it keeps a few tokens of context, decodes only "

@@ -43,7 +43,7 @@ INLINE_ALWAYS = 1 << 30  # --tokenize-inline-chars past any message
 
 def long_prompt(model: str, num_tokens: int) -> tuple[str, int]:
     """Mixed text (accents, CJK, emoji) cut to about `num_tokens` tokens of `model`'s tokenizer: (text, tokens)."""
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(model)
     per = max(1, len(SAMPLE_TEXT) // len(tok.encode(SAMPLE_TEXT)))
     text = SAMPLE_TEXT * (num_tokens * per // len(SAMPLE_TEXT) + 2)

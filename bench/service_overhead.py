@@ -136,7 +136,7 @@ def _install_trace(ex) -> None:
         steps, t = await_responses(timeout), time.monotonic()
         for step in steps:
             if step.seq_index == 0 and step.token_ids:
-                rid = names[step.request_id]
+                rid = names[step.executor_id]
                 first = seen.get(("executor", rid), 0)
                 for k in range(first, first + len(step.token_ids)):
                     times[(rid, k)] = [ex.emitted[rid][k], t]
@@ -179,18 +179,14 @@ def _install_trace(ex) -> None:
 
 async def _serve_full(args) -> tuple[object, object]:
     from bench.null_executor import NullExecutor, sample_token_ids
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
     from tokenloop.service.config import ServerConfig
     from tokenloop.service.server import Server
     ex = NullExecutor(sample_token_ids(Tokenizer.from_dir(args.model)), rate=args.rate, record=True)
     fields = dict(model=args.model, port=0, max_concurrent_requests=4096, max_queue=4096,
                   max_new_tokens=1 << 16, stall_timeout=60.0)
-    from tokenloop.service import convert
-    if hasattr(convert, "StreamWriter"):
-        fields["stream_interval"] = args.stream_interval
-        fields["coalesce"] = not args.no_coalesce
-    elif args.no_coalesce:  # the code before --stream-interval: the servicer coalesced in convert.coalesce
-        convert.coalesce = list
+    fields["stream_interval"] = args.stream_interval
+    fields["coalesce"] = not args.no_coalesce
     if args.tokenize_inline_chars is not None:
         fields["tokenize_inline_chars"] = args.tokenize_inline_chars
     if args.front_cpu is not None:

@@ -43,7 +43,7 @@ async def run(port: int, batch: list[list[int]], num_new: int) -> dict:
 def main(model_dir: str, engine_flags: list[str], out: str | None, new_tokens: str = "10,64") -> int:
     from bench.engine_bench import TEXT, free_port, start_server, wait_ready
     from bench.results import write
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
 
     batch = prompts(Tokenizer.from_dir(model_dir).encode(TEXT))
     warm = [[5, 6, 7, 8] * 8, [9, 10, 11] * 8]  # unrelated to the prompts: loads the kernels, caches nothing they share

@@ -251,7 +251,7 @@ async def engine_death(num: int) -> tuple[collections.Counter, int]:
 def bad_sampling_requests(num: int) -> list[tuple[str, pb.GenerateRequest, str]]:
     """`num` requests (name, request, the status it must get), cycling through the values a hostile-client probe
     found failing every request of an engine step (issue 28)."""
-    from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+    from tokenloop.core.tokenizer import ModelCard, Tokenizer
 
     tok, card = Tokenizer.from_dir(MODEL), ModelCard.from_dir(MODEL)
     vocab = card.vocab_size

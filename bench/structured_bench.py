@@ -60,7 +60,7 @@ async def run_streams(port: int, prompts: list[list[int]], schema: str | None) -
 
 
 def throughput(model: str, engine_flags: list[str], rounds: int) -> dict:
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
 
     corpus = Tokenizer.from_dir(model).encode(TEXT)
     prompts = [corpus[i * 97:i * 97 + PROMPT_TOKENS] for i in range(NUM_STREAMS)]
@@ -89,8 +89,8 @@ def throughput(model: str, engine_flags: list[str], rounds: int) -> dict:
 
 
 def compile_times(model: str) -> dict:
-    from tokenloop.looper.structured import GrammarCompiler
-    from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+    from tokenloop.core.structured import GrammarCompiler
+    from tokenloop.core.tokenizer import ModelCard, Tokenizer
 
     card, tokenizer = ModelCard.from_dir(model), Tokenizer.from_dir(model)
     start = time.perf_counter()
@@ -112,9 +112,9 @@ def compile_times(model: str) -> dict:
 
 def cached_admission(model: str, num: int = 2000) -> dict:
     """Seconds `GrammarGate.admit` takes on a cache hit (and on a request with no constraint, for scale)."""
-    from tokenloop.looper.request import StructuredOutput, ValidRequest
-    from tokenloop.looper.structured import GrammarCompiler
-    from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+    from tokenloop.core.request import StructuredOutput, ValidRequest
+    from tokenloop.core.structured import GrammarCompiler
+    from tokenloop.core.tokenizer import ModelCard, Tokenizer
     from tokenloop.service.structured import GrammarGate
 
     card, tokenizer = ModelCard.from_dir(model), Tokenizer.from_dir(model)

@@ -14,7 +14,7 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 
-from ..looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent, StoredBlock
+from ..core.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent, StoredBlock
 from .sequence import Sequence
 
 

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import torch
 
-from ..looper.executor import EngineDeadError, ExecutorStats, Step, merge_steps
-from ..looper.kv_events import CacheCleared, KvEventHub
-from ..looper.request import ValidRequest
-from ..looper.stream import ErrorKind
-from ..looper.tokenizer import ModelCard
+from ..core.executor import EngineDeadError, ErrorKind, ExecutorStats, Step, merge_steps
+from ..core.kv_events import CacheCleared, KvEventHub
+from ..core.lora import LoraRegistry
+from ..core.request import ValidRequest
+from ..core.tokenizer import ModelCard
 from . import kernels, runner
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .kernels import PagedAttention
 from .loader import ModelConfig, load_weights
-from .lora import LoraRegistry, LoraWeights, read_adapter
+from .lora import LoraWeights, read_adapter
 from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
 from .postprocess import cancelled_steps, error_steps, steps_for_samples
@@ -47,7 +47,7 @@ def default_num_threads() -> int:
 
 
 class Engine:
-    """Serves one Llama-family checkpoint; implements tokenloop.looper.executor.Executor."""
+    """Serves one Llama-family checkpoint; implements tokenloop.core.executor.Executor."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, start: bool = True):
         self.config = config or EngineConfig()
@@ -75,6 +75,7 @@ class Engine:
         self.kv_events.publish([CacheCleared()])  # the first batch: a fresh, empty cache (TensorRT-LLM's `created`)
         self.eos_token_ids = self.card.eos_token_ids
         self.loras = LoraRegistry()  # the adapters requests may name (GenerateRequest.lora)
+        self.lora_enabled, self.lora_disabled_reason = True, ""  # core.capabilities.RunsLoras
         self._requests: dict[int, list[Sequence]] = {}  # engine thread only
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -157,11 +158,6 @@ class Engine:
     def add_lora(self, weights: LoraWeights) -> None:
         """Make a read adapter available to requests that name it."""
         self.loras.add(weights)
-
-    def load_lora(self, name: str, path: str | Path) -> LoraWeights:
-        weights = self.read_lora(name, path)
-        self.add_lora(weights)
-        return weights
 
     def unload_lora(self, name: str) -> LoraWeights:
         """Remove an adapter no request uses; LoraInUseError while requests use it (they keep running)."""
@@ -309,17 +305,17 @@ class Engine:
         samples = sample_batch(logits, samplers, self.eos_token_ids)
         self._num_failures = 0
         self.scheduler.advance(scheduled)
-        failed = {seq.request_id: s for seq, s in zip(samplers, samples) if isinstance(s, RowFailure)}
+        failed = {seq.executor_id: s for seq, s in zip(samplers, samples) if isinstance(s, RowFailure)}
         for request_id, failure in failed.items():  # the request's own values (or its row) failed: it alone ends
             log.warning("request %d failed in sampling: %s", request_id, failure.message)
             kind = ErrorKind.INVALID_ARGUMENT if failure.invalid else ErrorKind.INTERNAL
             steps += error_steps(request_id, self._forget(request_id), self.scheduler, failure.message, kind)
-        kept = [(seq, s) for seq, s in zip(samplers, samples) if seq.request_id not in failed]
+        kept = [(seq, s) for seq, s in zip(samplers, samples) if seq.executor_id not in failed]
         steps += steps_for_samples([q for q, _ in kept], [s for _, s in kept], self.scheduler, self.eos_token_ids,
                                    self.max_context_length)
         for seq, _ in kept:
-            if seq.is_finished and all(s.is_finished for s in self._requests.get(seq.request_id, ())):
-                self._forget(seq.request_id)
+            if seq.is_finished and all(s.is_finished for s in self._requests.get(seq.executor_id, ())):
+                self._forget(seq.executor_id)
         self._latencies.append(time.perf_counter() - start)
         self._publish(steps)
 
@@ -340,11 +336,11 @@ class Engine:
             try:
                 logits, sampled = runner.run(self.model, [(seq, n)], block_size)
             except Exception as exc:  # noqa: BLE001 - this sequence's forward fails alone
-                bad.setdefault(seq.request_id, exc)
+                bad.setdefault(seq.executor_id, exc)
                 continue
             parts.append(logits)
             samplers += sampled
-        ok = [(seq, n) for seq, n in scheduled if seq.request_id not in bad]
+        ok = [(seq, n) for seq, n in scheduled if seq.executor_id not in bad]
         if not ok and not self._probe_runs():
             self._fail_step(scheduled, batch_error)  # raises once MAX_CONSECUTIVE_STEP_FAILURES steps failed so
             return None
@@ -357,7 +353,7 @@ class Engine:
             self._publish(steps)
             return None
         scheduled[:] = ok
-        keep = [i for i, seq in enumerate(samplers) if seq.request_id not in bad]
+        keep = [i for i, seq in enumerate(samplers) if seq.executor_id not in bad]
         return torch.cat(parts)[keep], [samplers[i] for i in keep], steps
 
     def _probe_runs(self) -> bool:
@@ -381,7 +377,7 @@ class Engine:
         log.error("engine step failed for every sequence (%d in a row)", self._num_failures + 1)
         self._num_failures += 1
         message = f"generation failed: {type(exc).__name__}: {exc}"
-        request_ids = dict.fromkeys(seq.request_id for seq, _ in scheduled)
+        request_ids = dict.fromkeys(seq.executor_id for seq, _ in scheduled)
         steps = []
         for request_id in request_ids:
             seqs = self._forget(request_id)
@@ -392,12 +388,12 @@ class Engine:
 
     def _publish(self, steps: list[Step]) -> None:
         sched, blocks = self.scheduler, self.block_manager
-        running = {s.request_id for s in sched.running}
+        running = {s.executor_id for s in sched.running}
         with self._lock:
             self._outputs.extend(steps)
             st = self._stats
             st.num_running = len(running)
-            st.num_waiting = len({s.request_id for s in sched.waiting} - running)
+            st.num_waiting = len({s.executor_id for s in sched.waiting} - running)
             st.kv_blocks_used = blocks.num_used_blocks
             st.num_preemptions = sched.num_preemptions
             st.num_steps += 1

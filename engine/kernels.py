@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..looper.threads import name_this_thread  # noqa: F401 - the engine's threads name themselves with it
+from ..core.threads import name_this_thread  # noqa: F401 - the engine's threads name themselves with it
 
 log = logging.getLogger(__name__)
 

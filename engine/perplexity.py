@@ -53,7 +53,7 @@ def perplexity(engine: Engine, ids: list[int], window: int = DEFAULT_WINDOW) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..looper.tokenizer import Tokenizer
+    from ..core.tokenizer import Tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ..looper.executor import Step
-from ..looper.request import FinishReason
-from ..looper.stream import ErrorKind
+from ..core.executor import ErrorKind, Step
+from ..core.request import FinishReason
 from . import guided
 from .sampler import Sample
 from .scheduler import Scheduler
@@ -49,9 +48,9 @@ def steps_for_samples(seqs: list[Sequence], samples: list[Sample], scheduler: Sc
                 reason = structured_finish(seq, sample.token_id, reason)
             except ValueError as exc:
                 scheduler.finish(seq)
-                steps.append(Step(seq.request_id, seq.seq_index, [], is_final=True, error=str(exc)))
+                steps.append(Step(seq.executor_id, seq.seq_index, [], is_final=True, error=str(exc)))
                 continue
-        step = Step(seq.request_id, seq.seq_index, [sample.token_id])
+        step = Step(seq.executor_id, seq.seq_index, [sample.token_id])
         if seq.num_output_tokens == 1:
             step.num_cached_prompt_tokens = seq.num_cached_prompt_tokens or 0
         if sample.logprob is not None:
@@ -75,7 +74,7 @@ def cancelled_steps(seqs: list[Sequence], scheduler: Scheduler) -> list[Step]:
         if not seq.is_finished:
             scheduler.finish(seq)
             seq.finish_reason = FinishReason.CANCELLED
-            steps.append(Step(seq.request_id, seq.seq_index, [], is_final=True,
+            steps.append(Step(seq.executor_id, seq.seq_index, [], is_final=True,
                               finish_reason=FinishReason.CANCELLED))
     return steps
 

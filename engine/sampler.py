@@ -207,6 +207,6 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence],
         try:
             out.append(sample_row(logits[i], seq, eos_token_ids, best[i], greedy_ids[i]))
         except Exception as exc:  # noqa: BLE001 - one row's failure must not fail its neighbours
-            log.exception("sampling failed for request %d", seq.request_id)
+            log.exception("sampling failed for request %d", seq.executor_id)
             out.append(RowFailure(f"sampling failed: {type(exc).__name__}: {exc}", invalid=False))
     return out

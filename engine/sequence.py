@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..looper.request import FinishReason, ValidRequest
+from ..core.request import FinishReason, ValidRequest
 
 _seq_ids = itertools.count()
 
@@ -25,7 +25,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Prompt plus output tokens; `num_computed_tokens` of them have K/V in `block_table`'s blocks."""
 
-    request_id: int
+    executor_id: int  # the engine's id of its request (Step.executor_id)
     seq_index: int
     token_ids: list[int]
     num_prompt_tokens: int
@@ -44,9 +44,9 @@ class Sequence:
 
 
     @classmethod
-    def from_request(cls, request_id: int, seq_index: int, request: ValidRequest) -> Sequence:
+    def from_request(cls, executor_id: int, seq_index: int, request: ValidRequest) -> Sequence:
         prompt = list(request.prompt_token_ids)
-        seq = cls(request_id, seq_index, prompt, len(prompt), request)
+        seq = cls(executor_id, seq_index, prompt, len(prompt), request)
         if not request.sampling.greedy:
             # each sequence of a request draws from its own stream: seed, seq_index -> generator
             seq.generator = torch.Generator().manual_seed((request.sampling.seed * 1_000_003 + seq_index) % (1 << 63))

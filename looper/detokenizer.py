@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         self._fast = is_byte_level(tokenizer)
-        # the `tokenizers` object itself when wrapped by looper.tokenizer.Tokenizer: one call less per push
+        # the `tokenizers` object itself when wrapped by core.tokenizer.Tokenizer: one call less per push
         raw = getattr(tokenizer, "_tok", None)
         self._raw = raw.decode if self._fast and hasattr(raw, "decode") else None
         self._texts = token_texts(tokenizer, skip_special_tokens) if self._fast else None

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from .executor import EngineDeadError, Executor, ExecutorStats, Step
-from .request import ValidRequest
+from tokenloop.core.executor import EngineDeadError, Executor, ExecutorStats, Step
+from tokenloop.core.request import ValidRequest
 
 log = logging.getLogger("tokenloop.faults")
 
@@ -69,7 +69,7 @@ class FaultyExecutor:
             raise EngineDeadError(f"injected fault after {self.die_after_polls} polls ({FAULT_ENV})")
         with self._lock:
             doomed, self._doomed = self._doomed, []
-        steps = [s for s in self.inner.await_responses(timeout) if s.request_id not in doomed]
+        steps = [s for s in self.inner.await_responses(timeout) if s.executor_id not in doomed]
         return steps + [Step(rid, 0, [], is_final=True, error="injected fault") for rid in doomed]
 
     def cancel(self, request_id: int) -> None:

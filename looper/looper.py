@@ -15,12 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 
+from tokenloop.core.capabilities import Capabilities
+from tokenloop.core.executor import EngineDeadError, Executor, Step, merge_steps
+from tokenloop.core.request import ValidRequest
+from tokenloop.core.threads import name_this_thread
+
 from .detokenizer import Decoder
-from .executor import EngineDeadError, Executor, Step, merge_steps
 from .outputs import RequestState
-from .request import ValidRequest
 from .stream import ErrorKind, Event, RequestFailed, RequestStream
-from .threads import name_this_thread
 
 log = logging.getLogger("tokenloop.looper")
 
@@ -32,16 +34,18 @@ class Looper:
     """Drains the channel, drives the executor, fans steps out to request streams."""
 
     def __init__(self, executor: Executor, tokenizer: Decoder, *, poll_timeout: float = 0.02,
-                 on_death: Callable[[str], None] | None = None):
+                 on_death: Callable[[str], None] | None = None, capabilities: Capabilities | None = None):
         self.executor = executor
         self._tokenizer = tokenizer
         self._poll_timeout = poll_timeout
         self._on_death = on_death
         self._channel: queue.SimpleQueue = queue.SimpleQueue()
+        abilities = capabilities or Capabilities.of(executor)  # the service reads them where it builds the executor
         # an executor may offer wake(): a command then interrupts its wait instead of waiting up to poll_timeout
-        self._wake_executor: Callable[[], None] | None = getattr(executor, "wake", None)
+        self._wake_executor: Callable[[], None] | None = abilities.wake
         # an executor may offer pause(id) / resume(id): a stalled reader's generation then stops and frees its KV
-        self.can_pause = callable(getattr(executor, "pause", None)) and callable(getattr(executor, "resume", None))
+        self.can_pause = abilities.pause
+        self._death_callback = abilities.death_callback
         self._in_flight: dict[int, RequestState] = {}  # executor id -> state (looper thread only)
         self._outbox: dict[RequestStream, list] = {}  # stream -> [events, done, error] (looper thread only)
         self._handoff: dict[RequestStream, list] = {}  # the same, awaiting the event loop (under _handoff_lock)
@@ -60,9 +64,8 @@ class Looper:
         """Start the looper thread; events are delivered on `loop` (default: the running loop)."""
         self._loop = loop or asyncio.get_running_loop()
         self.alive = True
-        on_death = getattr(self.executor, "set_death_callback", None)
-        if on_death is not None:  # a death while idle wakes the channel wait (see Executor)
-            on_death(lambda reason: self._channel.put((_DEAD, reason)))
+        if self._death_callback is not None:  # a death while idle wakes the channel wait (see ReportsDeath)
+            self._death_callback(lambda reason: self._channel.put((_DEAD, reason)))
         self._thread = threading.Thread(target=self._run, name="tokenloop-looper", daemon=True)
         self._thread.start()
 
@@ -223,7 +226,7 @@ class Looper:
         now = time.monotonic()
         outbox = self._outbox
         for step in steps:
-            state = in_flight.get(step.request_id)
+            state = in_flight.get(step.executor_id)
             if state is None:
                 continue
             # the common decode step, inline: one chunk queued for the stream's next hand-off

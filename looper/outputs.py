@@ -7,11 +7,10 @@ streaming, a `Complete` when the sequence ends).
 
 from __future__ import annotations
 
-import time
+from tokenloop.core.executor import Step
+from tokenloop.core.request import FinishReason, ValidRequest
 
 from .detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
-from .executor import Step
-from .request import FinishReason, ValidRequest
 from .stream import Chunk, Complete, Event, RequestStream, Timing, TokenLogprob
 
 
@@ -153,6 +152,3 @@ class RequestState:
                 logprobs=seq.logprobs if not self.request.stream else None))
         return events
 
-
-def monotonic() -> float:
-    return time.monotonic()

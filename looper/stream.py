@@ -9,12 +9,12 @@ arrived since the last read, so a slow reader naturally gets coalesced batches.
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from .request import FinishReason, ValidRequest
+from tokenloop.core.executor import ErrorKind
+from tokenloop.core.request import FinishReason, ValidRequest
 
 
 @dataclass(slots=True)
@@ -68,16 +68,6 @@ class Complete:
 
 
 Event = Chunk | Complete
-
-
-class ErrorKind(enum.Enum):
-    """How a request failed; the service maps each to one gRPC status code."""
-
-    UNAVAILABLE = "unavailable"  # executor dead, server shutting down
-    INTERNAL = "internal"  # the executor failed this request
-    INVALID_ARGUMENT = "invalid_argument"  # the executor refused this request at enqueue
-    DEADLINE_EXCEEDED = "deadline_exceeded"
-    RESOURCE_EXHAUSTED = "resource_exhausted"
 
 
 class RequestFailed(Exception):

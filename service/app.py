@@ -13,12 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health_pb2
 
-from tokenloop.looper.executor import Executor
+from tokenloop.core.capabilities import Capabilities
+from tokenloop.core.executor import Executor
+from tokenloop.core.request import ValidRequest
+from tokenloop.core.structured import GrammarCompiler
+from tokenloop.core.tokenizer import ModelCard, Tokenizer
 from tokenloop.looper.looper import Looper
-from tokenloop.looper.request import ValidRequest
 from tokenloop.looper.stream import Complete
-from tokenloop.looper.structured import GrammarCompiler
-from tokenloop.looper.tokenizer import ModelCard, Tokenizer
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from .admission import Admission
@@ -69,6 +70,7 @@ class App:
         self.card: ModelCard | None = None
         self.validator: Validator | None = None
         self.executor: Executor | None = None
+        self.capabilities = Capabilities()  # what the executor can do beyond Executor (core.capabilities), once built
         self.grammars: GrammarGate | None = None  # compiles `structured` constraints (service.structured)
         self.looper: Looper | None = None
         self.loras: LoraCatalog | None = None  # the LoRA adapters requests may name (service.lora)
@@ -108,6 +110,7 @@ class App:
                                  initializer=self.placement.release_this_thread)
         self.grammars = GrammarGate(compiler, processes, cfg.grammar_compile_timeout, threads)
         self.executor = self._executor_factory(cfg)
+        self.capabilities = Capabilities.of(self.executor)  # its optional abilities, read once here
 
     async def start(self) -> None:
         """Load the model (health NOT_SERVING meanwhile), start the looper, then serve."""
@@ -115,12 +118,12 @@ class App:
         self.placement.choose()  # a --front-cpu outside the process's CPUs fails here, before the model loads
         await asyncio.to_thread(self.load_model)
         await self.grammars.processes.start()
-        self.loras = LoraCatalog(self.executor, self.config.max_loras)
+        self.loras = LoraCatalog(self.executor, self.config.max_loras, self.capabilities)
         for value in self.config.loras:  # a bad adapter fails start-up, naming it
             await self.loras.load(*parse_lora_flag(value))
         loop = asyncio.get_running_loop()
         self.looper = Looper(self.executor, self.tokenizer, poll_timeout=self.config.poll_timeout,
-                             on_death=self._on_death)
+                             on_death=self._on_death, capabilities=self.capabilities)
         self.looper.start(loop)
         if self.placement.pin(threading.get_native_id(), self.looper.thread_id) is not None:
             # threads started from now on by the event loop would inherit its one CPU
@@ -167,7 +170,7 @@ class App:
     async def tokenizing(self, size: int, fn: Callable, *args):
         """`fn(*args)`, a call that tokenizes (validation, Tokenize, Detokenize) an input of `size` characters
         (or ids): here when `size` is at most `--tokenize-inline-chars`, else on a tokenizer thread. `tokenizers`
-        releases the GIL while it works (looper.tokenizer), so the event loop keeps writing every other stream and the
+        releases the GIL while it works (core.tokenizer), so the event loop keeps writing every other stream and the
         looper keeps polling while a long prompt is tokenized; done here, a prompt of 8k tokens would stop both for
         ~15 ms. Short inputs stay here: the hop to a thread and back (two wake-ups) costs more than they do."""
         if size <= self.config.tokenize_inline_chars:
@@ -220,7 +223,8 @@ class App:
 
     @property
     def dtype(self) -> str:
-        return str(getattr(self.executor, "dtype", self.card.torch_dtype)).removeprefix("torch.")
+        dtype = self.capabilities.dtype
+        return str(self.card.torch_dtype if dtype is None else dtype).removeprefix("torch.")
 
     def load(self) -> pb.Load:
         adm = self.admission

@@ -173,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = TRTLLM_FLAGS if args.backend == "trtllm" else ENGINE_FLAGS
     options = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-    if args.backend == "trtllm" and args.lora:  # TensorRT-LLM sets LoRA up at construction (looper/trtllm_lora.py)
+    if args.backend == "trtllm" and args.lora:  # TensorRT-LLM sets LoRA up at construction (trtllm/lora.py)
         options.update(lora_dirs=tuple(v.partition("=")[2] for v in args.lora), max_loras=args.max_loras)
     return ServerConfig(
         model=args.model or str(DEFAULT_MODEL_DIR), backend=args.backend, host=args.host, port=args.port,

@@ -1,6 +1,6 @@
 """Grammar compiles the server can stop: a few compile processes, killed and replaced at a compile's timeout.
 
-`CompilePool.check(kind, spec, timeout)` sends a constraint to an idle compile process (looper/compile_worker.py)
+`CompilePool.check(kind, spec, timeout)` sends a constraint to an idle compile process (service/compile_worker.py)
 and returns its llguidance grammar text once it compiled there; the server then builds its own matcher from that
 text on `CompileThreads` (threads tokenization never uses), in about the time the check took. A check still running
 at its timeout kills its process (a new one starts at once), so a schema that would compile for minutes costs at
@@ -21,10 +21,10 @@ import queue
 import sys
 import threading
 
-from tokenloop.looper.compile_worker import FRAME, NICENESS
+from tokenloop.service.compile_worker import FRAME, NICENESS
 
 log = logging.getLogger("tokenloop.service")
-WORKER_COMMAND = (sys.executable, "-m", "tokenloop.looper.compile_worker")
+WORKER_COMMAND = (sys.executable, "-m", "tokenloop.service.compile_worker")
 
 
 class CompileTimeout(Exception):

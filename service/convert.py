@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from tokenloop.looper.request import ValidRequest
+from tokenloop.core.request import ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, Event, TokenLogprob
 from tokenloop.v1 import tokenloop_pb2 as pb
 

@@ -6,7 +6,8 @@ import re
 
 import grpc
 
-from tokenloop.looper.stream import ErrorKind, RequestFailed
+from tokenloop.core.executor import ErrorKind
+from tokenloop.looper.stream import RequestFailed
 
 
 class ServiceError(Exception):
@@ -56,6 +57,36 @@ class AlreadyExists(ServiceError):
     """A request with this id is already in flight."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class NotFound(ServiceError):
+    """A LoRA adapter name or task id that is not loaded."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class InUse(ServiceError):
+    """Unloading a LoRA adapter that requests are using."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unimplemented(ServiceError):
+    """An RPC or ability this server or its executor does not provide (e.g. LoRA adapters, KV-cache events)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class OutOfRange(ServiceError):
+    """SubscribeKvEvents: a start_sequence_number outside the kept history."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class DataLoss(ServiceError):
+    """SubscribeKvEvents: the subscriber fell too far behind and was cut off."""
+
+    code = grpc.StatusCode.DATA_LOSS
 
 
 _KIND_TO_CODE = {

@@ -6,7 +6,7 @@ cleared) and an `EngineLoad` record; while the executor publishes nothing, a `lo
 `kv_events_heartbeat` seconds repeating the last sequence number. `start_sequence_number` is the last batch the
 subscriber applied: the kept batches after it come first; a number outside the history (from before a restart,
 or too old) ends the call with OUT_OF_RANGE before any batch, SMG's signal to drop this worker's blocks and
-subscribe from 0 (looper/kv_events.py). A subscriber that falls `max_queued` batches behind (it stopped reading and HTTP/2
+subscribe from 0 (core/kv_events.py). A subscriber that falls `max_queued` batches behind (it stopped reading and HTTP/2
 flow control parked this handler in a write) is cut off: the hub drops its queue at once and the engine thread
 never waits for it; when it reads again, the message in flight is followed by DATA_LOSS (SMG's 'subscriber fell
 behind': it drops the worker's blocks and subscribes from 0). gRPC cannot send a status while a write is pending,
@@ -21,7 +21,7 @@ import logging
 
 from smg_grpc_proto.generated import common_pb2
 
-from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, EventBatch, ResumeOutOfRange
+from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared, EventBatch, ResumeOutOfRange
 
 log = logging.getLogger("tokenloop.service")
 

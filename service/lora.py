@@ -17,34 +17,15 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import grpc
-
-from tokenloop.engine.lora import LoraError, LoraInUseError
-from tokenloop.looper.request import ValidRequest
+from tokenloop.core.capabilities import Capabilities
+from tokenloop.core.lora import LoraError, LoraInUseError
+from tokenloop.core.request import ValidRequest
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from .config import LORA_NAME as NAME
-from .errors import AlreadyExists, Overloaded, ServiceError, ValidationError
+from .errors import AlreadyExists, InUse, NotFound, Overloaded, Unimplemented, ValidationError
 
 MAX_TASK_ID = (1 << 63) - 1
-
-
-class NotFound(ServiceError):
-    """An adapter name or task id that is not loaded."""
-
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class InUse(ServiceError):
-    """Unloading an adapter that requests are using."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class Unsupported(ServiceError):
-    """The executor serves no LoRA adapters."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED
 
 
 @dataclass(slots=True)
@@ -64,11 +45,11 @@ class Adapter:
 class LoraCatalog:
     """Adapters by name and by id, on one executor that can run them (`read_lora`, `add_lora`, `unload_lora`)."""
 
-    def __init__(self, executor, max_loras: int):
+    def __init__(self, executor, max_loras: int, capabilities: Capabilities):
         self.executor = executor
         self.max_loras = max_loras
-        self.supported = all(hasattr(executor, m) for m in ("read_lora", "add_lora", "unload_lora", "loras")) \
-            and getattr(executor, "lora_enabled", True)
+        self.supported = capabilities.lora
+        self._unsupported_reason = capabilities.lora_disabled_reason
         self._adapters: dict[str, Adapter] = {}
         self._lock = asyncio.Lock()  # one load, unload or swap at a time
 
@@ -178,8 +159,7 @@ class LoraCatalog:
 
     def _require_support(self) -> None:
         if not self.supported:
-            raise Unsupported(getattr(self.executor, "lora_disabled_reason", "") or
-                              "LoRA adapters are not supported by this executor")
+            raise Unimplemented(self._unsupported_reason)
 
 
 def with_lora(valid: ValidRequest, name: str) -> ValidRequest:

@@ -13,7 +13,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tokenloop.looper.request import FinishReason, ValidRequest
+from tokenloop.core.request import FinishReason, ValidRequest
 from tokenloop.looper.stream import Complete
 
 log = logging.getLogger("tokenloop.service")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Callable
 
@@ -12,35 +11,20 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenloop.looper.executor import Executor
+from tokenloop.core.executor import Executor
 from tokenloop.v1 import tokenloop_pb2
 
 from .app import App
 from .config import ServerConfig
 from .corelog import CoreLogRelay
 from .decoding import DecodingInterceptor
+from .executors import default_executor_factory
 from .logs import RequestLogInterceptor, RequestLogObserver
 from .security import ApiKeyInterceptor, load_api_keys, server_credentials
 from .servicer import TextGenerationServicer, add_text_generation
 from .tracing import tracing_interceptor
 
 log = logging.getLogger("tokenloop.service")
-
-
-def default_executor_factory(config: ServerConfig) -> Executor:
-    """The executor for `--backend` (imported lazily), wrapped by $TOKENLOOP_DEBUG_FAULT when set."""
-    if config.backend == "trtllm":
-        from tokenloop.looper.trtllm import create_trtllm_executor
-        executor = create_trtllm_executor(config.model, **config.executor_options)
-    else:
-        from tokenloop.engine.config import EngineConfig
-        from tokenloop.engine.engine import Engine
-        executor = Engine.from_dir(config.model, EngineConfig(**config.executor_options))
-    spec = os.environ.get("TOKENLOOP_DEBUG_FAULT", "")
-    if spec:
-        from tokenloop.looper.faults import with_faults
-        executor = with_faults(executor, spec)
-    return executor
 
 
 def interceptors(config: ServerConfig) -> list[grpc.aio.ServerInterceptor]:

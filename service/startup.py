@@ -53,12 +53,11 @@ def check_lora_dirs(loras: tuple[str, ...]) -> None:
 
 def check_trtllm_installed() -> None:
     """--backend trtllm needs the tensorrt_llm package (found, not imported: that takes seconds and a GPU)."""
-    import importlib.util
+    from .executors import trtllm_missing
 
-    from tokenloop.looper.trtllm import MISSING_TRTLLM
-
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        raise StartupError(MISSING_TRTLLM)
+    missing = trtllm_missing()
+    if missing:
+        raise StartupError(missing)
 
 
 # -- the model directory -------------------------------------------------------------------
@@ -111,10 +110,10 @@ def _check_tokenizer(path: Path, where: str, present: bool) -> None:
 
 
 def _check_architecture(config: dict, where: str) -> None:
-    from tokenloop.engine.loader import ModelConfig
+    from .executors import check_engine_architecture
 
     try:
-        ModelConfig.from_dict(config)
+        check_engine_architecture(config)
     except (KeyError, TypeError) as exc:
         raise StartupError(f"{where}: config.json lacks a field the engine needs ({exc})") from None
     except ValueError as exc:

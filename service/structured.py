@@ -18,8 +18,8 @@ from concurrent.futures import Executor
 
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 
-from tokenloop.looper.request import StructuredOutput, ValidRequest
-from tokenloop.looper.structured import GrammarCompiler, GrammarError, describe_error, one_line
+from tokenloop.core.request import StructuredOutput, ValidRequest
+from tokenloop.core.structured import GrammarCompiler, GrammarError, describe_error, one_line
 
 from .compile_pool import (
     CompileCrashed,

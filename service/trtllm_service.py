@@ -17,17 +17,25 @@ import uuid
 import zipfile
 from pathlib import Path
 
-import grpc
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
-from tokenloop.looper.kv_events import ResumeOutOfRange
-from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
+from tokenloop.core.kv_events import ResumeOutOfRange
+from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
 from .convert import field_key, string_field, varint
-from .errors import AlreadyExists, ServiceError, Unavailable, abort_with, status_of
+from .errors import (
+    AlreadyExists,
+    DataLoss,
+    OutOfRange,
+    ServiceError,
+    Unavailable,
+    Unimplemented,
+    abort_with,
+    status_of,
+)
 from .kv_events import FellBehind, kv_event_stream
 from .logs import RequestRecord, logs_itself
 from .servicer import Delivery, add_with_raw_responses, deadline_of, metadata_value
@@ -57,24 +65,6 @@ UNSUPPORTED_REQUEST = {
 }
 UNSUPPORTED_SAMPLING = ("top_p_min", "top_p_reset_ids", "top_p_decay", "beam_search_diversity_rate",
                         "prompt_ignore_length", "length_penalty", "early_stopping", "no_repeat_ngram_size")
-
-
-class Unimplemented(ServiceError):
-    """An RPC this server does not provide."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED
-
-
-class OutOfRange(ServiceError):
-    """SubscribeKvEvents: a start_sequence_number outside the kept history."""
-
-    code = grpc.StatusCode.OUT_OF_RANGE
-
-
-class DataLoss(ServiceError):
-    """SubscribeKvEvents: the subscriber fell too far behind and was cut off."""
-
-    code = grpc.StatusCode.DATA_LOSS
 
 
 def _refuse(field: str, why: str) -> None:
@@ -409,7 +399,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
         if app.not_ready_reason:
             await abort_with(context, Unavailable(app.not_ready_reason))
             return
-        hub = getattr(app.executor, "kv_events", None)
+        hub = app.capabilities.kv_events
         if hub is None:
             await abort_with(context, Unimplemented(
                 "SubscribeKvEvents is not available: this executor publishes no KV-cache events "

@@ -10,8 +10,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
-from tokenloop.looper.tokenizer import ChatPrompt, ChatTemplateError, ModelCard, Tokenizer
+from tokenloop.core.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
+from tokenloop.core.tokenizer import ChatPrompt, ChatTemplateError, ModelCard, Tokenizer
 
 from .errors import ValidationError
 from .structured import structured_of

@@ -31,7 +31,7 @@ def metaspace_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir):
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
     return Tokenizer.from_dir(tokenizer_dir)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from tokenloop.looper.executor import Step
-from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
+from tokenloop.core.executor import Step
+from tokenloop.core.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
 
 
 def greedy_request(prompt, max_new_tokens: int = 64, **stopping) -> ValidRequest:
@@ -37,9 +37,9 @@ def collect(engine, expected: dict[int, int], timeout: float = 120.0) -> dict[tu
         if time.monotonic() > deadline:
             raise TimeoutError(f"sequences still open after {timeout} s: {open_seqs}")
         for step in engine.await_responses(0.5):
-            steps.setdefault((step.request_id, step.seq_index), []).append(step)
-            if step.is_final and step.request_id in open_seqs:
-                open_seqs[step.request_id] = 0 if step.error else open_seqs[step.request_id] - 1
+            steps.setdefault((step.executor_id, step.seq_index), []).append(step)
+            if step.is_final and step.executor_id in open_seqs:
+                open_seqs[step.executor_id] = 0 if step.error else open_seqs[step.executor_id] - 1
     return steps
 
 

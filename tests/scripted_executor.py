@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from tokenloop.looper.executor import EngineDeadError, ExecutorStats, Step
-from tokenloop.looper.request import FinishReason, ValidRequest
+from tokenloop.core.executor import EngineDeadError, ExecutorStats, Step
+from tokenloop.core.request import FinishReason, ValidRequest
 
 Script = Callable[[ValidRequest, int], list[int]]
 

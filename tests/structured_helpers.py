@@ -10,9 +10,9 @@ from pathlib import Path
 import jsonschema
 
 from bench.structured_cases import MAX_NEW_TOKENS, arithmetic_value
-from tokenloop.looper.request import SamplingParams, StoppingParams, StructuredOutput, ValidRequest
-from tokenloop.looper.structured import GrammarCompiler
-from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+from tokenloop.core.request import SamplingParams, StoppingParams, StructuredOutput, ValidRequest
+from tokenloop.core.structured import GrammarCompiler
+from tokenloop.core.tokenizer import ModelCard, Tokenizer
 
 
 def compiler_for(model_dir: str | Path) -> GrammarCompiler:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.engine_helpers import greedy_request, run_all, tokens
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.looper.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

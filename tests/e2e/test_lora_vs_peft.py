@@ -12,11 +12,11 @@ import pytest
 
 from tests.engine_helpers import greedy_request, run_all, tokens
 from tests.lora_helpers import ADAPTERS, make_adapter, peft_greedy
+from tokenloop.core.lora import LoraError, LoraInUseError
+from tokenloop.core.request import ValidRequest
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.lora import LoraError, LoraInUseError
-from tokenloop.looper.request import ValidRequest
-from tokenloop.looper.tokenizer import Tokenizer
 
 pytest.importorskip("peft")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -55,7 +55,7 @@ def engine(default_model_dir, adapters):
     eng = Engine.from_dir(default_model_dir, EngineConfig(dtype="float32", max_num_tokens=128, max_batch_size=16,
                                                           kv_cache_tokens=8192))
     for name, path in adapters.items():
-        eng.load_lora(name, path)
+        eng.add_lora(eng.read_lora(name, path))
     yield eng
     eng.shutdown()
 

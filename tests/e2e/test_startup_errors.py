@@ -146,7 +146,7 @@ def test_empty_api_key_file(tiny, tmp_path):
 
 
 def test_trtllm_backend_without_tensorrt_llm(tiny):
-    from tokenloop.looper.trtllm import MISSING_TRTLLM
+    from tokenloop.trtllm import MISSING_TRTLLM
     assert_refused(serve("--backend", "trtllm", "--model", str(tiny)), MISSING_TRTLLM)
 
 

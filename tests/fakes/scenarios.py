@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tokenloop.looper.request import FinishReason, OutputParams, SamplingParams, StoppingParams, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, ErrorKind, RequestFailed
+from tokenloop.core.executor import ErrorKind
+from tokenloop.core.request import FinishReason, OutputParams, SamplingParams, StoppingParams, ValidRequest
+from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
 EOS = 2  # <|im_end|> of tests/tiny_tokenizer.py
 ERROR_TOKEN, UNKNOWN_REASON_TOKEN, DIE_TOKEN, MAX_INPUT_LEN = 397, 398, 399, 200  # as in _fake.py

@@ -9,10 +9,10 @@ import pytest
 
 from tests.engine_helpers import collect, final, greedy_request, run_all, sampled_request, tokens, with_output
 from tests.tiny_model import make_tiny_model
+from tokenloop.core.executor import EngineDeadError, Executor
+from tokenloop.core.request import FinishReason
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.looper.executor import EngineDeadError, Executor
-from tokenloop.looper.request import FinishReason
 
 PROMPT = [5, 17, 99, 3, 250, 7, 42]
 

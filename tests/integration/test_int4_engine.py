@@ -26,11 +26,11 @@ from tests.integration.service_harness import serving
 from tests.lora_helpers import write_adapter
 from tests.structured_helpers import check_json, compiler_for, constrained
 from tests.tiny_model import make_tiny_model
+from tokenloop.core.request import FinishReason
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.quant import Q4Weight, qweight, qweight4
-from tokenloop.looper.request import FinishReason
-from tokenloop.looper.tokenizer import Tokenizer
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 CONFIG = dict(kv_cache_tokens=4096, max_num_tokens=64, max_batch_size=16, block_size=8, max_lora_rank=8)
@@ -58,7 +58,7 @@ def engines(checkpoints, tmp_path_factory):
     int4 = Engine.from_dir(original, EngineConfig(weights="int4", **CONFIG))
     ref = Engine.from_dir(dequantized, EngineConfig(weights="fp32", **CONFIG))
     for engine in (int4, ref):
-        engine.load_lora("a", adapter)
+        engine.add_lora(engine.read_lora("a", adapter))
     yield int4, ref
     int4.shutdown()
     ref.shutdown()
@@ -145,7 +145,7 @@ def test_a_prefix_cache_hit_on_int4_changes_no_token(checkpoints, engines):
 
 def test_model_info_reports_int4(checkpoints):
     from tokenloop.service.config import ServerConfig
-    from tokenloop.service.server import default_executor_factory
+    from tokenloop.service.executors import default_executor_factory
 
     async def body() -> str:
         config = ServerConfig(model=str(checkpoints[0]), executor_options={"weights": "int4", "kv_cache_tokens": 512})

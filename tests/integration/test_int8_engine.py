@@ -76,7 +76,7 @@ def test_int8_equals_float32_on_the_dequantized_weights_alone_and_batched(checkp
 
 def test_model_info_reports_the_weights_mode(checkpoints):
     from tokenloop.service.config import ServerConfig
-    from tokenloop.service.server import default_executor_factory
+    from tokenloop.service.executors import default_executor_factory
 
     async def body(weights: str) -> str:
         config = ServerConfig(model=str(checkpoints[0]), executor_options={"weights": weights, "kv_cache_tokens": 512})

@@ -18,7 +18,7 @@ from tests.conftest import run
 from tests.integration.service_harness import serving
 from tests.integration.test_trtllm_service import gen, read_all, wait_for
 from tests.scripted_executor import ScriptedExecutor
-from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEventHub, StoredBlock
+from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEventHub, StoredBlock
 
 
 def scripted_with_hub(max_queued: int = 2048, **kw) -> ScriptedExecutor:

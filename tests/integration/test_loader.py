@@ -63,7 +63,7 @@ def test_missing_weight_and_missing_files_are_named(tmp_path):
 
 
 def test_tiny_model_tokenizer_round_trips_emoji_and_cjk(tmp_path):
-    from tokenloop.looper.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(make_tiny_model(tmp_path / "m", "llama"))
     text = "Hello 😀 你好 — ok"

@@ -217,7 +217,7 @@ def test_adapters_apply_on_int8_weights(checkpoint, adapters):
 
     engine = Engine.from_dir(checkpoint, EngineConfig(kv_cache_tokens=2048, weights="int8"))
     try:
-        engine.load_lora("a", adapters["a"])
+        engine.add_lora(engine.read_lora("a", adapters["a"]))
         request = greedy_request([5, 17, 99, 3], 16)
         outs = [tokens(next(iter(run_all(engine, [r])[1].values())))
                 for r in (request, dataclasses.replace(request, lora="a"))]

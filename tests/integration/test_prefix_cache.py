@@ -21,11 +21,11 @@ from tests.conftest import run
 from tests.engine_helpers import greedy_request, run_all, tokens
 from tests.integration.service_harness import serving
 from tests.tiny_model import make_tiny_model
+from tokenloop.core.kv_events import BlocksStored, CacheCleared
 from tokenloop.engine import runner as runner_module
 from tokenloop.engine.block_manager import block_hash
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.looper.kv_events import BlocksStored, CacheCleared
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 transformers = pytest.importorskip("transformers")

@@ -222,16 +222,16 @@ def test_engine_pause_frees_kv_and_resume_gives_the_same_tokens(checkpoint, kind
         seen: dict[tuple[int, int], list] = {}
         while sum(len(s.token_ids) for v in seen.values() for s in v) < 20:
             for step in eng.await_responses(0.5):
-                seen.setdefault((step.request_id, step.seq_index), []).append(step)
+                seen.setdefault((step.executor_id, step.seq_index), []).append(step)
         eng.pause(rid)
         eng.pause(rid)  # idempotent
         deadline = time.monotonic() + 10
         while eng.stats().kv_blocks_used and time.monotonic() < deadline:
             for step in eng.await_responses(0.05):  # steps made before the pause was taken still arrive
-                seen.setdefault((step.request_id, step.seq_index), []).append(step)
+                seen.setdefault((step.executor_id, step.seq_index), []).append(step)
         assert eng.stats().kv_blocks_used == 0 and eng.stats().num_running == 0
         for step in eng.await_responses(0.3):
-            seen.setdefault((step.request_id, step.seq_index), []).append(step)
+            seen.setdefault((step.executor_id, step.seq_index), []).append(step)
         assert eng.await_responses(0.3) == []  # paused: no more steps
         eng.resume(rid)
         rest = collect(eng, {rid: request.n})

@@ -16,10 +16,10 @@ from bench.structured_cases import ARITHMETIC_GRAMMAR, REGEXES, SCHEMAS
 from tests.engine_helpers import collect, final, greedy_request, run_all, sampled_request, tokens
 from tests.structured_helpers import check_arithmetic, check_json, check_regex, compiler_for, constrained
 from tests.tiny_model import make_tiny_model
+from tokenloop.core.request import FinishReason, OutputParams
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.looper.request import FinishReason, OutputParams
-from tokenloop.looper.tokenizer import Tokenizer
 
 PROMPT = [5, 17, 99, 3, 250, 7, 42]
 SEEDS = range(20)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import run
 from tests.integration.service_harness import serving
-from tokenloop.looper.tokenizer import Tokenizer
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 LIMIT = 16

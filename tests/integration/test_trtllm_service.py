@@ -262,7 +262,7 @@ def test_reflection_lists_the_trtllm_service(tokenizer_dir):
 
 
 def test_writer_coalesces_a_backlog_and_strips_the_eos_token_once():
-    from tokenloop.looper.request import FinishReason, ValidRequest
+    from tokenloop.core.request import FinishReason, ValidRequest
     from tokenloop.looper.stream import Chunk, Complete, Timing
     from tokenloop.service.trtllm_service import _Writer
 
@@ -278,7 +278,7 @@ def test_writer_coalesces_a_backlog_and_strips_the_eos_token_once():
 
 
 def test_writer_holds_chunks_until_the_stream_interval():
-    from tokenloop.looper.request import FinishReason, ValidRequest
+    from tokenloop.core.request import FinishReason, ValidRequest
     from tokenloop.looper.stream import Chunk, Complete, Timing
     from tokenloop.service.trtllm_service import _Writer
 
@@ -297,7 +297,7 @@ def test_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
     from kept bytes (sequences 0 and 1, ids of one to five varint bytes, completion counts past 127 and 16383),
     multi-token and logprob chunks, a stripped EOS, the stream interval, perf metrics, empty and long request
     ids, prompts of 1 and 300 tokens, and a full table of token ids."""
-    from tokenloop.looper.request import FinishReason, ValidRequest
+    from tokenloop.core.request import FinishReason, ValidRequest
     from tokenloop.looper.stream import Chunk, Complete, Timing, TokenLogprob
     from tokenloop.service import trtllm_service
     from tokenloop.service.trtllm_service import _Writer

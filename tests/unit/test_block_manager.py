@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared
 from tokenloop.engine.block_manager import BlockManager, block_hash
 from tokenloop.engine.sequence import Sequence
-from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared
 
 
 def seq(tokens) -> Sequence:
-    return Sequence(request_id=1, seq_index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens))
+    return Sequence(executor_id=1, seq_index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens))
 
 
 def compute(bm: BlockManager, s: Sequence, n: int) -> None:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run
-from tokenloop.looper.compile_worker import NICENESS
-from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+from tokenloop.core.tokenizer import ModelCard, Tokenizer
 from tokenloop.service.compile_pool import (
     CompilePool,
     CompilePoolClosed,
@@ -21,6 +20,7 @@ from tokenloop.service.compile_pool import (
     CompileThreads,
     CompileTimeout,
 )
+from tokenloop.service.compile_worker import NICENESS
 
 # 300 `patternProperties` keys: ~13 s to compile with the test tokenizer (500 took 21-34 s with the default model's).
 SLOW_SCHEMA = json.dumps({"type": "object", "patternProperties": {f"^k{i}_[a-z]+$": {"type": "integer"}

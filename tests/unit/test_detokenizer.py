@@ -2,8 +2,8 @@
 
 import pytest
 
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.looper.detokenizer import IncrementalDetokenizer, StopMatcher
-from tokenloop.looper.tokenizer import Tokenizer
 
 TEXTS = [
     "Emoji time: 😀 🚀 👩‍💻 🎉 and more 😀😀.",

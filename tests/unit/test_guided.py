@@ -1,4 +1,4 @@
-"""engine/guided.py and looper/structured.py without a model: bitmasks, logit masking, the compile cache."""
+"""engine/guided.py and core/structured.py without a model: bitmasks, logit masking, the compile cache."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from tokenloop.core.structured import GrammarCompiler, GrammarError, describe_error
+from tokenloop.core.tokenizer import ModelCard, Tokenizer
 from tokenloop.engine import guided
-from tokenloop.looper.structured import GrammarCompiler, GrammarError, describe_error
-from tokenloop.looper.tokenizer import ModelCard, Tokenizer
 
 
 @pytest.fixture(scope="module")

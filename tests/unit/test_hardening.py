@@ -9,9 +9,9 @@ import time
 import pytest
 
 from tests.scripted_executor import ScriptedExecutor
-from tokenloop.looper.executor import EngineDeadError
+from tokenloop.core.executor import EngineDeadError
+from tokenloop.core.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.looper.faults import FaultyExecutor, parse_fault_spec, with_faults
-from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.service.cli import _parser, config_from_args
 from tokenloop.service.config import ServerConfig
 from tokenloop.service.logs import JsonFormatter, TextFormatter
@@ -72,9 +72,9 @@ def poll_until(ex, predicate, timeout=5.0):
 def test_faulty_executor_fails_one_request_then_dies_after_n_polls():
     ex = FaultyExecutor(ScriptedExecutor(), die_after_polls=30, request_marker="BOOM")
     ok, doomed = ex.enqueue(request("fine")), ex.enqueue(request("BOOM here"))
-    steps = poll_until(ex, lambda s: any(x.error for x in s) and any(x.request_id == ok for x in s))
-    assert [s.error for s in steps if s.request_id == doomed] == ["injected fault"]
-    assert all(s.error is None for s in steps if s.request_id == ok)
+    steps = poll_until(ex, lambda s: any(x.error for x in s) and any(x.executor_id == ok for x in s))
+    assert [s.error for s in steps if s.executor_id == doomed] == ["injected fault"]
+    assert all(s.error is None for s in steps if s.executor_id == ok)
     with pytest.raises(EngineDeadError, match="injected fault after 30 polls"):
         poll_until(ex, lambda s: False)
     assert ex.stats().kv_blocks_total == 64  # everything else is the real executor's
@@ -116,7 +116,8 @@ def test_an_empty_or_missing_api_key_file_stops_start_up(tmp_path, monkeypatch):
 
 
 def test_client_messages_lose_paths_stack_frames_and_excess_length():
-    from tokenloop.looper.stream import ErrorKind, RequestFailed
+    from tokenloop.core.executor import ErrorKind
+    from tokenloop.looper.stream import RequestFailed
     from tokenloop.service.errors import Unavailable, ValidationError, status_of
     trt = ("generation failed: [TensorRT-LLM][ERROR] Assertion failed: bad shape "
            "(/home/jenkins/agent/cpp/tensorrt_llm/runtime/gptDecoder.cpp:231)\n1  0x7f3 tensorrt_llm::common::throw")

@@ -8,7 +8,7 @@ import logging
 import pytest
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 
-from tokenloop.looper.tokenizer import ChatTemplateError, ModelCard, Tokenizer
+from tokenloop.core.tokenizer import ChatTemplateError, ModelCard, Tokenizer
 from tokenloop.service.config import ServerConfig
 from tokenloop.service.decoding import Undecodable, _decoder
 from tokenloop.service.errors import ValidationError

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tokenloop.looper.kv_events import CacheCleared, KvEventHub, ResumeOutOfRange
+from tokenloop.core.kv_events import CacheCleared, KvEventHub, ResumeOutOfRange
 
 
 def seqs(sub) -> list[int]:

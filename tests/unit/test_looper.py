@@ -9,9 +9,10 @@ import pytest
 
 from tests.conftest import run
 from tests.scripted_executor import ScriptedExecutor
+from tokenloop.core.executor import ErrorKind
+from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.looper import Looper
-from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, ErrorKind, RequestFailed
+from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 
 
 def make_request(tok, rid="r", text="Hello world", max_new=8, n=1, stream=True, **stopping):

@@ -14,12 +14,12 @@ from bench.null_executor import NullExecutor, sample_token_ids
 from tests.conftest import run
 from tests.integration.service_harness import serving
 from tests.scripted_executor import ScriptedExecutor
+from tokenloop.core.executor import Executor, Step, merge_steps
+from tokenloop.core.request import FinishReason, StoppingParams, ValidRequest
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.looper.detokenizer import IncrementalDetokenizer, is_byte_level, token_texts
-from tokenloop.looper.executor import Executor, Step, merge_steps
 from tokenloop.looper.looper import Looper
-from tokenloop.looper.request import FinishReason, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, Timing, TokenLogprob
-from tokenloop.looper.tokenizer import Tokenizer
 from tokenloop.service.convert import StreamWriter
 from tokenloop.v1 import tokenloop_pb2 as pb
 
@@ -53,7 +53,7 @@ def test_unlimited_emits_every_token_then_one_final_step_per_sequence():
     rid = ex.enqueue(request(max_new=10, n=2))
     steps = drain(ex)
     for seq in (0, 1):
-        mine = [s for s in steps if s.request_id == rid and s.seq_index == seq]
+        mine = [s for s in steps if s.executor_id == rid and s.seq_index == seq]
         ids = [t for s in mine for t in s.token_ids]
         assert ids == [7, 8, 9, 7, 8, 9, 7, 8, 9, 7]
         assert [len(s.token_ids) for s in mine] == [4, 4, 2]
@@ -122,7 +122,7 @@ def test_merge_steps_joins_a_sequences_steps_of_one_poll():
              Step(1, 0, [9], is_final=True, finish_reason=FinishReason.LENGTH),
              Step(2, 0, [], is_final=True, error="boom")]
     out = merge_steps(steps)
-    assert [(s.request_id, s.seq_index, s.token_ids) for s in out] == [(1, 0, [5, 6, 9]), (2, 0, [7]), (1, 1, [8]),
+    assert [(s.executor_id, s.seq_index, s.token_ids) for s in out] == [(1, 0, [5, 6, 9]), (2, 0, [7]), (1, 1, [8]),
                                                                       (2, 0, [])]
     assert out[0].is_final and out[0].finish_reason == FinishReason.LENGTH
     assert out[3].error == "boom"  # an error step is never folded into a token step

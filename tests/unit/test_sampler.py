@@ -6,9 +6,9 @@ import math
 
 import torch
 
+from tokenloop.core.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.engine import sampler
 from tokenloop.engine.sequence import Sequence
-from tokenloop.looper.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
 
 NEG_INF = float("-inf")
 

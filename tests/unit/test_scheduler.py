@@ -8,7 +8,7 @@ from tokenloop.engine.sequence import Sequence, SequenceStatus
 
 
 def seq(num_prompt: int, request_id: int = 1) -> Sequence:
-    return Sequence(request_id=request_id, seq_index=0, token_ids=list(range(100, 100 + num_prompt)),
+    return Sequence(executor_id=request_id, seq_index=0, token_ids=list(range(100, 100 + num_prompt)),
                     num_prompt_tokens=num_prompt)
 
 
@@ -44,7 +44,7 @@ def test_running_decodes_are_never_stalled_by_a_long_prompt():
     step(sched)  # short prefilled, now decoding
     sched.add(seq(100, request_id=2))
     for _ in range(5):
-        scheduled = dict((s.request_id, n) for s, n in step(sched))
+        scheduled = dict((s.executor_id, n) for s, n in step(sched))
         assert scheduled[1] == 1  # the decode runs every step
         assert scheduled[2] == 15  # the long prompt gets what is left of the budget
 
@@ -54,7 +54,7 @@ def test_max_batch_size_caps_running_sequences():
     for i in range(4):
         sched.add(seq(3, request_id=i))
     scheduled = step(sched)
-    assert {s.request_id for s, _ in scheduled} == {0, 1}
+    assert {s.executor_id for s, _ in scheduled} == {0, 1}
     assert len(sched.waiting) == 2
 
 
@@ -66,7 +66,7 @@ def test_preemption_frees_the_newest_and_recomputes_it_later():
     step(sched)  # both prefilled: 8 tokens each = 2 blocks each, cache full
     assert sched.block_manager.num_free_blocks == 0
     scheduled = step(sched)  # both at token 9: old needs a third block -> new is preempted
-    assert [s.request_id for s, _ in scheduled] == [1]
+    assert [s.executor_id for s, _ in scheduled] == [1]
     assert sched.num_preemptions == 1
     assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
     assert list(sched.waiting) == [new]
@@ -83,7 +83,7 @@ def test_waiting_sequence_does_not_preempt_running_ones():
     step(sched)
     sched.add(seq(6, request_id=2))
     scheduled = step(sched)
-    assert [s.request_id for s, _ in scheduled] == [1]
+    assert [s.executor_id for s, _ in scheduled] == [1]
     assert sched.num_preemptions == 0 and len(sched.waiting) == 1
 
 

@@ -1,4 +1,4 @@
-"""looper/structural_tag.py: structural tags as routers send them, read into Lark and matched by llguidance."""
+"""core/structural_tag.py: structural tags as routers send them, read into Lark and matched by llguidance."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from tokenloop.looper.structural_tag import StructuralTagError, to_lark
-from tokenloop.looper.structured import GrammarCompiler
-from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+from tokenloop.core.structural_tag import StructuralTagError, to_lark
+from tokenloop.core.structured import GrammarCompiler
+from tokenloop.core.tokenizer import ModelCard, Tokenizer
 
 ARGS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
         "additionalProperties": False}

@@ -1,4 +1,4 @@
-"""The C++ executor adapter (looper/trtllm_executor.py) and looper/trtllm.py, on the fake tensorrt_llm.
+"""The C++ executor adapter (trtllm/executor.py) and trtllm/__init__.py, on the fake tensorrt_llm.
 
 What this proves and what it cannot: the adapter speaks the binding's documented Python API
 (keyword arguments, `has_error()`, delta tokens with full log probs, finish reasons, stats) as
@@ -17,9 +17,9 @@ import pytest
 from tests.conftest import ROOT, run
 from tests.fakes import scenarios
 from tests.fakes.fixtures import FAKES, fake_trtllm, make_engine_dir
-from tokenloop.looper.executor import EngineDeadError, Step
-from tokenloop.looper.request import FinishReason, OutputParams, ValidRequest
-from tokenloop.looper.trtllm import MISSING_TRTLLM, TrtllmConfig, create_trtllm_executor
+from tokenloop.core.executor import EngineDeadError, Step
+from tokenloop.core.request import FinishReason, OutputParams, ValidRequest
+from tokenloop.trtllm import MISSING_TRTLLM, TrtllmConfig, create_trtllm_executor
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_request_is_built_with_keywords_and_mapped_fields(fake, engine_dir):
 
 
 def test_extra_eos_ids_become_stop_words_and_map_to_eos(fake, engine_dir):
-    from tokenloop.looper.trtllm_executor import TrtllmExecutor
+    from tokenloop.trtllm.executor import TrtllmExecutor
     executor = TrtllmExecutor(str(engine_dir), TrtllmConfig(), eos_token_ids=(2, 22))
     executor.enqueue(scenarios.request(max_new=10, stop_token_ids=(30,)))
     assert last_request(fake)[1].stop_words == [[30], [22]]
@@ -171,9 +171,9 @@ def test_error_response_and_unknown_reason_fail_only_their_request(fake, engine_
     odd = executor.enqueue(scenarios.request(prompt=(5, scenarios.UNKNOWN_REASON_TOKEN)))
     good = executor.enqueue(scenarios.request(max_new=2))
     steps = steps_until_final(executor, num_final=3)
-    errors = {s.request_id: s.error for s in steps if s.error}
+    errors = {s.executor_id: s.error for s in steps if s.error}
     assert "fake request failure" in errors[bad] and "unknown reason SOMETHING_NEW" in errors[odd]
-    assert [s.token_ids for s in steps if s.request_id == good] == [[21], [22]]
+    assert [s.token_ids for s in steps if s.executor_id == good] == [[21], [22]]
     executor.cancel(bad)  # the looper cancels a failed request: already forgotten, not sent
     assert bad not in last_request(fake)[0].cancel_calls
 
@@ -256,8 +256,8 @@ def test_config_rejects_bad_values(options, message):
 
 
 def test_auto_picks_the_adapter_from_the_directory(fake, engine_dir, tokenizer_dir):
-    from tokenloop.looper.trtllm_executor import TrtllmExecutor
-    from tokenloop.looper.trtllm_llmapi import TrtllmLlmApi
+    from tokenloop.trtllm.executor import TrtllmExecutor
+    from tokenloop.trtllm.llmapi import TrtllmLlmApi
     assert isinstance(create_trtllm_executor(str(engine_dir)), TrtllmExecutor)
     llm = create_trtllm_executor(str(tokenizer_dir))
     try:

@@ -12,10 +12,10 @@ import pytest
 from bench.structured_cases import ARITHMETIC_GRAMMAR, SCHEMAS
 from tests.fakes import scenarios
 from tests.fakes.fixtures import fake_trtllm, make_engine_dir
-from tokenloop.looper.request import StructuredOutput
-from tokenloop.looper.structured import JSON_LAYOUT, lark_of
-from tokenloop.looper.tokenizer import Tokenizer
-from tokenloop.looper.trtllm import create_trtllm_executor
+from tokenloop.core.request import StructuredOutput
+from tokenloop.core.structured import JSON_LAYOUT, lark_of
+from tokenloop.core.tokenizer import Tokenizer
+from tokenloop.trtllm import create_trtllm_executor
 
 SCHEMA = json.dumps(SCHEMAS["flat_object"])
 TAG = json.dumps({"structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}], "triggers": ["<f"]})

@@ -14,9 +14,9 @@ import pytest
 from tests.fakes import scenarios
 from tests.fakes.fixtures import fake_trtllm, make_engine_dir
 from tests.fakes.tensorrt_llm.bindings import kv_cache as fk
-from tokenloop.looper.kv_events import BlocksRemoved, BlocksStored, CacheCleared
-from tokenloop.looper.trtllm import TrtllmConfig, create_trtllm_executor
-from tokenloop.looper.trtllm_kv_events import convert, signed64
+from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared
+from tokenloop.trtllm import TrtllmConfig, create_trtllm_executor
+from tokenloop.trtllm.kv_events import convert, signed64
 
 BIG = (1 << 64) - 5  # a size_t hash with the top bit set
 

@@ -1,4 +1,4 @@
-"""The LLM API adapter (looper/trtllm_llmapi.py) on the fake tensorrt_llm.LLM.
+"""The LLM API adapter (trtllm/llmapi.py) on the fake tensorrt_llm.LLM.
 
 The fake keeps the real result quirks (token_ids_diff refreshed only for the sequence a response
 carries; finish_reason set only when the whole request is done), so these tests fail if the
@@ -15,10 +15,10 @@ import pytest
 from tests.conftest import run
 from tests.fakes import scenarios
 from tests.fakes.fixtures import fake_trtllm
-from tokenloop.looper.executor import EngineDeadError, Step
-from tokenloop.looper.request import FinishReason, OutputParams, StoppingParams, ValidRequest
-from tokenloop.looper.trtllm import create_trtllm_executor
-from tokenloop.looper.trtllm_llmapi import TrtllmLlmApi, _logprobs
+from tokenloop.core.executor import EngineDeadError, Step
+from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
+from tokenloop.trtllm import create_trtllm_executor
+from tokenloop.trtllm.llmapi import TrtllmLlmApi, _logprobs
 
 THREAD = "tokenloop-trtllm-llmapi"
 

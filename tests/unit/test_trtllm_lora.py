@@ -1,6 +1,6 @@
 """LoRA on both TensorRT-LLM adapters, against the fakes (which follow the cited TensorRT-LLM sources):
 the exact construction arguments, the per-request LoRARequest, and the C++ executor's LoraConfig with the
-weights on first use and the task id alone afterwards (looper/trtllm_lora.py)."""
+weights on first use and the task id alone afterwards (trtllm/lora.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from tests.fakes import scenarios
 from tests.fakes.fixtures import fake_trtllm, make_engine_dir
 from tests.lora_helpers import write_adapter
-from tokenloop.engine.lora import LoraError, LoraInUseError
-from tokenloop.looper.trtllm import TrtllmConfig, create_trtllm_executor
-from tokenloop.looper.trtllm_lora import read_trtllm_adapter
+from tokenloop.core.lora import LoraError, LoraInUseError
+from tokenloop.trtllm import TrtllmConfig, create_trtllm_executor
+from tokenloop.trtllm.lora import read_trtllm_adapter
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 8, "intermediate_size": 12,
         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloop.looper.tokenizer import RELEASE_GIL_OVER, ModelCard, Tokenizer
+from tokenloop.core.tokenizer import RELEASE_GIL_OVER, ModelCard, Tokenizer
 from tokenloop.service.errors import ValidationError
 from tokenloop.service.validation import Limits, Validator
 from tokenloop.v1 import tokenloop_pb2 as pb

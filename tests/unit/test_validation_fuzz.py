@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import run
-from tokenloop.looper.request import ValidRequest
-from tokenloop.looper.tokenizer import ModelCard, Tokenizer
+from tokenloop.core.request import ValidRequest
+from tokenloop.core.tokenizer import ModelCard, Tokenizer
 from tokenloop.service.errors import ValidationError
 from tokenloop.service.validation import Limits, Validator
 from tokenloop.v1 import tokenloop_pb2 as pb

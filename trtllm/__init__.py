@@ -1,10 +1,10 @@
-"""TensorRT-LLM on NVIDIA GPUs: which adapter serves a model, and building it.
+"""The TensorRT-LLM executors (NVIDIA GPUs): which adapter serves a model, and building it.
 
 Importing this module never imports `tensorrt_llm` (it is not installable on most machines and
 takes seconds to load); `create_trtllm_executor` imports it lazily. Two adapters implement the
-`Executor` protocol: `trtllm_executor.TrtllmExecutor` (the C++ executor binding, prebuilt
-TensorRT engines) and `trtllm_llmapi.TrtllmLlmApi` (`tensorrt_llm.LLM`, the PyTorch backend,
-Hugging Face checkpoints). What both share lives in `trtllm_common`, which imports neither. See
+`Executor` protocol: `executor.TrtllmExecutor` (the C++ executor binding, prebuilt
+TensorRT engines) and `llmapi.TrtllmLlmApi` (`tensorrt_llm.LLM`, the PyTorch backend,
+Hugging Face checkpoints). What both share lives in `common`, which imports neither. See
 docs/trtllm.md.
 """
 
@@ -14,9 +14,10 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-from .executor import Executor
-from .tokenizer import ModelCard
-from .trtllm_common import TrtllmConfig
+from tokenloop.core.executor import Executor
+from tokenloop.core.tokenizer import ModelCard
+
+from .common import TrtllmConfig
 
 __all__ = ["MISSING_TRTLLM", "TrtllmConfig", "create_trtllm_executor", "is_engine_dir"]
 
@@ -53,7 +54,7 @@ def create_trtllm_executor(model_path: str, config: TrtllmConfig | None = None, 
     if api == "auto":
         api = "executor" if is_engine_dir(model_path) else "llm"
     if api == "executor":
-        from .trtllm_executor import TrtllmExecutor
+        from .executor import TrtllmExecutor
         return TrtllmExecutor(model_path, config, card.eos_token_ids)
-    from .trtllm_llmapi import TrtllmLlmApi
+    from .llmapi import TrtllmLlmApi
     return TrtllmLlmApi(model_path, config, card.eos_token_ids)

@@ -2,7 +2,7 @@
 
 llguidance cannot stop a compile part-way (none of its `LLParserLimits` bounds the time a 500-`patternProperties`
 schema takes: docs/robustness.md), and a thread cannot be stopped either; a process can. The server
-(service/compile_pool.py) starts a few of these with `python -m tokenloop.looper.compile_worker`, sends the
+(service/compile_pool.py) starts a few of these with `python -m tokenloop.service.compile_worker`, sends the
 tokenizer once, then one constraint at a time; each answer is either the constraint's llguidance grammar text (it
 compiled and passed `GrammarCompiler._probe`: the server then builds its own matcher from that text, in about the
 same time) or the reason it does not compile.
@@ -22,7 +22,7 @@ import threading
 import time
 from typing import BinaryIO
 
-from .structured import GrammarCompiler, GrammarError, grammar_text
+from tokenloop.core.structured import GrammarCompiler, GrammarError, grammar_text
 
 FRAME = struct.Struct(">I")
 STACK_SIZE = 256 << 20  # llguidance recurses ~3 KB of stack per nested rule (see service/app.py)
@@ -79,7 +79,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m tokenloop.looper.compile_worker [CPUS]`: CPUS (e.g. "0,1") are the server's CPUs, given back to
+    """`python -m tokenloop.service.compile_worker [CPUS]`: CPUS (e.g. "0,1") are the server's CPUs, given back to
     this process before any thread starts (a process started by the server's pinned event-loop thread inherits its
     one CPU: --front-cpu)."""
     if argv and hasattr(os, "sched_setaffinity"):

@@ -38,11 +38,12 @@ import queue
 import threading
 import time
 
-from . import trtllm_kv_events
-from .executor import EngineDeadError, ExecutorStats, Step
-from .kv_events import KvEventHub
-from .request import FinishReason, ValidRequest
-from .trtllm_common import (
+from tokenloop.core.executor import EngineDeadError, ExecutorStats, Step
+from tokenloop.core.kv_events import KvEventHub
+from tokenloop.core.request import FinishReason, ValidRequest
+
+from . import kv_events as trtllm_kv_events
+from .common import (
     TrtllmConfig,
     current_stats,
     end_and_stop_ids,
@@ -53,7 +54,7 @@ from .trtllm_common import (
     stop_reason,
     wants_logprobs,
 )
-from .trtllm_lora import TrtllmLoras
+from .lora import TrtllmLoras
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -76,13 +77,13 @@ class TrtllmLlmApi(TrtllmLoras):
     """`Executor` on `tensorrt_llm.LLM` with its own asyncio loop thread."""
 
     def __init__(self, model_dir: str, config: TrtllmConfig, eos_token_ids: tuple[int, ...] = ()):
-        import tensorrt_llm  # lazily: see trtllm.py
+        import tensorrt_llm  # lazily: see trtllm/__init__.py
 
         self._trtllm = tensorrt_llm
         self._config = config
         self._eos = tuple(eos_token_ids)
         self._ids = itertools.count(1)
-        self._init_loras(bool(config.lora_dirs), config.max_lora_rank)  # LoRA adapters: looper/trtllm_lora.py
+        self._init_loras(bool(config.lora_dirs), config.max_lora_rank)  # LoRA adapters: trtllm/lora.py
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # Steps, and _WAKE
         self._results: dict[int, object] = {}  # id -> RequestOutput (loop thread only)
         self._aborted: set[int] = set()  # (loop thread only)

@@ -1,6 +1,6 @@
 """What both TensorRT-LLM adapters share: their configuration and the request / stats mapping.
 
-Imports neither adapter nor `tensorrt_llm`: `trtllm.py` (the factory) and both adapters import this module.
+Imports neither adapter nor `tensorrt_llm`: `trtllm/__init__.py` (the factory) and both adapters import this module.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .executor import ExecutorStats
-from .request import FinishReason, StructuredOutput, ValidRequest
-from .tokenizer import Tokenizer
+from tokenloop.core.executor import ExecutorStats
+from tokenloop.core.request import FinishReason, StructuredOutput, ValidRequest
+from tokenloop.core.tokenizer import Tokenizer
 
 APIS = ("auto", "executor", "llm")
 GUIDED_BACKENDS = ("auto", "xgrammar", "llguidance", "none")
@@ -41,7 +41,7 @@ class TrtllmConfig:
     # KvCacheConfig(event_buffer_max_size=...): TensorRT-LLM keeps this many KV-cache events for SubscribeKvEvents
     # (0: none; ignored when block reuse is off)
     kv_event_buffer_max_size: int = 1024
-    # LoRA (looper/trtllm_lora.py): the --lora directories turn it on; --max-loras adapters on the GPU (and on the
+    # LoRA (trtllm/lora.py): the --lora directories turn it on; --max-loras adapters on the GPU (and on the
     # host), --max-lora-rank the largest rank
     lora_dirs: tuple[str, ...] = ()
     max_loras: int | None = None
@@ -140,7 +140,7 @@ def guided_backend(config: TrtllmConfig, api: str) -> str | None:
 
 def _with_layout(schema: str) -> str:
     """A JSON schema that tells llguidance the JSON layout the embedded engine uses (its `x-guidance` options)."""
-    from .structured import JSON_LAYOUT
+    from tokenloop.core.structured import JSON_LAYOUT
 
     value = json.loads(schema)
     return json.dumps({**value, "x-guidance": {**JSON_LAYOUT, **value.get("x-guidance", {})}})
@@ -152,7 +152,7 @@ def guide_for(structured: StructuredOutput, backend: str | None) -> tuple[str, s
     TensorRT-LLM's llguidance backend reads a grammar as Lark and has no structural tags: both go as the Lark
     grammar the server compiled; xgrammar takes the GBNF grammar and the structural tag as they came.
     Raises ValueError when structured output is off."""
-    from .structured import ANY_OBJECT, lark_of
+    from tokenloop.core.structured import ANY_OBJECT, lark_of
 
     if backend is None:
         raise ValueError("structured output is off on this server (--guided-decoding-backend none)")

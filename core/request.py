@@ -63,7 +63,7 @@ class StructuredOutput:
 
     kind: str  # json_schema | json_object | regex | grammar | structural_tag
     spec: str = ""  # the schema, regex, grammar or structural tag text; "" for json_object
-    # looper.structured.Grammar, set once the service compiled it (the embedded engine matches with it)
+    # core.structured.Grammar, set once the service compiled it (the embedded engine matches with it)
     grammar: object | None = field(default=None, compare=False, repr=False)
 
 

@@ -18,19 +18,10 @@ gate_proj, mlp_gate is up_proj) and the module-id table of docs/source/advanced/
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenloop.engine.lora import (
-    _KEY,
-    TARGETS,
-    WEIGHTS_FILE,
-    LoraError,
-    LoraRegistry,
-    _check_targets,
-    _read_config,
-)
+from tokenloop.core.lora import MODULES, LoraError, LoraRegistry, read_peft
 
 TRTLLM_MODULES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_dense",
                   "gate_proj": "mlp_h_to_4h", "down_proj": "mlp_4h_to_h", "up_proj": "mlp_gate"}
@@ -54,43 +45,21 @@ class TrtllmLora:
 
 
 def read_trtllm_adapter(name: str, path: str | Path, max_rank: int, with_tensors: bool) -> TrtllmLora:
-    """Check a PEFT adapter (the same rules as the engine's), and build the C++ executor's tensors if asked."""
+    """Check a PEFT adapter (core.lora.read_peft: the engine's rules), and build the C++ executor's tensors if asked."""
     import torch
-    from safetensors import safe_open
 
-    path = Path(path)
-    peft = _read_config(name, path)
-    _check_targets(name, peft)
-    parts: dict[tuple[int, str], dict] = {}
-    try:
-        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-            for key in f.keys():
-                m = _KEY.fullmatch(key)
-                if m is None or m.group(3) not in TARGETS or TARGETS[m.group(3)][0] != m.group(2):
-                    raise LoraError("lora_target_modules", f"LoRA adapter `{name}`: weight `{key}` is not a LoRA "
-                                    f"weight of a projection TensorRT-LLM adapts ({', '.join(TARGETS)})")
-                parts.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = f.get_tensor(key)
-    except LoraError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a corrupt file
-        raise LoraError("lora_not_peft", f"LoRA adapter `{name}`: {WEIGHTS_FILE} is unreadable "
-                        f"({type(exc).__name__}: {exc})") from None
-    if not parts or any(set(ab) != {"A", "B"} for ab in parts.values()):
-        raise LoraError("lora_not_peft", f"LoRA adapter `{name}`: {WEIGHTS_FILE} lacks lora_A / lora_B pairs")
-    ranks = {k: ab["A"].shape[0] for k, ab in parts.items()}
-    if max(ranks.values()) > max_rank:
-        raise LoraError("lora_rank", f"LoRA adapter `{name}` has rank {max(ranks.values())}; this server takes at "
+    peft = read_peft(name, path, "TensorRT-LLM")
+    rank = max(a.shape[0] for a, _ in peft.parts.values())
+    if rank > max_rank:
+        raise LoraError("lora_rank", f"LoRA adapter `{name}` has rank {rank}; this server takes at "
                         f"most {max_rank} (--max-lora-rank)")
-    alpha = float(peft.get("lora_alpha", peft["r"]))
-    modules = tuple(sorted({m for _, m in parts}, key=list(TARGETS).index))
-    lora = TrtllmLora(name, str(path), max(ranks.values()), alpha, modules)
+    lora = TrtllmLora(name, str(peft.path), rank, peft.alpha, peft.modules)
     if with_tensors:
         rows, config = [], []
-        for (layer, module) in sorted(parts, key=lambda k: (k[0], list(TARGETS).index(k[1]))):
-            a, b = parts[(layer, module)]["A"].float(), parts[(layer, module)]["B"].float()
+        for (layer, module) in sorted(peft.parts, key=lambda k: (k[0], list(MODULES).index(k[1]))):
+            a, b = (t.float() for t in peft.parts[(layer, module)])
             r = a.shape[0]
-            scaling = alpha / math.sqrt(r) if peft.get("use_rslora") else alpha / r
-            rows.append(torch.cat([a.flatten(), (b * scaling).flatten()]))
+            rows.append(torch.cat([a.flatten(), (b * peft.scaling(r)).flatten()]))
             config.append([MODULE_IDS[TRTLLM_MODULES[module]], layer, r])
         width = max(row.numel() for row in rows)
         lora.weights = torch.stack([torch.nn.functional.pad(row, (0, width - row.numel())) for row in rows])

@@ -1,4 +1,4 @@
-"""TensorRT-LLM's own KV-cache events, passed through to `SubscribeKvEvents` (looper/kv_events.py).
+"""TensorRT-LLM's own KV-cache events, passed through to `SubscribeKvEvents` (core/kv_events.py).
 
 TensorRT-LLM records block reuse events when `KvCacheConfig(event_buffer_max_size=N)` is > 0 (with
 `enable_block_reuse`, its default). The adapters read them from:
@@ -20,7 +20,7 @@ levels or changed priority) changes nothing a prefix index holds and is dropped.
 
 from __future__ import annotations
 
-from .kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent, StoredBlock
+from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent, StoredBlock
 
 
 def signed64(value: int) -> int:

@@ -7,11 +7,21 @@ thread is the only caller of every method except `stats()`, which any thread may
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .request import FinishReason, ValidRequest
-from .stream import ErrorKind
+
+
+class ErrorKind(enum.Enum):
+    """How a request failed; the service maps each to one gRPC status code."""
+
+    UNAVAILABLE = "unavailable"  # executor dead, server shutting down
+    INTERNAL = "internal"  # the executor failed this request
+    INVALID_ARGUMENT = "invalid_argument"  # the executor refused this request at enqueue
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
 
 
 class EngineDeadError(RuntimeError):
@@ -29,7 +39,7 @@ class Step:
     INVALID_ARGUMENT when the request's own values made it fail; None means INTERNAL).
     """
 
-    request_id: int
+    executor_id: int  # the id enqueue() returned for the request (ValidRequest.request_id is the client's)
     seq_index: int
     token_ids: list[int]
     logprobs: list[float] | None = None
@@ -48,7 +58,7 @@ def merge_steps(steps: list[Step]) -> list[Step]:
     by_seq: dict[tuple[int, int], Step] = {}
     out: list[Step] = []
     for step in steps:
-        key = (step.request_id, step.seq_index)
+        key = (step.executor_id, step.seq_index)
         prev = by_seq.get(key)
         if prev is None or prev.is_final or step.error is not None or prev.error is not None:
             by_seq[key] = step
@@ -91,24 +101,10 @@ class ExecutorStats:
 
 @runtime_checkable
 class Executor(Protocol):
-    """What the looper drives. Implementations: engine.Engine, looper.trtllm_*.
+    """What the looper drives. Implementations: engine.Engine, trtllm.executor.TrtllmExecutor, trtllm.llmapi.TrtllmLlmApi.
 
-    Optional, not part of the checked protocol: `wake() -> None`, thread-safe, makes a blocked (or the
-    next) `await_responses` return early. The looper calls it from the event loop after queueing a new
-    request or a cancel, so that it is taken at once instead of after the executor's wait (up to the
-    looper's `poll_timeout`). Without it, commands wait for the current `await_responses` to return.
-
-    Optional too: `set_death_callback(callback) -> None`: the executor calls `callback(reason)` once, from any
-    thread, when it dies (at once if it is already dead). The looper then fails every stream and reports the
-    death even while no request is in flight (it waits on its command channel then, not on the executor).
-
-    Optional, not part of the checked protocol: `pause(id) -> None` and `resume(id) -> None`, both idempotent,
-    unknown or finished ids ignored. `pause` stops generating for a request and frees what it holds in the
-    executor (KV blocks) while keeping its output so far; steps already made may still arrive. `resume` lets it
-    generate again from where it stopped: the same tokens as if never paused (greedy; seeded sampling keeps its
-    RNG). The service pauses a request whose reader stopped reading (--slow-reader-grace) and gives its admission
-    slot to another; the looper sends both through its channel like `cancel`. An executor without them (the
-    TensorRT-LLM adapters) keeps generating for a stalled reader, which keeps its slot until --stall-timeout.
+    Optional abilities (wake, pause / resume, a death callback, LoRA, KV events) are protocols of their own in
+    core/capabilities.py, read once where the executor is built.
     """
 
     def enqueue(self, request: ValidRequest) -> int:
@@ -121,7 +117,7 @@ class Executor(Protocol):
         Raises EngineDeadError when the executor has died."""
         ...
 
-    def cancel(self, request_id: int) -> None:
+    def cancel(self, executor_id: int) -> None:
         """Idempotent. The request then ends with a final step of FinishReason.CANCELLED per
         unfinished sequence; unknown or finished ids are ignored."""
         ...

@@ -29,11 +29,12 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from . import trtllm_kv_events
-from .executor import EngineDeadError, ExecutorStats, Step
-from .kv_events import KvEventHub
-from .request import FinishReason, ValidRequest
-from .trtllm_common import (
+from tokenloop.core.executor import EngineDeadError, ExecutorStats, Step
+from tokenloop.core.kv_events import KvEventHub
+from tokenloop.core.request import FinishReason, ValidRequest
+
+from . import kv_events as trtllm_kv_events
+from .common import (
     TrtllmConfig,
     current_stats,
     end_and_stop_ids,
@@ -46,7 +47,7 @@ from .trtllm_common import (
     stop_reason,
     wants_logprobs,
 )
-from .trtllm_lora import TrtllmLoras
+from .lora import TrtllmLoras
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -65,20 +66,20 @@ class _Tracked:
     open_seqs: set[int]
     last_token: dict[int, int] = field(default_factory=dict)
     cancelled: bool = False
-    lora: object | None = None  # trtllm_lora.TrtllmLora it uses, released when it ends
+    lora: object | None = None  # lora.TrtllmLora it uses, released when it ends
 
 
 class TrtllmExecutor(TrtllmLoras):
     """`Executor` on `tensorrt_llm.bindings.executor.Executor` (prebuilt TensorRT engines)."""
 
     def __init__(self, engine_dir: str, config: TrtllmConfig, eos_token_ids: tuple[int, ...] = ()):
-        from tensorrt_llm.bindings import executor as tle  # lazily: see trtllm.py
+        from tensorrt_llm.bindings import executor as tle  # lazily: see trtllm/__init__.py
 
         self._tle = tle
         self._config = config
         self._eos = tuple(eos_token_ids)
         self._tracked: dict[int, _Tracked] = {}
-        self._with_tensors = True  # LoRA weights go in the first request of a task id (looper/trtllm_lora.py)
+        self._with_tensors = True  # LoRA weights go in the first request of a task id (trtllm/lora.py)
         self._init_loras(bool(config.lora_dirs), config.max_lora_rank)
         self._stats: ExecutorStats | None = None
         self._stats_at = 0.0

@@ -1,0 +1,80 @@
+"""The package layers (CONTRIBUTING.md, "Layers"): read from the import statements of every module.
+
+`core/` imports no other tokenloop package; `looper/` and each executor package (`engine/`, `trtllm/`) import only
+`core/` (and `tokenloop.v1`, the generated contract); in `service/` only `service/executors.py` imports an executor
+package; no module imports a `_private` name from another package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("core", "looper", "engine", "trtllm", "service")
+EXECUTORS = {"engine", "trtllm"}
+ALLOWED = {"core": {"v1"}, "looper": {"core", "v1"}, "engine": {"core", "v1"}, "trtllm": {"core", "v1"},
+           "service": {"core", "looper", "engine", "trtllm", "v1"}}
+BUILDS_EXECUTORS = "service/executors.py"  # the one place that builds the configured executor
+
+
+def imports(path: Path, package: str) -> list[tuple[str, list[str], int]]:
+    """(tokenloop subpackage, names imported, line) of each import of another tokenloop module in `path`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: `from . import x` stays in the package; `from ..core.x` leaves it
+                parts = (node.module or "").split(".")
+                target = package if node.level == 1 else parts[0]
+                if node.level == 1 and not node.module:
+                    target = package
+                module_parts = [target] + (parts[1:] if node.level > 1 else parts)
+            elif node.module and node.module.startswith("tokenloop."):
+                module_parts = node.module.split(".")[1:]
+                target = module_parts[0]
+            else:
+                continue
+            names = [alias.name for alias in node.names]
+            if len(module_parts) == 1 and target != package:  # `from tokenloop.core import request`: modules
+                names = [n for n in names if not (ROOT / target / f"{n}.py").exists()]
+            out.append((target, names, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("tokenloop."):
+                    out.append((alias.name.split(".")[1], [], node.lineno))
+    return out
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_imports_only_the_layers_below_it(package):
+    bad = [f"{path.relative_to(ROOT)}:{line} imports tokenloop.{target}"
+           for path in modules(package) for target, _, line in imports(path, package)
+           if target != package and target not in ALLOWED[package]]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_private_name_is_imported_from_another_package(package):
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name} from tokenloop.{target}"
+           for path in modules(package) for target, names, line in imports(path, package)
+           if target != package for name in names if name.startswith("_")]
+    assert not bad, "\n".join(bad)
+
+
+def test_one_module_of_the_service_builds_the_executor():
+    importers = {str(path.relative_to(ROOT)) for path in modules("service")
+                 for target, _, _ in imports(path, "service") if target in EXECUTORS}
+    assert importers == {BUILDS_EXECUTORS}
+
+
+def test_the_checks_see_imports():
+    """The rules above read real imports: the looper imports core, the builder imports both executors."""
+    looper = {t for p in modules("looper") for t, _, _ in imports(p, "looper")}
+    server = {t for t, _, _ in imports(ROOT / BUILDS_EXECUTORS, "service")}
+    assert "core" in looper and {"engine", "trtllm"} <= server
