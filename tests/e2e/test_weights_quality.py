@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 
 from tests.engine_helpers import greedy_request, run_all, tokens
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.perplexity import DEFAULT_TEXT, load_engine, perplexity
-from tokenloop.looper.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
