@@ -169,19 +169,8 @@ class MatmulPolicy:
         if int8 is None:
             return policy
         policy.int8 = int8
-        if (os.cpu_count() or 1) < 2:
-            return policy
-        weights = weights if isinstance(weights, list) else [weights]
-        split = {}
-        with torch.inference_mode():
-            for b in BUCKETS:
-                if b > INT8_TIMED_TOKENS:  # milliseconds of arithmetic per product: two threads halve it
-                    split[b] = True
-                    continue
-                x = torch.randn(b, weights[0].shape[1])
-                split[b] = _fastest({s: lambda x=x, s=s: [policy._qlinear(x, w, s) for w in weights]
-                                     for s in (False, True)})
-        policy.int8_split = split
+        if (os.cpu_count() or 1) >= 2:
+            policy.int8_split = _time_split(weights, policy._qlinear)
         return policy
 
     @classmethod
@@ -194,19 +183,8 @@ class MatmulPolicy:
         if int4 is None:
             return policy
         policy.int4 = int4
-        if (os.cpu_count() or 1) < 2:
-            return policy
-        weights = weights if isinstance(weights, list) else [weights]
-        split = {}
-        with torch.inference_mode():
-            for b in BUCKETS:
-                if b > INT8_TIMED_TOKENS:
-                    split[b] = True
-                    continue
-                x = torch.randn(b, weights[0].shape[1])
-                split[b] = _fastest({s: lambda x=x, s=s: [policy._q4linear(x, w, s) for w in weights]
-                                     for s in (False, True)})
-        policy.int8_split = split
+        if (os.cpu_count() or 1) >= 2:
+            policy.int8_split = _time_split(weights, policy._q4linear)
         return policy
 
     def _q4linear(self, x: torch.Tensor, w: Q4Weight, split: bool | None = None) -> torch.Tensor:
@@ -290,3 +268,18 @@ def set_blas_threads(num_threads: int) -> bool:
                 fn(ctypes.c_int(num_threads))
                 return True
     return False
+
+
+def _time_split(weights, product) -> dict[int, bool]:
+    """Per bucket: whether `product(x, w, split)` over all of `weights` is faster on two threads than on one (timed
+    up to INT8_TIMED_TOKENS rows; larger products are milliseconds of arithmetic, which two threads halve)."""
+    weights = weights if isinstance(weights, list) else [weights]
+    split = {}
+    with torch.inference_mode():
+        for b in BUCKETS:
+            if b > INT8_TIMED_TOKENS:
+                split[b] = True
+                continue
+            x = torch.randn(b, weights[0].shape[1])
+            split[b] = _fastest({s: lambda x=x, s=s: [product(x, w, s) for w in weights] for s in (False, True)})
+    return split
