@@ -78,66 +78,54 @@ static void pv_portable(float *acc, const float *p, int64_t len, const float *v,
 }
 
 #if HAVE_X86
-/* Register tiles of the weighted sum: up to TILE_G heads x TILE_V vectors of accumulators, loops with constant
+/* One path's two functions, from one template: V is the vector type, W its width in floats, the rest its
+ * intrinsics. Register tiles of the weighted sum: up to TG heads x TV vectors of accumulators, loops with constant
  * bounds (fully unrolled, so the tile stays in registers) and run-time guards for a partial tile. */
-#define AVX512_TILE_G 4
-#define AVX512_TILE_V 4 /* 16 accumulators + 4 V vectors of the 32 zmm registers */
-#define AVX2_TILE_G 4
-#define AVX2_TILE_V 2 /* 8 accumulators + 2 V vectors of the 16 ymm registers */
-
-AVX512_FN static void qk_avx512(const float *q, const float *k, int64_t KE, int64_t n, int64_t G, int64_t E,
-                                float scale, float *s, int64_t len) {
-    for (int64_t j = 0; j < n; j++) {
-        const float *kr = k + j * KE;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qh = q + g * E;
-            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kr)), a1 = _mm512_setzero_ps();
-            int64_t e = 16;
-            for (; e + 32 <= E; e += 32) {
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + e), _mm512_loadu_ps(kr + e), a1);
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + e + 16), _mm512_loadu_ps(kr + e + 16), a0);
-            }
-            if (e < E) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + e), _mm512_loadu_ps(kr + e), a1);
-            s[g * len + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
-        }
+#define DEFINE_PATH(NAME, ATTR, V, W, TG, TV, LOADU, STOREU, SET1, ZERO, MUL, ADD, FMADD, HSUM)                     \
+    ATTR static void qk_##NAME(const float *q, const float *k, int64_t KE, int64_t n, int64_t G, int64_t E,        \
+                               float scale, float *s, int64_t len) {                                               \
+        for (int64_t j = 0; j < n; j++) {                                                                          \
+            const float *kr = k + j * KE;                                                                          \
+            for (int64_t g = 0; g < G; g++) {                                                                      \
+                const float *qh = q + g * E;                                                                       \
+                V a0 = MUL(LOADU(qh), LOADU(kr)), a1 = ZERO();                                                     \
+                int64_t e = W;                                                                                     \
+                for (; e + 2 * W <= E; e += 2 * W) {                                                               \
+                    a1 = FMADD(LOADU(qh + e), LOADU(kr + e), a1);                                                  \
+                    a0 = FMADD(LOADU(qh + e + W), LOADU(kr + e + W), a0);                                          \
+                }                                                                                                  \
+                if (e < E) a1 = FMADD(LOADU(qh + e), LOADU(kr + e), a1);                                           \
+                s[g * len + j] = HSUM(ADD(a0, a1)) * scale;                                                        \
+            }                                                                                                      \
+        }                                                                                                          \
+    }                                                                                                              \
+    ATTR static void pv_##NAME(float *acc, const float *p, int64_t len, const float *v, int64_t KE, int64_t n,     \
+                               int64_t G, int64_t E) {                                                             \
+        for (int64_t g0 = 0; g0 < G; g0 += TG) {                                                                   \
+            const int64_t gn = G - g0 < TG ? G - g0 : TG;                                                          \
+            for (int64_t e0 = 0; e0 < E; e0 += W * TV) {                                                           \
+                const int64_t vn = (E - e0) / W < TV ? (E - e0) / W : TV;                                          \
+                V a[TG][TV];                                                                                       \
+                _Pragma("GCC unroll 4") for (int g = 0; g < TG; g++)                                               \
+                _Pragma("GCC unroll 4") for (int i = 0; i < TV; i++)                                               \
+                    a[g][i] = g < gn && i < vn ? LOADU(acc + (g0 + g) * E + e0 + W * i) : ZERO();                  \
+                for (int64_t j = 0; j < n; j++) {                                                                  \
+                    const float *vr = v + j * KE + e0;                                                             \
+                    V x[TV];                                                                                       \
+                    _Pragma("GCC unroll 4") for (int i = 0; i < TV; i++) x[i] = i < vn ? LOADU(vr + W * i) : ZERO(); \
+                    _Pragma("GCC unroll 4") for (int g = 0; g < TG; g++) {                                         \
+                        if (g >= gn) break;                                                                        \
+                        const V w = SET1(p[(g0 + g) * len + j]);                                                   \
+                        _Pragma("GCC unroll 4") for (int i = 0; i < TV; i++)                                       \
+                            if (i < vn) a[g][i] = FMADD(w, x[i], a[g][i]);                                         \
+                    }                                                                                              \
+                }                                                                                                  \
+                _Pragma("GCC unroll 4") for (int g = 0; g < TG; g++)                                               \
+                _Pragma("GCC unroll 4") for (int i = 0; i < TV; i++)                                               \
+                    if (g < gn && i < vn) STOREU(acc + (g0 + g) * E + e0 + W * i, a[g][i]);                        \
+            }                                                                                                      \
+        }                                                                                                          \
     }
-}
-
-AVX512_FN static void pv_avx512(float *acc, const float *p, int64_t len, const float *v, int64_t KE, int64_t n,
-                                int64_t G, int64_t E) {
-    for (int64_t g0 = 0; g0 < G; g0 += AVX512_TILE_G) {
-        const int64_t gn = G - g0 < AVX512_TILE_G ? G - g0 : AVX512_TILE_G;
-        for (int64_t e0 = 0; e0 < E; e0 += 16 * AVX512_TILE_V) {
-            const int64_t vn = (E - e0) / 16 < AVX512_TILE_V ? (E - e0) / 16 : AVX512_TILE_V;
-            __m512 a[AVX512_TILE_G][AVX512_TILE_V];
-#pragma GCC unroll 4
-            for (int g = 0; g < AVX512_TILE_G; g++)
-#pragma GCC unroll 4
-                for (int i = 0; i < AVX512_TILE_V; i++)
-                    a[g][i] = g < gn && i < vn ? _mm512_loadu_ps(acc + (g0 + g) * E + e0 + 16 * i)
-                                               : _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
-                const float *vr = v + j * KE + e0;
-                __m512 x[AVX512_TILE_V];
-#pragma GCC unroll 4
-                for (int i = 0; i < AVX512_TILE_V; i++) x[i] = i < vn ? _mm512_loadu_ps(vr + 16 * i) : _mm512_setzero_ps();
-#pragma GCC unroll 4
-                for (int g = 0; g < AVX512_TILE_G; g++) {
-                    if (g >= gn) break;
-                    const __m512 w = _mm512_set1_ps(p[(g0 + g) * len + j]);
-#pragma GCC unroll 4
-                    for (int i = 0; i < AVX512_TILE_V; i++)
-                        if (i < vn) a[g][i] = _mm512_fmadd_ps(w, x[i], a[g][i]);
-                }
-            }
-#pragma GCC unroll 4
-            for (int g = 0; g < AVX512_TILE_G; g++)
-#pragma GCC unroll 4
-                for (int i = 0; i < AVX512_TILE_V; i++)
-                    if (g < gn && i < vn) _mm512_storeu_ps(acc + (g0 + g) * E + e0 + 16 * i, a[g][i]);
-        }
-    }
-}
 
 AVX2_FN static inline float hsum256(__m256 x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -146,59 +134,12 @@ AVX2_FN static inline float hsum256(__m256 x) {
     return _mm_cvtss_f32(s);
 }
 
-AVX2_FN static void qk_avx2(const float *q, const float *k, int64_t KE, int64_t n, int64_t G, int64_t E, float scale,
-                            float *s, int64_t len) {
-    for (int64_t j = 0; j < n; j++) {
-        const float *kr = k + j * KE;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qh = q + g * E;
-            __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kr)), a1 = _mm256_setzero_ps();
-            int64_t e = 8;
-            for (; e + 16 <= E; e += 16) {
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + e), _mm256_loadu_ps(kr + e), a1);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + e + 8), _mm256_loadu_ps(kr + e + 8), a0);
-            }
-            if (e < E) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + e), _mm256_loadu_ps(kr + e), a1);
-            s[g * len + j] = hsum256(_mm256_add_ps(a0, a1)) * scale;
-        }
-    }
-}
-
-AVX2_FN static void pv_avx2(float *acc, const float *p, int64_t len, const float *v, int64_t KE, int64_t n,
-                            int64_t G, int64_t E) {
-    for (int64_t g0 = 0; g0 < G; g0 += AVX2_TILE_G) {
-        const int64_t gn = G - g0 < AVX2_TILE_G ? G - g0 : AVX2_TILE_G;
-        for (int64_t e0 = 0; e0 < E; e0 += 8 * AVX2_TILE_V) {
-            const int64_t vn = (E - e0) / 8 < AVX2_TILE_V ? (E - e0) / 8 : AVX2_TILE_V;
-            __m256 a[AVX2_TILE_G][AVX2_TILE_V];
-#pragma GCC unroll 4
-            for (int g = 0; g < AVX2_TILE_G; g++)
-#pragma GCC unroll 4
-                for (int i = 0; i < AVX2_TILE_V; i++)
-                    a[g][i] = g < gn && i < vn ? _mm256_loadu_ps(acc + (g0 + g) * E + e0 + 8 * i)
-                                               : _mm256_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
-                const float *vr = v + j * KE + e0;
-                __m256 x[AVX2_TILE_V];
-#pragma GCC unroll 4
-                for (int i = 0; i < AVX2_TILE_V; i++) x[i] = i < vn ? _mm256_loadu_ps(vr + 8 * i) : _mm256_setzero_ps();
-#pragma GCC unroll 4
-                for (int g = 0; g < AVX2_TILE_G; g++) {
-                    if (g >= gn) break;
-                    const __m256 w = _mm256_set1_ps(p[(g0 + g) * len + j]);
-#pragma GCC unroll 4
-                    for (int i = 0; i < AVX2_TILE_V; i++)
-                        if (i < vn) a[g][i] = _mm256_fmadd_ps(w, x[i], a[g][i]);
-                }
-            }
-#pragma GCC unroll 4
-            for (int g = 0; g < AVX2_TILE_G; g++)
-#pragma GCC unroll 4
-                for (int i = 0; i < AVX2_TILE_V; i++)
-                    if (g < gn && i < vn) _mm256_storeu_ps(acc + (g0 + g) * E + e0 + 8 * i, a[g][i]);
-        }
-    }
-}
+/* AVX-512: 16 accumulators + 4 V vectors of the 32 zmm registers */
+DEFINE_PATH(avx512, AVX512_FN, __m512, 16, 4, 4, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_setzero_ps,
+            _mm512_mul_ps, _mm512_add_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps)
+/* AVX2: 8 accumulators + 2 V vectors of the 16 ymm registers */
+DEFINE_PATH(avx2, AVX2_FN, __m256, 8, 4, 2, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_setzero_ps,
+            _mm256_mul_ps, _mm256_add_ps, _mm256_fmadd_ps, hsum256)
 #endif /* HAVE_X86 */
 
 /* 1 when this CPU (and this build) can run `path` */
