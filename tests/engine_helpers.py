@@ -56,3 +56,14 @@ def tokens(steps: list[Step]) -> list[int]:
 def final(steps: list[Step]) -> Step:
     assert steps[-1].is_final and all(not s.is_final for s in steps[:-1])
     return steps[-1]
+
+
+def hf_greedy(model, prompt: list[int], num_new: int = 64) -> list[int]:
+    """transformers' greedy continuation of `prompt`, EOS ignored."""
+    import torch
+
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
+                             min_new_tokens=num_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.gateway import smg_binary
 from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port, _tokenloop_command
-from tests.e2e.test_smg_router import smg_binary
 
 pytestmark = pytest.mark.e2e
 
