@@ -54,7 +54,8 @@ async def read_all(call) -> list:
     return out
 
 
-async def wait_for(predicate, timeout=5.0) -> bool:
+async def wait_for(predicate, timeout=10.0) -> bool:
+    """Poll `predicate` every 10 ms until it holds or `timeout` s passed; what it last returned."""
     for _ in range(int(timeout / 0.01)):
         if predicate():
             return True
