@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port, stop_process
 
 SMG_VERSION = "1.13.0"
 READY_TIMEOUT_S = 90.0
@@ -77,13 +77,7 @@ class Router:
         return self.get("/workers")[1].get("workers", [])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
         self._log.close()
 
 

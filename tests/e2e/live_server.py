@@ -61,14 +61,18 @@ class LiveServer:
                 raise RuntimeError(f"tokenloop serve did not become ready (exit {self.proc.returncode}):\n{tail}")
 
     def stop(self) -> None:
-        """SIGTERM, then kill if it does not exit."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
+
+
+def stop_process(proc: subprocess.Popen | None, grace: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `grace` s (nothing if it is not running)."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _tokenloop_command() -> list[str]:
