@@ -12,8 +12,6 @@ import hashlib
 import io
 import json
 import logging
-import time
-import uuid
 import zipfile
 from pathlib import Path
 
@@ -23,22 +21,17 @@ from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tokenloop.core.kv_events import ResumeOutOfRange
 from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, RequestFailed
+from tokenloop.looper.stream import Chunk, Complete
 
 from .convert import field_key, string_field, varint
 from .errors import (
-    AlreadyExists,
     DataLoss,
     OutOfRange,
-    ServiceError,
-    Unavailable,
     Unimplemented,
     abort_with,
-    status_of,
 )
+from .frontdoor import FrontDoor, add_with_raw_responses, streaming, unary
 from .kv_events import FellBehind, kv_event_stream
-from .logs import RequestRecord, logs_itself
-from .servicer import Delivery, add_with_raw_responses, deadline_of, metadata_value
 from .structured import structured_of_guided
 from .validation import MAX_TOP_LOGPROBS, _check
 
@@ -303,64 +296,34 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
     def __init__(self, app):
         self.app = app  # service.app.App
         self._bundle: bytes | None = None
+        self.Generate = FrontDoor(app).handler(GENERATE, self._validate, self._writer,
+                                               grammar_field="guided_decoding.guide")
 
-    @logs_itself  # keeps its own request-log record: no interceptor generator around it (see service.logs)
-    async def Generate(self, request, context):
-        async with RequestRecord(GENERATE, request, context):
-            app, arrival, arrival_wall = self.app, time.monotonic(), time.time()
-            rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
-            try:
-                app.require_ready()
-                async with app.admission.slot(rid, getattr(app.config, "max_queue_wait", 0.0), context.peer()) as slot:
-                    valid = to_valid_request(app.validator, request, rid, deadline_of(context), app.loras)
-                    valid = await app.grammars.admit(valid, "guided_decoding.guide")  # compiled, or cached
-                    valid = await app.loras.admit(valid)  # `lora_config.task_id`: its adapter resident
-                    if app.looper.find(rid) is not None:
-                        raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
-                    writer = _Writer(valid, request.include_stop_token_in_output,
-                                     request.output_config.return_perf_metrics, arrival_wall,
-                                     getattr(app.config, "stream_interval", 1))
-                    slot.check_aborted()  # Abort while it waited: it never runs
-                    stream = app.looper.submit(valid, arrival)
-                    app.admission.submitted(slot)
-                    with Delivery(app, valid, stream, slot) as delivery:  # SMG dropping the stream cancels it
-                        watchdog = delivery.watchdog
-                        while (batch := await stream.next_batch()) is not None:
-                            watchdog.arm()
-                            for msg in writer.encode(batch):  # serialized: see add_trtllm_service
-                                yield msg  # a stalled reader blocks here: the watchdog pauses, then cancels us
-                                watchdog.sent += 1
-                            delivery.delivered(batch)
-                            if delivery.paused:  # it stalled past --slow-reader-grace and now reads again
-                                await delivery.resume()
-            except Exception as exc:  # ServiceError, RequestFailed, anything unexpected: one status, no traceback
-                if not isinstance(exc, (ServiceError, RequestFailed)):
-                    log.exception("trtllm Generate %s failed", rid)
-                app.observe_error(status_of(exc)[0])
-                await abort_with(context, exc)
+    async def _validate(self, request, request_id: str, deadline: float | None) -> ValidRequest:
+        return to_valid_request(self.app.validator, request, request_id, deadline, self.app.loras)
+
+    def _writer(self, valid: ValidRequest, request, arrival_wall: float) -> _Writer:
+        return _Writer(valid, request.include_stop_token_in_output, request.output_config.return_perf_metrics,
+                       arrival_wall, getattr(self.app.config, "stream_interval", 1))
 
     async def Embed(self, request, context):
         await abort_with(context, Unimplemented(
             "Embed is not available: this server runs a generative model (use Generate)"))
 
+    @unary()  # loading, draining, or the executor died: UNAVAILABLE
     async def HealthCheck(self, request, context):
-        if self.app.not_ready_reason:  # loading, draining, or the executor died
-            await abort_with(context, Unavailable(self.app.not_ready_reason))
-            return None
         return tpb.HealthCheckResponse(status="OK")
 
+    @unary(ready=False)
     async def Abort(self, request, context):
         looper, rid = self.app.looper, request.request_id
         found = self.app.admission.abort(rid) or (looper is not None and looper.abort(rid))
         return tpb.AbortResponse(success=found, message=f"request {request.request_id!r} "
                                  + ("aborted" if found else "not in flight (already finished, aborted or unknown)"))
 
+    @unary()
     async def GetModelInfo(self, request, context):
-        try:
-            self.app.require_ready()
-            return self.model_info()
-        except ServiceError as exc:
-            await abort_with(context, exc)
+        return self.model_info()
 
     def model_info(self) -> tpb.GetModelInfoResponse:
         app = self.app
@@ -374,6 +337,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             num_layers=int(cfg.get("num_hidden_layers", 0)), num_heads=int(cfg.get("num_attention_heads", 0)),
             supported_features=features)
 
+    @unary(ready=False)
     async def GetServerInfo(self, request, context):
         opts = self.app.config.executor_options
         tp, pp = int(opts.get("tensor_parallel_size") or 1), int(opts.get("pipeline_parallel_size") or 1)
@@ -381,6 +345,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             version=_version(), backend="tensorrt" if self.app.config.backend == "trtllm" else "pytorch",
             tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1, world_size=tp * pp)
 
+    @streaming(ready=False)
     async def GetTokenizer(self, request, context):
         if self._bundle is None:
             self._bundle = await asyncio.to_thread(tokenizer_bundle, self.app.config.model)
@@ -394,24 +359,20 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             last = start + step >= len(data)
             yield common_pb2.GetTokenizerChunk(data=data[start:start + step], sha256=digest if last else "")
 
+    @streaming()
     async def SubscribeKvEvents(self, request, context):
         app = self.app
-        if app.not_ready_reason:
-            await abort_with(context, Unavailable(app.not_ready_reason))
-            return
         hub = app.capabilities.kv_events
         if hub is None:
-            await abort_with(context, Unimplemented(
-                "SubscribeKvEvents is not available: this executor publishes no KV-cache events "
-                "(routers fall back to load-based routing)"))
-            return
+            raise Unimplemented("SubscribeKvEvents is not available: this executor publishes no KV-cache events "
+                                "(routers fall back to load-based routing)")
         try:
             async for msg in kv_event_stream(app, hub, request, app.config.kv_events_heartbeat, context.peer()):
                 yield msg
         except ResumeOutOfRange as exc:
-            await abort_with(context, OutOfRange(str(exc)))
+            raise OutOfRange(str(exc)) from exc
         except FellBehind as exc:
-            await abort_with(context, DataLoss(str(exc)))
+            raise DataLoss(str(exc)) from exc
 
 
 def _read_config(model_dir: str) -> dict:
