@@ -27,13 +27,14 @@ deadline, stalled reader) cancels the request on the way out. A non-streaming AP
 `handler()` returns the pipeline itself as the RPC's handler (a partial of `generate`), not a wrapper: a wrapping
 async generator would be one more frame to resume for every message (see service.logs.logs_itself).
 
-Unary RPCs use `@unary()` (and server-streaming ones other than Generate `@streaming()`): ready check where the RPC
-needs it, `ServiceError` -> its status, anything else -> logged, INTERNAL.
+Unary RPCs (and server-streaming ones other than Generate) use `@unary()`: ready check where the RPC needs it,
+`ServiceError` -> its status, anything else -> logged, INTERNAL.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 import uuid
@@ -188,44 +189,48 @@ def request_id_of(request, context: grpc.aio.ServicerContext) -> str:
     return getattr(request, "request_id", "") or metadata_value(context, "x-request-id") or uuid.uuid4().hex
 
 
-async def fail_unary(context: grpc.aio.ServicerContext, exc: Exception, rpc: str) -> None:
-    """A unary RPC's error mapping: a ServiceError is the client's status; anything else is logged, INTERNAL."""
-    if not isinstance(exc, ServiceError):
-        log.error("%s failed", rpc, exc_info=exc)
-    await abort_with(context, exc)
+class _Mapped:
+    """The error mapping of one unary or server-streaming RPC, around its body: the ready check (given the app), then a
+    ServiceError is the client's status; anything else is logged with its traceback, INTERNAL."""
+
+    __slots__ = ("context", "rpc", "app")
+
+    def __init__(self, context: grpc.aio.ServicerContext, rpc: str, app=None):
+        self.context, self.rpc, self.app = context, rpc, app
+
+    async def __aenter__(self) -> None:
+        if self.app is not None:
+            try:
+                self.app.require_ready()
+            except ServiceError as exc:  # __aexit__ does not see what __aenter__ raises
+                await abort_with(self.context, exc)
+                raise
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
+            if not isinstance(exc, ServiceError):
+                log.error("%s failed", self.rpc, exc_info=exc)
+            await abort_with(self.context, exc)  # raises AbortError (returns when the client is gone)
+            return True
+        return False
+
+
+async def _mapped_call(servicer, fn, ready: bool, request, context):
+    async with _Mapped(context, fn.__name__, servicer.app if ready else None):
+        return await fn(servicer, request, context)
+
+
+async def _mapped_stream(servicer, fn, ready: bool, request, context):
+    async with _Mapped(context, fn.__name__, servicer.app if ready else None):
+        async for msg in fn(servicer, request, context):
+            yield msg
 
 
 def unary(ready: bool = True):
-    """Decorates a unary handler `async def RPC(self, request, context)` of a servicer with `self.app`: the ready
-    check (`ready=True`), then one error mapping (`fail_unary`)."""
+    """Decorates a unary handler `async def RPC(self, request, context)` of a servicer with `self.app` (or a
+    server-streaming one, an async generator, other than Generate): the ready check (`ready=True`), then the one
+    error mapping (`_Mapped`). grpc sees a coroutine (or async generator) function, as before."""
     def wrap(fn):
-        @functools.wraps(fn)
-        async def handler(self, request, context):
-            try:
-                if ready:
-                    self.app.require_ready()
-                return await fn(self, request, context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await fail_unary(context, exc, fn.__name__)
-        return handler
-    return wrap
-
-
-def streaming(ready: bool = True):
-    """`unary` for a server-streaming handler (an async generator) other than Generate."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        async def handler(self, request, context):
-            try:
-                if ready:
-                    self.app.require_ready()
-                async for msg in fn(self, request, context):
-                    yield msg
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await fail_unary(context, exc, fn.__name__)
-        return handler
+        run = _mapped_stream if inspect.isasyncgenfunction(fn) else _mapped_call
+        return functools.update_wrapper(functools.partialmethod(run, fn, ready), fn)
     return wrap

@@ -28,7 +28,7 @@ from .errors import (
     Unimplemented,
     abort_with,
 )
-from .frontdoor import FrontDoor, add_with_raw_responses, streaming, unary
+from .frontdoor import FrontDoor, add_with_raw_responses, unary
 from .kv_events import FellBehind, kv_event_stream
 from .structured import structured_of_guided
 from .trtllm_convert import TrtllmWriter
@@ -117,12 +117,7 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
     lim = validator.limits
     n = request.sampling_config.num_return_sequences or 1
     _check(n <= lim.max_n, "n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")
-    ids = tuple(request.tokenized.input_token_ids)
-    _check(len(ids) > 0, "empty_token_ids", "`tokenized.input_token_ids` must not be empty")
-    validator.check_prompt_length(len(ids))  # before looking at every id
-    bad = next((t for t in ids if t >= validator.vocab_size), None)
-    _check(bad is None, "token_id_out_of_range",
-           f"`tokenized.input_token_ids` must be < the vocabulary size {validator.vocab_size}; got {bad}")
+    ids = validator.prompt_ids(request.tokenized.input_token_ids, "tokenized.input_token_ids")
     o = request.output_config
     top = o.logprobs if o.HasField("logprobs") else 0
     _check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",
@@ -202,7 +197,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             version=_version(), backend="tensorrt" if self.app.config.backend == "trtllm" else "pytorch",
             tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1, world_size=tp * pp)
 
-    @streaming(ready=False)
+    @unary(ready=False)
     async def GetTokenizer(self, request, context):
         if self._bundle is None:
             self._bundle = await asyncio.to_thread(tokenizer_bundle, self.app.config.model)
@@ -216,7 +211,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             last = start + step >= len(data)
             yield common_pb2.GetTokenizerChunk(data=data[start:start + step], sha256=digest if last else "")
 
-    @streaming()
+    @unary()
     async def SubscribeKvEvents(self, request, context):
         app = self.app
         hub = app.capabilities.kv_events

@@ -15,7 +15,7 @@ from tokenloop.core.request import FinishReason, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed, Timing
 from tokenloop.service.admission import Admission
 from tokenloop.service.errors import Unavailable, ValidationError
-from tokenloop.service.frontdoor import FrontDoor, streaming, unary
+from tokenloop.service.frontdoor import FrontDoor, unary
 
 RPC = "/test.Api/Generate"
 
@@ -208,7 +208,7 @@ class Servicer:
     async def Always(self, request, context):
         return request()
 
-    @streaming()
+    @unary()
     async def Many(self, request, context):
         for x in request():
             yield x
