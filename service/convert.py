@@ -94,6 +94,12 @@ class SequenceWriter:
         return self._out(batch, self.message_chunk, self.message_complete)
 
     def _out(self, batch: list[Event], chunk, complete) -> list:
+        held = self._held
+        if len(batch) == 1 and not held:  # the commonest batch: one chunk, ready to go (nothing to merge or hold)
+            event = batch[0]
+            if type(event) is Chunk and len(event.token_ids) >= self.interval:
+                msg = chunk(event, None)
+                return [msg] if msg is not None else []
         out = []
         if not self.coalesce:
             for event in batch:
@@ -101,7 +107,6 @@ class SequenceWriter:
                 if msg is not None:
                     out.append(msg)
             return out
-        held = self._held
         for event in batch:
             if type(event) is Chunk:
                 held.setdefault(event.index, []).append(event)

@@ -100,7 +100,6 @@ def add_with_raw_responses(add_to_server, servicer, server, method: str) -> None
     server.add_registered_method_handlers(name, handlers)
 
 
-
 class FrontDoor:
     """The admission pipeline of every generation API on one `App` (service.app.App)."""
 
