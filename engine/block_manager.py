@@ -196,6 +196,22 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def flush_unused(self) -> int:
+        """Forget every cached block no sequence uses (reference count 0: evictable), emitting one "removed" event
+        for them; blocks in use stay cached. Returns how many were dropped."""
+        dropped = []
+        for block_id in self.free_cached:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+                dropped.append(block.hash)
+            block.hash, block.token_ids = None, ()
+        self.free_empty.update(self.free_cached)
+        self.free_cached.clear()
+        if dropped:
+            self.events.append(BlocksRemoved(tuple(dropped)))
+        return len(dropped)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only when none is in use). True when done; emits CacheCleared."""
         if self.num_used_blocks:

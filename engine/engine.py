@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -84,6 +85,7 @@ class Engine:
         self._new: list[tuple[int, ValidRequest, LoraWeights | None]] = []
         self._cancels: list[int] = []
         self._pauses: list[tuple[int, bool]] = []  # (request id, pause?) in call order: pause() / resume()
+        self._flushes: list[Future] = []  # flush_cache() calls waiting for the engine thread
         self._outputs: list[Step] = []
         self._stopping = False
         self._woken = False  # wake() was called: the next (or current) await_responses returns at once
@@ -219,6 +221,18 @@ class Engine:
             self._pauses.append((request_id, False))
             self._has_input.notify()
 
+    def flush_cache(self) -> int:
+        """Drop the prefix cache's unused blocks (core.capabilities.FlushesCache): the engine thread does it between
+        steps, emitting their KV "removed" events; blocks that running requests hold stay. Blocks until done (call
+        it off the event loop); returns how many were dropped. EngineDeadError once the engine is dead."""
+        done: Future = Future()
+        with self._lock:
+            if self._dead or self._stopping:
+                raise EngineDeadError(self._dead or "the engine is shutting down")
+            self._flushes.append(done)
+            self._has_input.notify()
+        return done.result()
+
     def stats(self) -> ExecutorStats:
         """Thread-safe snapshot."""
         with self._lock:
@@ -235,6 +249,10 @@ class Engine:
             self._has_input.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+        with self._lock:
+            flushes, self._flushes = self._flushes, []
+        for done in flushes:
+            done.set_exception(EngineDeadError("the engine is shutting down"))
 
     # --- the engine thread ---
 
@@ -244,7 +262,7 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not (self._stopping or self._new or self._cancels or self._pauses
+                    while not (self._stopping or self._new or self._cancels or self._pauses or self._flushes
                                or self.scheduler.has_work()):
                         self._has_input.wait()
                     if self._stopping:
@@ -252,9 +270,11 @@ class Engine:
                     new, self._new = self._new, []
                     cancels, self._cancels = self._cancels, []
                     pauses, self._pauses = self._pauses, []
+                    flushes, self._flushes = self._flushes, []
                 self._admit(new)
                 self._pause(pauses)
                 self._cancel(cancels)
+                self._flush(flushes)
                 if self.scheduler.has_work():
                     self.step()
         except BaseException as exc:  # noqa: BLE001 - anything here leaves the engine unusable
@@ -291,6 +311,13 @@ class Engine:
             if seqs:
                 steps.extend(cancelled_steps(seqs, self.scheduler))
         self._publish(steps)
+
+    def _flush(self, flushes: list[Future]) -> None:
+        """flush_cache() calls: the first drops the unused blocks, the others find none left."""
+        for i, done in enumerate(flushes):
+            done.set_result(self.block_manager.flush_unused() if i == 0 else 0)
+        if flushes:
+            self._publish([])  # the removed events go out now, with stats that show the cache smaller
 
     def step(self) -> None:
         """One iteration: schedule, run the model, sample, postprocess. A row that fails fails its request alone."""
@@ -421,5 +448,8 @@ class Engine:
             self._dead = message
             self._has_output.notify_all()
             callback = self._on_death
+            flushes, self._flushes = self._flushes, []
+        for done in flushes:
+            done.set_exception(EngineDeadError(message))
         if callback is not None:
             callback(message)
