@@ -118,7 +118,7 @@ class BlockManager:
         """
         if seq.block_table:
             raise ValueError("allocate_prefix needs a sequence without blocks")
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reuses_prefix:
             return 0
         prev = None
         for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
