@@ -47,6 +47,18 @@ def embed_params(app, pooling: str | None, normalize: bool | None) -> EmbedParam
     return EmbedParams(pooling or defaults.pooling, defaults.normalize if normalize is None else normalize)
 
 
+def pooling_of(value: int, enum) -> str | None:
+    """A protobuf `Pooling` enum value (tokenloop.v1's `pooling` field) as EmbedParams.pooling; None when unset;
+    ValidationError naming `pooling` for a number the enum does not define."""
+    if value == 0:
+        return None
+    names = {enum.Value(p.upper()): p for p in POOLINGS}
+    if value not in names:
+        raise ValidationError("pooling", f"`pooling` must be one of {', '.join(p.upper() for p in POOLINGS)} or "
+                                         f"unset; got {value}")
+    return names[value]
+
+
 def check_prompt_ids(app, prompt_ids: Sequence[int], field: str) -> tuple[int, ...]:
     """The prompt rules of Generate for an embedding's token ids: not empty, within the prompt limit, in the
     vocabulary; errors name `field`."""
