@@ -18,10 +18,10 @@ import grpc
 
 from tokenloop.core.capabilities import NO_EMBED, NO_FLUSH_CACHE
 from tokenloop.core.executor import ErrorKind
-from tokenloop.core.request import POOLINGS, EmbedParams, SamplingParams, StoppingParams, ValidRequest
+from tokenloop.core.request import POOLINGS, EmbedParams, FinishReason, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Complete, RequestFailed
 
-from .errors import AlreadyExists, Unimplemented, ValidationError
+from .errors import AlreadyExists, Cancelled, Unimplemented, ValidationError
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,19 +96,19 @@ async def embed(app, context: grpc.aio.ServicerContext, request_id: str, prompt_
         slot.check_aborted()  # Abort while it waited: it never runs
         stream = app.looper.submit(valid, arrival)
         app.admission.submitted(slot)
-        completes: list[Complete] = []
+        done: Complete | None = None
         try:
             while (batch := await stream.next_batch()) is not None:
-                completes += [e for e in batch if type(e) is Complete]
+                done = next((e for e in batch if type(e) is Complete), done)
         finally:
             if not stream.finished:
                 stream.cancel()  # the client went away (the handler's task was cancelled)
-            app.observe_end(valid, completes, grpc.StatusCode.OK if stream.finished else None)
-    done = completes[-1] if completes else None
+            # counted as a request, its prompt tokens too; no generation figures (tokens, TTFT, finish reasons)
+            app.observe_end(valid, [], grpc.StatusCode.OK if stream.finished else None)
     if done is None or done.embedding is None:
-        reason = done.finish_reason.name.lower() if done is not None else "no result"
-        raise RequestFailed(ErrorKind.INTERNAL if done is None or reason != "cancelled" else ErrorKind.UNAVAILABLE,
-                            f"the embedding request ended without a vector ({reason})")
+        if done is not None and done.finish_reason is FinishReason.CANCELLED:
+            raise Cancelled(f"request {request_id!r} was aborted")
+        raise RequestFailed(ErrorKind.INTERNAL, "the embedding request ended without a vector")
     return Embedding(done.embedding, len(ids), params.pooling, params.normalize)
 
 

@@ -167,3 +167,23 @@ def test_python_client_and_cli(checkpoint, hf, capsys):
             assert out["embedding"] == pytest.approx(expected(hf, ids, "mean", True), abs=1e-4)
             assert (out["pooling"], out["prompt_tokens"]) == ("mean", len(ids))
     run(body())
+
+
+def test_embed_waits_for_a_slot_and_abort_cancels_it(checkpoint):
+    """Embed takes an admission slot like Generate: with one slot held by a generation it waits in line, and Abort
+    by its request_id ends it CANCELLED; once the slot is free the next Embed runs."""
+    async def body():
+        async with serving(checkpoint, engine_for(checkpoint), max_concurrent_requests=1) as (server, stub, _):
+            long = stub.Generate(pb.GenerateRequest(text=TEXT, stream=True, sampling=pb.SamplingParams(temperature=0.0),
+                                                    stopping=pb.StoppingCriteria(max_new_tokens=900, ignore_eos=True)))
+            await long.read()  # it holds the one slot
+            waiting = asyncio.ensure_future(stub.Embed(pb.EmbedRequest(text=TEXT, request_id="queued")))
+            while server.app.admission.num_waiting == 0:
+                await asyncio.sleep(0.01)
+            assert (await stub.Abort(pb.AbortRequest(request_id="queued"))).found
+            code, details = await refused(waiting)
+            assert code == grpc.StatusCode.CANCELLED and "'queued' was aborted" in details
+            long.cancel()
+            got = await stub.Embed(pb.EmbedRequest(text=TEXT))
+            assert len(got.embedding) == 64
+    run(body())
