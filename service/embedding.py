@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import grpc
 
 from tokenloop.core.capabilities import NO_EMBED, NO_FLUSH_CACHE
-from tokenloop.core.executor import ErrorKind
+from tokenloop.core.executor import EngineDeadError, ErrorKind
 from tokenloop.core.request import POOLINGS, EmbedParams, FinishReason, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Complete, RequestFailed
 
-from .errors import AlreadyExists, Cancelled, Unimplemented, ValidationError
+from .errors import AlreadyExists, Cancelled, Unavailable, Unimplemented, ValidationError
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +114,12 @@ async def embed(app, context: grpc.aio.ServicerContext, request_id: str, prompt_
 
 async def flush_cache(app) -> int:
     """Drop the executor's unused prefix-cache blocks (their KV "removed" events go to subscribers); how many.
-    Unimplemented when the executor cannot."""
+    Unimplemented when the executor cannot, Unavailable when it died."""
     app.require_ready()
     flush = app.capabilities.flush_cache
     if flush is None:
         raise Unimplemented(NO_FLUSH_CACHE)
-    return await asyncio.to_thread(flush)
+    try:
+        return await asyncio.to_thread(flush)
+    except EngineDeadError as exc:
+        raise Unavailable(f"the executor is not available: {exc}") from None

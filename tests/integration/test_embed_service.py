@@ -187,3 +187,13 @@ def test_embed_waits_for_a_slot_and_abort_cancels_it(checkpoint):
             got = await stub.Embed(pb.EmbedRequest(text=TEXT))
             assert len(got.embedding) == 64
     run(body())
+
+
+def test_flush_cache_on_a_dead_engine_is_unavailable(checkpoint):
+    async def body():
+        engine = engine_for(checkpoint)
+        async with serving(checkpoint, engine) as (server, _stub, _):
+            engine.shutdown()
+            with pytest.raises(embedding.Unavailable, match="the engine is shutting down"):
+                await embedding.flush_cache(server.app)
+    run(body())
