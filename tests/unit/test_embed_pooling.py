@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.unit.test_block_manager import compute
 from tokenloop.core.kv_events import BlocksRemoved
 from tokenloop.core.request import EmbedParams, ValidRequest
 from tokenloop.engine.block_manager import BlockManager
@@ -66,12 +67,6 @@ def test_a_sequence_pools_over_chunks_and_forgets_on_recompute():
     assert last.embedding() == pytest.approx(torch.nn.functional.normalize(states[3], dim=0).tolist())
     mean.reset_for_recompute()
     assert mean.pooled is None
-
-
-def compute(bm: BlockManager, s: Sequence, n: int) -> None:
-    assert bm.append_slots(s, n)
-    s.num_computed_tokens += n
-    bm.commit_full_blocks(s)
 
 
 def test_a_mean_pooled_embedding_takes_nothing_from_the_prefix_cache():
