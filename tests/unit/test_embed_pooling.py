@@ -92,3 +92,11 @@ def test_flush_unused_drops_only_blocks_no_sequence_uses_and_says_so():
     assert set(bm.cached) == {bm.blocks[b].hash for b in running.block_table[:3]}  # in use: still cached
     assert bm.num_free_blocks == 16 - 4 and bm.flush_unused() == 0 and bm.take_events() == []
     assert bm.allocate_prefix(embedding_seq(range(9), "last", True)) == 0  # gone from the cache
+
+
+def test_merge_steps_keeps_the_vector_of_a_final_step():
+    from tokenloop.core.executor import Step, merge_steps
+
+    steps = [Step(7, 0, [], num_cached_prompt_tokens=3), Step(7, 0, [], is_final=True, embedding=[0.5, 0.25])]
+    (merged,) = merge_steps(steps)
+    assert merged.is_final and merged.embedding == [0.5, 0.25] and merged.num_cached_prompt_tokens == 3
