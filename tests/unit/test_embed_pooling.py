@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.unit.test_block_manager import compute
+from tests.engine_helpers import compute
 from tokenloop.core.kv_events import BlocksRemoved
 from tokenloop.core.request import EmbedParams, ValidRequest
 from tokenloop.engine.block_manager import BlockManager

@@ -1,5 +1,6 @@
 """The benchmark's null executor (protocol, pacing, cancellation, emission stamps) and the front's fast paths
-it measures: steps merged per poll, the byte-level detokenizer, coalescing and --stream-interval."""
+it measures: steps merged per poll, the byte-level detokenizer, coalescing and --stream-interval (through a
+server: tests/integration/test_stream_interval.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,10 @@ import asyncio
 import threading
 import time
 
-import grpc
 import pytest
 
 from bench.null_executor import NullExecutor, sample_token_ids
 from tests.conftest import run
-from tests.integration.service_harness import serving
-from tests.scripted_executor import ScriptedExecutor
 from tokenloop.core.executor import Executor, Step, merge_steps
 from tokenloop.core.request import FinishReason, StoppingParams, ValidRequest
 from tokenloop.core.tokenizer import Tokenizer
@@ -21,7 +19,6 @@ from tokenloop.looper.detokenizer import IncrementalDetokenizer, is_byte_level, 
 from tokenloop.looper.looper import Looper
 from tokenloop.looper.stream import Chunk, Complete, Timing, TokenLogprob
 from tokenloop.service.convert import StreamWriter
-from tokenloop.v1 import tokenloop_pb2 as pb
 
 
 def request(rid="r", max_new=10, n=1, stream=True):
@@ -240,22 +237,6 @@ def test_stream_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
     batch = [Chunk(0, "new", [424242]), Chunk(0, "new", [424242])]
     assert list(b.encode(batch)) == [m.SerializeToString() for m in a.messages(batch)]
     assert 424242 not in convert._CHUNK_FIELDS
-
-
-def test_stream_interval_end_to_end(tokenizer_dir):
-    async def body():
-        ex = ScriptedExecutor(tick=0.001)
-        async with serving(tokenizer_dir, executor=ex, stream_interval=4) as (_, stub, _):
-            call = stub.Generate(pb.GenerateRequest(text="Hello world, this is a longer prompt", stream=True,
-                                                    stopping=pb.StoppingCriteria(max_new_tokens=18)))
-            out = []
-            while (msg := await call.read()) is not grpc.aio.EOF:
-                out.append(msg)
-            return out
-    msgs = run(body())
-    sizes = [len(m.chunk.token_ids) for m in msgs if m.WhichOneof("response") == "chunk"]
-    assert sum(sizes) == 18 and all(n >= 4 for n in sizes[:-1]), sizes
-    assert msgs[-1].complete.text == "".join(m.chunk.text for m in msgs[:-1])
 
 
 def test_wake_ends_a_paced_wait_early_and_is_not_lost_when_nobody_waits():
