@@ -14,39 +14,13 @@ import platform
 import time
 from pathlib import Path
 
+from tokenloop_client.machine import ISA_FLAGS, cpu_record  # noqa: F401  (one reader: the client's bench records it too)
+
 
 def add_out_argument(parser: argparse.ArgumentParser, current: str) -> None:
     """`--out FILE`; `current` names the file that holds the recorded figures (for the help text)."""
     parser.add_argument("--out", default=None, metavar="FILE",
                         help=f"write the figures as JSON to FILE (none by default; recorded runs go to bench/{current})")
-
-
-# The ISA flags that decide which kernels run (ours, torch's, llama.cpp's): recorded with every figure.
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-             "avx512_bf16", "avx512vbmi", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def cpu_record(cpuinfo: str | None = None) -> dict:
-    """The CPU from /proc/cpuinfo (its first processor): model name, vendor, family, model, stepping, and which
-    of ISA_FLAGS it reports, in ISA_FLAGS' order. Off Linux: the platform's processor name and no flags."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            if fields:
-                break  # the first processor is enough: a VM's vCPUs report the same
-            continue
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    number = lambda key: int(fields[key]) if fields.get(key, "").isdigit() else None  # noqa: E731
-    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
-            "cpu_vendor": fields.get("vendor_id"), "cpu_family": number("cpu family"), "cpu_model": number("model"),
-            "cpu_stepping": number("stepping"), "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def describe(record: dict) -> str:
