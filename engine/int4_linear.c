@@ -30,38 +30,7 @@
  * library's own worker thread in one call (a worker that spins briefly, then sleeps on a futex: the scheme of
  * int8_linear.c, which has its own). Returns 0, or < 0 on bad arguments, no memory, or a path this CPU lacks.
  */
-#define _GNU_SOURCE
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
-#include <time.h>
-#include <unistd.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#endif
-
-#define PACK 32  /* output channels per packed block */
-#define BLOCK 16 /* channels widened together for the tiled path */
-#define ROWS 6   /* rows of one register tile */
-
-enum { PATH_PORTABLE = 1, PATH_AVX2 = 2 };
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define HAVE_X86 1
-#include <immintrin.h>
-#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
-#else
-#define HAVE_X86 0
-#endif
-
-static inline void store_n(float *y, int64_t n, int64_t n_end, const float *out, int64_t count) {
-    if (n_end - n < count) count = n_end - n;
-    if (count > 0) memcpy(y + n, out, sizeof(float) * (size_t)count);
-}
+#include "kernel_common.h"
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -265,50 +234,226 @@ AVX2_FN static int linear_avx2(const float *x, const float *xs, int64_t M, int64
     return 0;
 }
 
-#endif /* HAVE_X86 */
+/* ---- AVX-512 F/BW/VL: the avx2 arithmetic on 16 lanes ---- */
 
-/* 1 when this CPU (and this build) can run `path` */
-int int4_path_supported(int path) {
-    if (path == PATH_PORTABLE) return 1;
-#if HAVE_X86
-    if (path == PATH_AVX2) {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+/* 16 bytes of a column -> 16 int32 lanes: the low nibbles are channels 0..15, the high ones 16..31 */
+AVX512_FN static inline __m512i widen16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+AVX512_FN static inline __m512 half16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* one row x against blocks b .. b + NB - 1 (NB <= 4); out [NB * 32] */
+AVX512_FN INLINE void row_blocks512(const float *x, const float *xs, const uint8_t *q, const uint16_t *sm, int64_t K,
+                                    int64_t G, int64_t b, const int NB, float *out) {
+    const int64_t NG = K / G;
+    const __m512i mask = _mm512_set1_epi32(0x0f);
+    __m512 t[8], a[8];
+    for (int j = 0; j < 2 * NB; j++) t[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        for (int j = 0; j < 2 * NB; j++) a[j] = _mm512_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            const __m512 xv = _mm512_set1_ps(x[k]);
+            for (int j = 0; j < NB; j++) {
+                const __m512i v = widen16(q + ((b + j) * K + k) * (PACK / 2));
+                a[2 * j] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), a[2 * j]);
+                a[2 * j + 1] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), a[2 * j + 1]);
+            }
+        }
+        const __m512 xg = _mm512_set1_ps(xs[g]);
+        for (int j = 0; j < NB; j++) {
+            const uint16_t *s = sm + ((b + j) * NG + g) * 2 * PACK;
+            t[2 * j] = _mm512_fmadd_ps(a[2 * j], half16(s), t[2 * j]);
+            t[2 * j + 1] = _mm512_fmadd_ps(a[2 * j + 1], half16(s + 16), t[2 * j + 1]);
+            t[2 * j] = _mm512_fmadd_ps(xg, half16(s + 32), t[2 * j]);
+            t[2 * j + 1] = _mm512_fmadd_ps(xg, half16(s + 48), t[2 * j + 1]);
+        }
     }
-#endif
+    for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
+}
+
+/* six rows x (stride K) against the widened block wf [K, 32]; out [6, 32] */
+AVX512_FN static void tile6_512(const float *x, const float *xs, const float *wf, const uint16_t *sm, int64_t K,
+                                int64_t G, int64_t b, float *out) {
+    const int64_t NG = K / G;
+    __m512 t[12], a[12];
+    for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            const __m512 b0 = _mm512_loadu_ps(wf + k * PACK), b1 = _mm512_loadu_ps(wf + k * PACK + 16);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+                a[2 * r] = _mm512_fmadd_ps(xv, b0, a[2 * r]);
+                a[2 * r + 1] = _mm512_fmadd_ps(xv, b1, a[2 * r + 1]);
+            }
+        }
+        const uint16_t *s = sm + (b * NG + g) * 2 * PACK;
+        const __m512 d0 = half16(s), d1 = half16(s + 16), m0 = half16(s + 32), m1 = half16(s + 48);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 xg = _mm512_set1_ps(xs[r * NG + g]);
+            t[2 * r] = _mm512_fmadd_ps(xg, m0, _mm512_fmadd_ps(a[2 * r], d0, t[2 * r]));
+            t[2 * r + 1] = _mm512_fmadd_ps(xg, m1, _mm512_fmadd_ps(a[2 * r + 1], d1, t[2 * r + 1]));
+        }
+    }
+    for (int i = 0; i < 12; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+AVX512_FN static int linear_avx512(const float *x, const float *xs, int64_t M, int64_t K, const uint8_t *q,
+                                   const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t b_begin, int64_t b_end,
+                                   int64_t n_end) {
+    const int64_t NG = K / G, M6 = M / ROWS * ROWS;
+    if (M6 > 0) { /* six rows and more: widen a block's 32 channels once, then 6 x 32 tiles */
+        float *wf = malloc(sizeof(float) * (size_t)(K * PACK));
+        if (!wf) return -2;
+        const __m512i mask = _mm512_set1_epi32(0x0f);
+        float t[ROWS * PACK];
+        for (int64_t b = b_begin; b < b_end; b++) {
+            const uint8_t *p = q + b * K * (PACK / 2);
+            for (int64_t k = 0; k < K; k++) {
+                const __m512i v = widen16(p + k * (PACK / 2));
+                _mm512_storeu_ps(wf + k * PACK, _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)));
+                _mm512_storeu_ps(wf + k * PACK + 16, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+            }
+            for (int64_t m = 0; m < M6; m += ROWS) {
+                tile6_512(x + m * K, xs + m * NG, wf, sm, K, G, b, t);
+                for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, b * PACK, n_end, t + r * PACK, PACK);
+            }
+        }
+        free(wf);
+    }
+    float out[4 * PACK];
+    for (int64_t m = M6; m < M; m++)
+        for (int64_t b = b_begin; b < b_end;) {
+            const int nb = b_end - b >= 4 ? 4 : 1;
+            if (nb == 4)
+                row_blocks512(x + m * K, xs + m * NG, q, sm, K, G, b, 4, out);
+            else
+                row_blocks512(x + m * K, xs + m * NG, q, sm, K, G, b, 1, out);
+            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
+            b += nb;
+        }
     return 0;
 }
 
-/* the fastest path this CPU runs */
-int int4_best_path(void) { return int4_path_supported(PATH_AVX2) ? PATH_AVX2 : PATH_PORTABLE; }
+/* ---- AVX-512 VNNI: int8 activations (signed) times the nibbles (unsigned), integer dot products per group ---- */
+
+/* R rows (R <= 6) of quantized activations xq (stride K) against block b of qv [N32, K/4, 16, 4]; out [R, 32] */
+VNNI_FN INLINE void vnni_rows(const int8_t *xq, const float *sx, const float *xs, int64_t K, int64_t G,
+                              const uint8_t *qv, const uint16_t *sm, int64_t b, const int R, float *out) {
+    const int64_t NG = K / G, C = G / 4;
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    __m512 t[12];
+    __m512i a[12];
+    for (int i = 0; i < 2 * R; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        for (int i = 0; i < 2 * R; i++) a[i] = _mm512_setzero_si512();
+        const uint8_t *w = qv + (b * (K / 4) + g * C) * 2 * PACK;
+        for (int64_t c = 0; c < C; c++) {
+            const __m512i v = _mm512_loadu_si512(w + c * 2 * PACK);
+            const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * K + g * G + 4 * c, 4);
+                const __m512i xb = _mm512_set1_epi32(four);
+                a[2 * r] = _mm512_dpbusd_epi32(a[2 * r], lo, xb);
+                a[2 * r + 1] = _mm512_dpbusd_epi32(a[2 * r + 1], hi, xb);
+            }
+        }
+        const uint16_t *s = sm + (b * NG + g) * 2 * PACK;
+        const __m512 d0 = half16(s), d1 = half16(s + 16), m0 = half16(s + 32), m1 = half16(s + 48);
+        for (int r = 0; r < R; r++) {
+            const __m512 sr = _mm512_set1_ps(sx[r * NG + g]), xg = _mm512_set1_ps(xs[r * NG + g]);
+            t[2 * r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r]), _mm512_mul_ps(d0, sr), t[2 * r]);
+            t[2 * r + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r + 1]), _mm512_mul_ps(d1, sr), t[2 * r + 1]);
+            t[2 * r] = _mm512_fmadd_ps(xg, m0, t[2 * r]);
+            t[2 * r + 1] = _mm512_fmadd_ps(xg, m1, t[2 * r + 1]);
+        }
+    }
+    for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+VNNI_FN static void linear_vnni(const int8_t *xq, const float *sx, const float *xs, int64_t M, int64_t K, int64_t G,
+                                const uint8_t *qv, const uint16_t *sm, float *y, int64_t N, int64_t b_begin,
+                                int64_t b_end, int64_t n_end) {
+    const int64_t NG = K / G;
+    float t[ROWS * PACK];
+    for (int64_t b = b_begin; b < b_end; b++)
+        for (int64_t m = 0; m < M; m += ROWS) {
+            const int R = M - m < ROWS ? (int)(M - m) : ROWS;
+            const int8_t *xr = xq + m * K;
+            const float *sr = sx + m * NG, *gr = xs + m * NG;
+            switch (R) {
+                case 1: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 1, t); break;
+                case 2: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 2, t); break;
+                case 3: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 3, t); break;
+                case 4: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 4, t); break;
+                case 5: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 5, t); break;
+                default: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 6, t); break;
+            }
+            for (int r = 0; r < R; r++) store_n(y + (m + r) * N, b * PACK, n_end, t + r * PACK, PACK);
+        }
+}
+
+#endif /* HAVE_X86 */
+
+int int4_path_supported(int path) { return path_supported(path); }
+
+/* the activations of one product, prepared once for both threads: xs = the sums of each row's groups (every
+ * path), and on the vnni path xq / sx, the rows quantized per group (kernel_common.h); one allocation */
+typedef struct {
+    float *xs, *sx;
+    int8_t *xq;
+    void *buf;
+} prepared_t;
+
+static int prepare(int path, const float *x, int64_t M, int64_t K, int64_t G, prepared_t *p) {
+    const int64_t NG = K / G, vnni = path == PATH_VNNI;
+    const size_t floats = (size_t)(M * NG) * (vnni ? 2 : 1) + 1, bytes = vnni ? (size_t)(M * K) : 0;
+    p->buf = malloc(sizeof(float) * floats + bytes);
+    if (!p->buf) return -2;
+    p->xs = p->buf, p->sx = p->xs + M * NG, p->xq = (int8_t *)(p->xs + floats);
+    group_sums(x, M, K, G, p->xs);
+    if (vnni) quantize_rows(x, M, K, G, 0, p->xq, p->sx);
+    return 0;
+}
+
+/* the product on prepared activations; q is [N32, K, 16] (vnni: [N32, K/4, 16, 4]) */
+static int run_prepared(int path, const float *x, const prepared_t *p, int64_t M, int64_t K, const uint8_t *q,
+                        const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (M == 0 || n_begin == n_end) return 0;
+    const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
+#if HAVE_X86
+    if (path == PATH_VNNI) {
+        linear_vnni(p->xq, p->sx, p->xs, M, K, G, q, sm, y, N, b_begin, b_end, n_end);
+        return 0;
+    }
+    if (path == PATH_AVX512) return linear_avx512(x, p->xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
+    if (path == PATH_AVX2) return linear_avx2(x, p->xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
+#endif
+    linear_portable(x, p->xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
+    return 0;
+}
+
+static int check(int path, int64_t M, int64_t K, int64_t G, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (bad_args(M, K, G, N, n_begin, n_end) || (path == PATH_VNNI && G % 4 != 0)) return -1;
+    return path_supported(path) ? 0 : -3;
+}
 
 int int4_linear_f32(int path, const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *sm, int64_t G,
                     float *y, int64_t N, int64_t n_begin, int64_t n_end) {
-    if (M < 0 || K < 1 || G < 1 || K % G != 0 || n_begin < 0 || n_begin % PACK != 0 || n_end > N || n_begin > n_end)
-        return -1;
-    if (!int4_path_supported(path)) return -3;
-    if (M == 0 || n_begin == n_end) return 0;
-    const int64_t NG = K / G, b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
-    float stack_xs[64];
-    float *xs = M * NG <= 64 ? stack_xs : malloc(sizeof(float) * (size_t)(M * NG));
-    if (!xs) return -2;
-    group_sums(x, M, K, G, xs);
-    int rc = 0;
-#if HAVE_X86
-    if (path == PATH_AVX2)
-        rc = linear_avx2(x, xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
-    else
-#endif
-        linear_portable(x, xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
-    if (xs != stack_xs) free(xs);
+    int rc = check(path, M, K, G, N, n_begin, n_end);
+    if (rc != 0 || M == 0 || n_begin == n_end) return rc;
+    prepared_t p;
+    if ((rc = prepare(path, x, M, K, G, &p)) != 0) return rc;
+    rc = run_prepared(path, x, &p, M, K, q, sm, G, y, N, n_begin, n_end);
+    free(p.buf);
     return rc;
 }
 
-/* ---- one worker thread for int4_linear_f32_2t (int8_linear.c's scheme; this library's own thread) ---- */
+/* ---- one worker thread for int4_linear_f32_2t (kernel_worker.h; this library's own thread) ---- */
 
 typedef struct {
     int path;
     const float *x;
+    const prepared_t *p;
     int64_t M, K;
     const uint8_t *q;
     const uint16_t *sm;
@@ -323,19 +468,27 @@ static int run_job(const job_t *j);
 #include "kernel_worker.h"
 
 static int run_job(const job_t *j) {
-    return int4_linear_f32(j->path, j->x, j->M, j->K, j->q, j->sm, j->G, j->y, j->N, j->n_begin, j->n_end);
+    return run_prepared(j->path, j->x, j->p, j->M, j->K, j->q, j->sm, j->G, j->y, j->N, j->n_begin, j->n_end);
 }
 
 /* How long (microseconds) the worker spins for its next job before it sleeps. */
 void int4_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
 
 /* int4_linear_f32 over channels [n_begin, n_end), split at `mid` (a multiple of 32): [n_begin, mid) here,
- * [mid, n_end) on the worker thread; when the worker is busy with another caller, all of it here. */
+ * [mid, n_end) on the worker thread; when the worker is busy with another caller, all of it here. The
+ * activations are prepared once, here. */
 int int4_linear_f32_2t(int path, const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *sm, int64_t G,
                        float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end) {
+    int rc = check(path, M, K, G, N, n_begin, n_end);
+    if (rc != 0) return rc;
     if (mid % PACK != 0 || mid < n_begin || mid > n_end) return -1;
-    job_t mine = {path, x, M, K, q, sm, G, y, N, n_begin, mid, 0};
+    if (M == 0 || n_begin == n_end) return 0;
+    prepared_t p;
+    if ((rc = prepare(path, x, M, K, G, &p)) != 0) return rc;
+    job_t mine = {path, x, &p, M, K, q, sm, G, y, N, n_begin, mid, 0};
     job_t theirs = mine;
     theirs.n_begin = mid, theirs.n_end = n_end;
-    return run_split(mine, theirs);
+    rc = run_split(mine, theirs);
+    free(p.buf);
+    return rc;
 }

@@ -1,5 +1,5 @@
-/* y = x @ w.T with int8 weights: float32 activations, float32 accumulation; and the one-row float32 product
- * (f32_linear_f32) that --weights fp32 uses for decode steps of a few tokens.
+/* y = x @ w.T with int8 weights (--weights int8); and the one-row float32 product (f32_linear_f32) that --weights
+ * fp32 uses for decode steps of a few tokens.
  *
  *   x      [M, K]          float32 activations (rows contiguous)
  *   q      [N32, K, 32]    int8 weights packed 32 output channels at a time: q[b, k, l] is channel 32b + l at
@@ -9,70 +9,65 @@
  *   y      [M, N]          float32; only columns n_begin .. n_end-1 are written (n_begin a multiple of 32), so
  *                          threads can split the channels
  *
- * Arithmetic, the same on every path: for each output, for each group g in order, a partial sum of x[k] * q[k]
- * over the group's columns in order (one FMA each, on the integer-valued weights), then total += partial *
- * scale[g] (one FMA). A row's result does not depend on how many rows came with it (greedy decoding stays batch
- * invariant), nor on the thread split. Scaling once per group instead of once per weight saves a multiply per
- * weight, and the products of one group are exact small-integer multiples of x, so it is also the more accurate
- * order.
+ * Code paths (kernel_common.h; int8_path_supported says which this CPU runs):
  *
- * - Rows one by one (fewer than six rows, e.g. one decoding sequence): two 32-channel blocks at a time, each
- *   weight byte widened in registers (AVX2 vpmovsxbd + vcvtdq2ps) right before its FMA, so every weight is read
- *   from memory once, as one byte, from two sequential streams (a block's columns are contiguous: with eight
- *   channels per column instead, the eight strided streams ran ~1.5x slower); eight chains keep both FMA pipes
- *   busy.
- * - Six rows and more: the weights of 16 channels are widened once into a buffer [K, 16] that stays in L1/L2,
- *   then a 6 x 16 register tile (12 partial sums: x broadcast, two weight vectors per column) runs over it for
- *   each six rows, as a float32 GEMM's inner kernel does (OpenBLAS's Haswell sgemm kernel is 6 x 16 too); the
- *   totals live in memory and take one FMA per group.
+ * - portable, avx2, avx512: float32 activations. For each output, for each group g in order, a partial sum of
+ *   x[k] * q[k] over the group's columns in order (one FMA each, on the integer-valued weights), then total +=
+ *   partial * scale[g] (one FMA). avx2 and avx512 do exactly this per lane, so they give the same bits (portable
+ *   C may round differently where the compiler does not fuse). A row's result does not depend on how many rows
+ *   came with it (greedy decoding stays batch invariant), nor on the thread split.
+ *   - Rows one by one (fewer than six rows, e.g. one decoding stream): each weight byte widened in registers
+ *     (vpmovsxbd + vcvtdq2ps) right before its FMA, so every weight is read from memory once, as one byte, from
+ *     sequential streams (two 32-channel blocks at a time on avx2, four on avx512: eight FMA chains either way).
+ *   - Six rows and more: the weights of 16 (avx2) or 32 (avx512) channels are widened once into a buffer that
+ *     stays in L1/L2, then a 6-row register tile runs over it for each six rows, as a float32 GEMM's inner kernel
+ *     does (OpenBLAS's Haswell sgemm kernel is 6 x 16).
+ * - vnni: int8 activations, as llama.cpp's Q8_0 x Q8_0 and torch's dynamic quantization (fbgemm) multiply: each
+ *   row of x is quantized per group of G columns (int8_vnni_linear_f32 does it once per call: sx = max|x| / 127),
+ *   stored + 128 as uint8 (vpdpbusd multiplies unsigned by signed bytes), and each group's dot product is exact in
+ *   int32: sum((xq + 128) * q) - 128 * sum(q), the second term precomputed per channel and group (`comp`, as
+ *   fbgemm's row offsets); then total += float(dot) * (scale * sx) (one FMA). Its weights are packed for
+ *   vpdpbusd, four columns of a channel in one 32-bit lane: qv [N32, K/4, 32, 4] (kernels.py packs them from q).
+ *   Numerics differ from the float32-activation paths; the quality tests force this route to check its contract.
  *
- * Two threads: int8_linear_f32_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on one
- * worker thread of this library, in one call. A worker woken through Python (a queue, then the GIL) took ~35 us per
- * product, more than half of what a one-row product of this model takes; this worker spins (pause, then
- * sched_yield, so any other runnable thread gets the core) for up to `spin_us` after each job, then sleeps on a
- * futex, so back-to-back products of one forward pass hand over in about a microsecond and an idle engine costs
- * no CPU. One caller at a time uses the worker; a concurrent caller (a second engine in the process) computes
- * its whole range itself. Same arithmetic per output channel either way.
+ * Two threads: *_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on this library's worker
+ * thread (kernel_worker.h), in one call; the same arithmetic per output channel either way.
  *
- * Built at run time by tokenloop/engine/kernels.py like paged_attention.c (cc -O3 -march=native, -ffast-math at
- * compile time only); without AVX2 + FMA the plain C below serves (one function for every path, slower).
- * Returns 0, or < 0 on bad arguments or no memory.
+ * Built at run time by tokenloop/engine/kernels.py for baseline x86-64 (each path under its own target attribute,
+ * -ffast-math at compile time only). Returns 0, or < 0: -1 bad arguments, -2 no memory, -3 a path this CPU lacks.
  */
-#define _GNU_SOURCE
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
-#include <time.h>
-#include <unistd.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#endif
+#include "kernel_common.h"
 
-#define PACK 32  /* output channels per packed block */
-#define BLOCK 16 /* channels widened together for the tiled path */
-#define ROWS 6   /* rows of one register tile */
+/* ---- portable C: one function for every number of rows, so rows stay batch invariant here too ---- */
 
-/* write out[0..count-1] (channels n..) into y, only the channels below n_end */
-static inline void store_n(float *y, int64_t n, int64_t n_end, const float *out, int64_t count) {
-    if (n_end - n < count) count = n_end - n;
-    if (count > 0) memcpy(y + n, out, sizeof(float) * (size_t)count);
+static void linear_portable(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
+                            float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    const int64_t NG = K / G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = n_begin; n < n_end; n++) {
+            const int64_t b = n / PACK, l = n % PACK;
+            float total = 0.0f;
+            for (int64_t g = 0; g < NG; g++) {
+                float partial = 0.0f;
+                for (int64_t k = g * G; k < (g + 1) * G; k++) partial += x[m * K + k] * (float)q[(b * K + k) * PACK + l];
+                total += partial * scale[(b * NG + g) * PACK + l];
+            }
+            y[m * N + n] = total;
+        }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if HAVE_X86
+
+/* ---- AVX2 + FMA ---- */
 
 /* 8 int8 -> 8 float */
-static inline __m256 widen8(const int8_t *p) {
+AVX2_FN static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
 /* one row x against blocks b and b + 1 (nb = 2) or b alone (nb = 1); out [nb * 32] */
-static void row_blocks(const float *x, const int8_t *q, const float *scale, int64_t K, int64_t G, int64_t b, int nb,
-                       float *out) {
+AVX2_FN static void row_blocks(const float *x, const int8_t *q, const float *scale, int64_t K, int64_t G, int64_t b,
+                               int nb, float *out) {
     const int64_t NG = K / G;
     const int8_t *qb = q + b * K * PACK, *qc = qb + K * PACK;
     const float *sb = scale + b * NG * PACK, *sc = sb + NG * PACK;
@@ -116,7 +111,7 @@ static void row_blocks(const float *x, const int8_t *q, const float *scale, int6
 }
 
 /* channels 16h .. 16h+15 of block b widened to float (no scale): wf[k * 16 + l] */
-static void widen_half(const int8_t *q, int64_t K, int64_t b, int h, float *wf) {
+AVX2_FN static void widen_half(const int8_t *q, int64_t K, int64_t b, int h, float *wf) {
     const int8_t *p = q + b * K * PACK + h * BLOCK;
     for (int64_t k = 0; k < K; k++) {
         _mm256_storeu_ps(wf + k * BLOCK, widen8(p + k * PACK));
@@ -125,8 +120,8 @@ static void widen_half(const int8_t *q, int64_t K, int64_t b, int h, float *wf) 
 }
 
 /* six rows x (stride K) against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
-static void tile6(const float *x, const float *wf, const float *scale, int64_t K, int64_t G, int64_t b, int h,
-                  float *out) {
+AVX2_FN static void tile6(const float *x, const float *wf, const float *scale, int64_t K, int64_t G, int64_t b, int h,
+                          float *out) {
     const int64_t NG = K / G;
     const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *x4 = x + 4 * K, *x5 = x + 5 * K;
     __m256 t[12];
@@ -161,13 +156,10 @@ static void tile6(const float *x, const float *wf, const float *scale, int64_t K
     for (int i = 0; i < 12; i++) _mm256_storeu_ps(out + i * 8, t[i]);
 }
 
-int int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
-                    float *y, int64_t N, int64_t n_begin, int64_t n_end) {
-    if (M < 0 || K < 1 || G < 1 || K % G != 0 || n_begin < 0 || n_begin % PACK != 0 || n_end > N || n_begin > n_end)
-        return -1;
-    const int64_t M6 = M / ROWS * ROWS, b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
-    /* six rows and more: widen 16 channels at a time, then 6 x 16 tiles */
-    if (M6 > 0) {
+AVX2_FN static int linear_avx2(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
+                               float *y, int64_t N, int64_t b_begin, int64_t b_end, int64_t n_end) {
+    const int64_t M6 = M / ROWS * ROWS;
+    if (M6 > 0) { /* six rows and more: widen 16 channels at a time, then 6 x 16 tiles */
         float *wf = malloc(sizeof(float) * (size_t)(K * BLOCK));
         if (!wf) return -2;
         float t[ROWS * BLOCK];
@@ -183,8 +175,7 @@ int int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const
             }
         free(wf);
     }
-    /* the rows left over (all of them below six rows): two blocks at a time, widened on the fly */
-    float out[2 * PACK];
+    float out[2 * PACK]; /* the rows left over (all of them below six rows): two blocks at a time */
     for (int64_t m = M6; m < M; m++)
         for (int64_t b = b_begin; b < b_end; b += 2) {
             const int nb = b + 1 < b_end ? 2 : 1;
@@ -194,38 +185,160 @@ int int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const
     return 0;
 }
 
-#else /* portable C: one function for every number of rows, so rows stay batch invariant here too */
+/* ---- AVX-512 F/BW/VL: the avx2 arithmetic on 16 lanes ---- */
 
-int int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
-                    float *y, int64_t N, int64_t n_begin, int64_t n_end) {
-    if (M < 0 || K < 1 || G < 1 || K % G != 0 || n_begin < 0 || n_begin % PACK != 0 || n_end > N || n_begin > n_end)
-        return -1;
+AVX512_FN static inline __m512 widen16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* one row x against blocks b .. b + NB - 1 (NB <= 4); out [NB * 32] */
+AVX512_FN INLINE void row_blocks512(const float *x, const int8_t *q, const float *scale, int64_t K, int64_t G,
+                                    int64_t b, const int NB, float *out) {
     const int64_t NG = K / G;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = n_begin; n < n_end; n++) {
-            const int64_t b = n / PACK, l = n % PACK;
-            float total = 0.0f;
-            for (int64_t g = 0; g < NG; g++) {
-                float partial = 0.0f;
-                for (int64_t k = g * G; k < (g + 1) * G; k++) partial += x[m * K + k] * (float)q[(b * K + k) * PACK + l];
-                total += partial * scale[(b * NG + g) * PACK + l];
+    __m512 t[8], a[8];
+    for (int j = 0; j < 2 * NB; j++) t[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        for (int j = 0; j < 2 * NB; j++) a[j] = _mm512_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            const __m512 xv = _mm512_set1_ps(x[k]);
+            for (int j = 0; j < NB; j++) {
+                const int8_t *p = q + ((b + j) * K + k) * PACK;
+                a[2 * j] = _mm512_fmadd_ps(xv, widen16(p), a[2 * j]);
+                a[2 * j + 1] = _mm512_fmadd_ps(xv, widen16(p + 16), a[2 * j + 1]);
             }
-            y[m * N + n] = total;
+        }
+        for (int j = 0; j < NB; j++) {
+            const float *s = scale + ((b + j) * NG + g) * PACK;
+            t[2 * j] = _mm512_fmadd_ps(a[2 * j], _mm512_loadu_ps(s), t[2 * j]);
+            t[2 * j + 1] = _mm512_fmadd_ps(a[2 * j + 1], _mm512_loadu_ps(s + 16), t[2 * j + 1]);
+        }
+    }
+    for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
+}
+
+/* six rows x (stride K) against the widened block wf [K, 32]; out [6, 32] */
+AVX512_FN static void tile6_512(const float *x, const float *wf, const float *scale, int64_t K, int64_t G, int64_t b,
+                                float *out) {
+    const int64_t NG = K / G;
+    __m512 t[12], a[12];
+    for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) { /* 12 partial sums, 12 totals, two weight vectors, one broadcast */
+        for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            const __m512 b0 = _mm512_loadu_ps(wf + k * PACK), b1 = _mm512_loadu_ps(wf + k * PACK + 16);
+            for (int r = 0; r < ROWS; r++) {
+                const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+                a[2 * r] = _mm512_fmadd_ps(xv, b0, a[2 * r]);
+                a[2 * r + 1] = _mm512_fmadd_ps(xv, b1, a[2 * r + 1]);
+            }
+        }
+        const float *s = scale + (b * NG + g) * PACK;
+        const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+        for (int r = 0; r < ROWS; r++) {
+            t[2 * r] = _mm512_fmadd_ps(a[2 * r], s0, t[2 * r]);
+            t[2 * r + 1] = _mm512_fmadd_ps(a[2 * r + 1], s1, t[2 * r + 1]);
+        }
+    }
+    for (int i = 0; i < 12; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+AVX512_FN static int linear_avx512(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale,
+                                   int64_t G, float *y, int64_t N, int64_t b_begin, int64_t b_end, int64_t n_end) {
+    const int64_t M6 = M / ROWS * ROWS;
+    if (M6 > 0) { /* six rows and more: widen a block's 32 channels once, then 6 x 32 tiles */
+        float *wf = malloc(sizeof(float) * (size_t)(K * PACK));
+        if (!wf) return -2;
+        float t[ROWS * PACK];
+        for (int64_t b = b_begin; b < b_end; b++) {
+            const int8_t *p = q + b * K * PACK;
+            for (int64_t k = 0; k < K; k++) {
+                _mm512_storeu_ps(wf + k * PACK, widen16(p + k * PACK));
+                _mm512_storeu_ps(wf + k * PACK + 16, widen16(p + k * PACK + 16));
+            }
+            for (int64_t m = 0; m < M6; m += ROWS) {
+                tile6_512(x + m * K, wf, scale, K, G, b, t);
+                for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, b * PACK, n_end, t + r * PACK, PACK);
+            }
+        }
+        free(wf);
+    }
+    float out[4 * PACK];
+    for (int64_t m = M6; m < M; m++)
+        for (int64_t b = b_begin; b < b_end;) {
+            const int nb = b_end - b >= 4 ? 4 : 1;
+            if (nb == 4)
+                row_blocks512(x + m * K, q, scale, K, G, b, 4, out);
+            else
+                row_blocks512(x + m * K, q, scale, K, G, b, 1, out);
+            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
+            b += nb;
         }
     return 0;
 }
 
-#endif
+/* ---- AVX-512 VNNI: int8 activations, integer dot products per group ---- */
 
-/* y[:, n_begin:n_end] = x @ w.T for float32 weights w [N, K] (rows contiguous), a few rows x at a time (a decode
- * step of one to a few sequences): four output channels at a time, each a dot product of two 8-lane FMA chains
- * summed at the end. Memory-bound at one row, where it reads the weight once at the machine's bandwidth. */
-int f32_linear_f32(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t n_begin,
-                   int64_t n_end) {
-    if (M < 0 || K < 1 || n_begin < 0 || n_end > N || n_begin > n_end) return -1;
-    int64_t n = n_begin;
-#if defined(__AVX2__) && defined(__FMA__)
+/* R rows (R <= 6) of quantized activations xu (stride K, uint8 = xq + 128) against block b; out [R, 32] */
+VNNI_FN INLINE void vnni_rows(const uint8_t *xu, const float *sx, int64_t K, int64_t G, const int8_t *qv,
+                              const int32_t *comp, const float *scale, int64_t b, const int R, float *out) {
+    const int64_t NG = K / G, C = G / 4;
+    __m512 t[12];
+    __m512i a[12];
+    for (int i = 0; i < 2 * R; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        const int32_t *cg = comp + (b * NG + g) * PACK;
+        const __m512i c0 = _mm512_loadu_si512(cg), c1 = _mm512_loadu_si512(cg + 16);
+        for (int r = 0; r < R; r++) a[2 * r] = c0, a[2 * r + 1] = c1;
+        const int8_t *w = qv + (b * (K / 4) + g * C) * 4 * PACK;
+        for (int64_t c = 0; c < C; c++) {
+            const __m512i w0 = _mm512_loadu_si512(w + c * 4 * PACK), w1 = _mm512_loadu_si512(w + c * 4 * PACK + 64);
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xu + r * K + g * G + 4 * c, 4);
+                const __m512i xb = _mm512_set1_epi32(four);
+                a[2 * r] = _mm512_dpbusd_epi32(a[2 * r], xb, w0);
+                a[2 * r + 1] = _mm512_dpbusd_epi32(a[2 * r + 1], xb, w1);
+            }
+        }
+        const float *s = scale + (b * NG + g) * PACK;
+        const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 sr = _mm512_set1_ps(sx[r * NG + g]);
+            t[2 * r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r]), _mm512_mul_ps(s0, sr), t[2 * r]);
+            t[2 * r + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r + 1]), _mm512_mul_ps(s1, sr), t[2 * r + 1]);
+        }
+    }
+    for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+VNNI_FN static void linear_vnni(const uint8_t *xu, const float *sx, int64_t M, int64_t K, const int8_t *qv,
+                                const int32_t *comp, const float *scale, int64_t G, float *y, int64_t N,
+                                int64_t b_begin, int64_t b_end, int64_t n_end) {
+    const int64_t NG = K / G;
+    float t[ROWS * PACK];
+    for (int64_t b = b_begin; b < b_end; b++) /* a block's weights stay in L1/L2 over the row tiles */
+        for (int64_t m = 0; m < M; m += ROWS) {
+            const int R = M - m < ROWS ? (int)(M - m) : ROWS;
+            const uint8_t *xr = xu + m * K;
+            const float *sr = sx + m * NG;
+            switch (R) {
+                case 1: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 1, t); break;
+                case 2: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 2, t); break;
+                case 3: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 3, t); break;
+                case 4: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 4, t); break;
+                case 5: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 5, t); break;
+                default: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 6, t); break;
+            }
+            for (int r = 0; r < R; r++) store_n(y + (m + r) * N, b * PACK, n_end, t + r * PACK, PACK);
+        }
+}
+
+/* ---- float32 weights, a few rows (f32_linear_f32) ---- */
+
+AVX2_FN static int64_t f32_linear_avx2(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N,
+                                       int64_t n_begin, int64_t n_end) {
     const int64_t K16 = K / 16 * 16;
+    int64_t n = n_begin;
     for (; n + 4 <= n_end; n += 4) {
         const float *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
         for (int64_t m = 0; m < M; m++) {
@@ -249,6 +362,22 @@ int f32_linear_f32(const float *x, int64_t M, int64_t K, const float *w, float *
             }
         }
     }
+    return n;
+}
+
+#endif /* HAVE_X86 */
+
+/* y[:, n_begin:n_end] = x @ w.T for float32 weights w [N, K] (rows contiguous), a few rows x at a time (a decode
+ * step of one to a few sequences): four output channels at a time, each a dot product of two 8-lane FMA chains
+ * summed at the end. Memory-bound at one row, where it reads the weight once at the machine's bandwidth. */
+int f32_linear_f32(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t n_begin,
+                   int64_t n_end) {
+    if (M < 0 || K < 1 || n_begin < 0 || n_end > N || n_begin > n_end) return -1;
+    int64_t n = n_begin;
+#if HAVE_X86
+    static int avx2 = -1;
+    if (avx2 < 0) avx2 = path_supported(PATH_AVX2);
+    if (avx2) n = f32_linear_avx2(x, M, K, w, y, N, n_begin, n_end);
 #endif
     for (; n < n_end; n++)
         for (int64_t m = 0; m < M; m++) {
@@ -259,16 +388,78 @@ int f32_linear_f32(const float *x, int64_t M, int64_t K, const float *w, float *
     return 0;
 }
 
-/* ---- one worker thread for int8_linear_f32_2t ---- */
+/* ---- the exported products ---- */
+
+int int8_path_supported(int path) { return path_supported(path); }
+
+int int8_linear_f32(int path, const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
+                    float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (bad_args(M, K, G, N, n_begin, n_end) || path == PATH_VNNI) return -1;
+    if (!path_supported(path)) return -3;
+    if (M == 0 || n_begin == n_end) return 0;
+    const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
+#if HAVE_X86
+    if (path == PATH_AVX512) return linear_avx512(x, M, K, q, scale, G, y, N, b_begin, b_end, n_end);
+    if (path == PATH_AVX2) return linear_avx2(x, M, K, q, scale, G, y, N, b_begin, b_end, n_end);
+#endif
+    (void)b_begin, (void)b_end;
+    linear_portable(x, M, K, q, scale, G, y, N, n_begin, n_end);
+    return 0;
+}
+
+/* the vnni product on activations quantized already (xu: uint8 = xq + 128, sx: their scales) */
+static int vnni_quantized(const uint8_t *xu, const float *sx, int64_t M, int64_t K, const int8_t *qv,
+                          const int32_t *comp, const float *scale, int64_t G, float *y, int64_t N, int64_t n_begin,
+                          int64_t n_end) {
+    if (bad_args(M, K, G, N, n_begin, n_end) || G % 4 != 0) return -1;
+    if (!path_supported(PATH_VNNI)) return -3;
+    if (M == 0 || n_begin == n_end) return 0;
+#if HAVE_X86
+    linear_vnni(xu, sx, M, K, qv, comp, scale, G, y, N, n_begin / PACK, (n_end + PACK - 1) / PACK, n_end);
+    return 0;
+#else
+    (void)xu, (void)sx, (void)qv, (void)comp, (void)scale, (void)y;
+    return -3;
+#endif
+}
+
+/* x quantized per row and group (+ 128, uint8) into one buffer: xu [M * K] then sx [M * NG]; NULL on no memory */
+static uint8_t *quantize_x(const float *x, int64_t M, int64_t K, int64_t G, float **sx) {
+    if (K < 1 || G < 1 || K % G != 0 || M < 0) return NULL;
+    const size_t bytes = (size_t)(M * K + 64) / 64 * 64;
+    uint8_t *buf = malloc(bytes + sizeof(float) * (size_t)(M * (K / G) + 1));
+    if (!buf) return NULL;
+    *sx = (float *)(buf + bytes);
+    quantize_rows(x, M, K, G, 1, (int8_t *)buf, *sx);
+    return buf;
+}
+
+/* y = x @ w.T on the vnni path: qv [N32, K/4, 32, 4] int8, comp [N32, NG, 32] int32 (-128 * the sum of each
+ * channel's weights over each group), scale as int8_linear_f32's */
+int int8_vnni_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *qv, const int32_t *comp,
+                         const float *scale, int64_t G, float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    float *sx;
+    uint8_t *xu = quantize_x(x, M, K, G, &sx);
+    if (!xu) return bad_args(M, K, G, N, n_begin, n_end) ? -1 : -2;
+    const int rc = vnni_quantized(xu, sx, M, K, qv, comp, scale, G, y, N, n_begin, n_end);
+    free(xu);
+    return rc;
+}
+
+/* ---- one worker thread for the *_2t products ---- */
 
 typedef struct {
-    int kind; /* 0: int8_linear_f32, 1: f32_linear_f32 (w in `fw`) */
+    int kind; /* 0: int8_linear_f32 on `path`, 1: f32_linear_f32 (w in `fw`), 2: vnni_quantized */
+    int path;
     const float *x;
     int64_t M, K;
     const float *fw;
     const int8_t *q;
     const float *scale;
     int64_t G;
+    const uint8_t *xu;
+    const float *sx;
+    const int32_t *comp;
     float *y;
     int64_t N, n_begin, n_end;
     int rc;
@@ -282,25 +473,45 @@ static int run_job(const job_t *j);
 void int8_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
 
 static int run_job(const job_t *j) {
-    return j->kind == 1 ? f32_linear_f32(j->x, j->M, j->K, j->fw, j->y, j->N, j->n_begin, j->n_end)
-                        : int8_linear_f32(j->x, j->M, j->K, j->q, j->scale, j->G, j->y, j->N, j->n_begin, j->n_end);
+    if (j->kind == 1) return f32_linear_f32(j->x, j->M, j->K, j->fw, j->y, j->N, j->n_begin, j->n_end);
+    if (j->kind == 2)
+        return vnni_quantized(j->xu, j->sx, j->M, j->K, j->q, j->comp, j->scale, j->G, j->y, j->N, j->n_begin,
+                              j->n_end);
+    return int8_linear_f32(j->path, j->x, j->M, j->K, j->q, j->scale, j->G, j->y, j->N, j->n_begin, j->n_end);
 }
 
-/* int8_linear_f32 over channels [n_begin, n_end), split at `mid` (a multiple of 8): [n_begin, mid) here,
- * [mid, n_end) on the worker thread. */
-int int8_linear_f32_2t(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
-                       float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end) {
-    if (mid % 8 != 0 || mid < n_begin || mid > n_end) return -1;
-    const job_t mine = {0, x, M, K, NULL, q, scale, G, y, N, n_begin, mid, 0};
+static int split_at(job_t mine, int64_t mid) {
+    if (mid % PACK != 0 || mid < mine.n_begin || mid > mine.n_end) return -1;
     job_t theirs = mine;
-    theirs.n_begin = mid, theirs.n_end = n_end;
+    mine.n_end = mid, theirs.n_begin = mid;
     return run_split(mine, theirs);
+}
+
+/* int8_linear_f32 over channels [n_begin, n_end), split at `mid` (a multiple of 32): [n_begin, mid) here,
+ * [mid, n_end) on the worker thread. */
+int int8_linear_f32_2t(int path, const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
+                       float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end) {
+    const job_t job = {0, path, x, M, K, NULL, q, scale, G, NULL, NULL, NULL, y, N, n_begin, n_end, 0};
+    return split_at(job, mid);
+}
+
+/* int8_vnni_linear_f32 on two threads: x quantized once, here, then the channels split at `mid` */
+int int8_vnni_linear_f32_2t(const float *x, int64_t M, int64_t K, const int8_t *qv, const int32_t *comp,
+                            const float *scale, int64_t G, float *y, int64_t N, int64_t n_begin, int64_t mid,
+                            int64_t n_end) {
+    float *sx;
+    uint8_t *xu = quantize_x(x, M, K, G, &sx);
+    if (!xu) return bad_args(M, K, G, N, n_begin, n_end) ? -1 : -2;
+    const job_t job = {2, PATH_VNNI, x, M, K, NULL, qv, scale, G, xu, sx, comp, y, N, n_begin, n_end, 0};
+    const int rc = split_at(job, mid);
+    free(xu);
+    return rc;
 }
 
 /* f32_linear_f32 over channels [0, N) on two threads, split at `mid` */
 int f32_linear_f32_2t(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t mid) {
     if (mid < 0 || mid > N) return -1;
-    const job_t mine = {1, x, M, K, w, NULL, NULL, 1, y, N, 0, mid, 0};
+    const job_t mine = {1, PATH_PORTABLE, x, M, K, w, NULL, NULL, 1, NULL, NULL, NULL, y, N, 0, mid, 0};
     job_t theirs = mine;
     theirs.n_begin = mid, theirs.n_end = N;
     return run_split(mine, theirs);
