@@ -146,18 +146,24 @@ AVX2_FN static void row_blocks_avx2(const float *x, const float *xs, const uint8
             t6 = _mm256_fmadd_ps(xg, half8(u + 48), t6), t7 = _mm256_fmadd_ps(xg, half8(u + 56), t7);
         }
     }
-    _mm256_storeu_ps(out, t0), _mm256_storeu_ps(out + 8, t1), _mm256_storeu_ps(out + 16, t2);
-    _mm256_storeu_ps(out + 24, t3);
-    if (nb == 2)
-        _mm256_storeu_ps(out + 32, t4), _mm256_storeu_ps(out + 40, t5), _mm256_storeu_ps(out + 48, t6),
-            _mm256_storeu_ps(out + 56, t7);
+    const __m256 t[8] = {t0, t1, t2, t3, t4, t5, t6, t7};
+    for (int i = 0; i < 4 * nb; i++) _mm256_storeu_ps(out + 8 * i, t[i]);
 }
 
+/* the operands of a float32-activation product, for drive()'s steps */
+typedef struct {
+    const float *x, *xs;
+    const uint8_t *q;
+    const uint16_t *sm;
+    int64_t K, G;
+} ctx_t;
+
 /* channels 16h .. 16h+15 of block b (h = 0: the low nibbles, 1: the high ones) as floats: wf[k * 16 + l] */
-AVX2_FN static void widen_half_avx2(const uint8_t *q, int64_t K, int64_t b, int h, float *wf) {
-    const uint8_t *p = q + b * K * (PACK / 2);
+AVX2_FN static void widen_avx2(const void *ctx, int64_t b, int h, float *wf) {
+    const ctx_t *c = ctx;
+    const uint8_t *p = c->q + b * c->K * (PACK / 2);
     const __m128i mask = _mm_set1_epi8(0x0f);
-    for (int64_t k = 0; k < K; k++) {
+    for (int64_t k = 0; k < c->K; k++) {
         __m128i v = _mm_loadu_si128((const __m128i *)(p + k * 16));
         v = _mm_and_si128(h ? _mm_srli_epi16(v, 4) : v, mask);
         _mm256_storeu_ps(wf + k * BLOCK, lo8(v));
@@ -165,74 +171,34 @@ AVX2_FN static void widen_half_avx2(const uint8_t *q, int64_t K, int64_t b, int 
     }
 }
 
-/* six rows x (stride K) against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
-AVX2_FN static void tile6_avx2(const float *x, const float *xs, const float *wf, const uint16_t *sm, int64_t K,
-                               int64_t G, int64_t b, int h, float *out) {
-    const int64_t NG = K / G;
-    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *x4 = x + 4 * K, *x5 = x + 5 * K;
-    __m256 t[12];
+/* rows m .. m+5 against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
+AVX2_FN static void tile_avx2(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    const float *xs = c->xs + m * NG;
+    __m256 t[12], a[12];
     for (int i = 0; i < 12; i++) t[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-        __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-        for (int64_t k = g * G; k < (g + 1) * G; k++) {
-            const __m256 b0 = _mm256_loadu_ps(wf + k * BLOCK), b1 = _mm256_loadu_ps(wf + k * BLOCK + 8);
-            __m256 xv = _mm256_broadcast_ss(x0 + k);
-            a00 = _mm256_fmadd_ps(xv, b0, a00), a01 = _mm256_fmadd_ps(xv, b1, a01);
-            xv = _mm256_broadcast_ss(x1 + k);
-            a10 = _mm256_fmadd_ps(xv, b0, a10), a11 = _mm256_fmadd_ps(xv, b1, a11);
-            xv = _mm256_broadcast_ss(x2 + k);
-            a20 = _mm256_fmadd_ps(xv, b0, a20), a21 = _mm256_fmadd_ps(xv, b1, a21);
-            xv = _mm256_broadcast_ss(x3 + k);
-            a30 = _mm256_fmadd_ps(xv, b0, a30), a31 = _mm256_fmadd_ps(xv, b1, a31);
-            xv = _mm256_broadcast_ss(x4 + k);
-            a40 = _mm256_fmadd_ps(xv, b0, a40), a41 = _mm256_fmadd_ps(xv, b1, a41);
-            xv = _mm256_broadcast_ss(x5 + k);
-            a50 = _mm256_fmadd_ps(xv, b0, a50), a51 = _mm256_fmadd_ps(xv, b1, a51);
-        }
-        const uint16_t *s = sm + (b * NG + g) * 2 * PACK + h * BLOCK;
+        for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_ps();
+        tile6_sums_avx2(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK + h * BLOCK;
         const __m256 d0 = half8(s), d1 = half8(s + 8), m0 = half8(s + PACK), m1 = half8(s + PACK + 8);
-        const __m256 a[12] = {a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51};
         for (int r = 0; r < ROWS; r++) {
             const __m256 xg = _mm256_broadcast_ss(xs + r * NG + g);
-            t[2 * r] = _mm256_fmadd_ps(a[2 * r], d0, t[2 * r]);
-            t[2 * r + 1] = _mm256_fmadd_ps(a[2 * r + 1], d1, t[2 * r + 1]);
-            t[2 * r] = _mm256_fmadd_ps(xg, m0, t[2 * r]);
-            t[2 * r + 1] = _mm256_fmadd_ps(xg, m1, t[2 * r + 1]);
+            t[2 * r] = _mm256_fmadd_ps(xg, m0, _mm256_fmadd_ps(a[2 * r], d0, t[2 * r]));
+            t[2 * r + 1] = _mm256_fmadd_ps(xg, m1, _mm256_fmadd_ps(a[2 * r + 1], d1, t[2 * r + 1]));
         }
     }
     for (int i = 0; i < 12; i++) _mm256_storeu_ps(out + i * 8, t[i]);
 }
 
-AVX2_FN static int linear_avx2(const float *x, const float *xs, int64_t M, int64_t K, const uint8_t *q,
-                               const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t b_begin, int64_t b_end,
-                               int64_t n_end) {
-    const int64_t NG = K / G, M6 = M / ROWS * ROWS;
-    if (M6 > 0) {
-        float *wf = malloc(sizeof(float) * (size_t)(K * BLOCK));
-        if (!wf) return -2;
-        float t[ROWS * BLOCK];
-        for (int64_t b = b_begin; b < b_end; b++)
-            for (int h = 0; h < PACK / BLOCK; h++) {
-                const int64_t n = b * PACK + h * BLOCK;
-                if (n >= n_end) break;
-                widen_half_avx2(q, K, b, h, wf);
-                for (int64_t m = 0; m < M6; m += ROWS) {
-                    tile6_avx2(x + m * K, xs + m * NG, wf, sm, K, G, b, h, t);
-                    for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, n, n_end, t + r * BLOCK, BLOCK);
-                }
-            }
-        free(wf);
-    }
-    float out[2 * PACK];
-    for (int64_t m = M6; m < M; m++)
-        for (int64_t b = b_begin; b < b_end; b += 2) {
-            const int nb = b + 1 < b_end ? 2 : 1;
-            row_blocks_avx2(x + m * K, xs + m * NG, q, sm, K, G, b, nb, out);
-            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
-        }
-    return 0;
+AVX2_FN static void rows_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t NG = c->K / c->G;
+    row_blocks_avx2(c->x + m * c->K, c->xs + m * NG, c->q, c->sm, c->K, c->G, b, nb, out);
 }
+
+static const steps_t AVX2_STEPS = {BLOCK, 2, widen_avx2, tile_avx2, rows_avx2};
 
 /* ---- AVX-512 F/BW/VL: the avx2 arithmetic on 16 lanes ---- */
 
@@ -240,7 +206,7 @@ AVX2_FN static int linear_avx2(const float *x, const float *xs, int64_t M, int64
 AVX512_FN static inline __m512i widen16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 AVX512_FN static inline __m512 half16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
-/* one row x against blocks b .. b + NB - 1 (NB <= 4); out [NB * 32] */
+/* one row x against blocks b .. b + NB - 1 (NB <= 4: eight FMA chains); out [NB * 32] */
 AVX512_FN INLINE void row_blocks512(const float *x, const float *xs, const uint8_t *q, const uint16_t *sm, int64_t K,
                                     int64_t G, int64_t b, const int NB, float *out) {
     const int64_t NG = K / G;
@@ -260,32 +226,38 @@ AVX512_FN INLINE void row_blocks512(const float *x, const float *xs, const uint8
         const __m512 xg = _mm512_set1_ps(xs[g]);
         for (int j = 0; j < NB; j++) {
             const uint16_t *s = sm + ((b + j) * NG + g) * 2 * PACK;
-            t[2 * j] = _mm512_fmadd_ps(a[2 * j], half16(s), t[2 * j]);
-            t[2 * j + 1] = _mm512_fmadd_ps(a[2 * j + 1], half16(s + 16), t[2 * j + 1]);
-            t[2 * j] = _mm512_fmadd_ps(xg, half16(s + 32), t[2 * j]);
-            t[2 * j + 1] = _mm512_fmadd_ps(xg, half16(s + 48), t[2 * j + 1]);
+            t[2 * j] = _mm512_fmadd_ps(xg, half16(s + 32), _mm512_fmadd_ps(a[2 * j], half16(s), t[2 * j]));
+            t[2 * j + 1] = _mm512_fmadd_ps(xg, half16(s + 48), _mm512_fmadd_ps(a[2 * j + 1], half16(s + 16), t[2 * j + 1]));
         }
     }
     for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
 }
 
-/* six rows x (stride K) against the widened block wf [K, 32]; out [6, 32] */
-AVX512_FN static void tile6_512(const float *x, const float *xs, const float *wf, const uint16_t *sm, int64_t K,
-                                int64_t G, int64_t b, float *out) {
-    const int64_t NG = K / G;
+/* block b's 32 channels as floats: wf [K, 32] */
+AVX512_FN static void widen_512(const void *ctx, int64_t b, int h, float *wf) {
+    const ctx_t *c = ctx;
+    const uint8_t *p = c->q + b * c->K * (PACK / 2);
+    const __m512i mask = _mm512_set1_epi32(0x0f);
+    (void)h;
+    for (int64_t k = 0; k < c->K; k++) {
+        const __m512i v = widen16(p + k * (PACK / 2));
+        _mm512_storeu_ps(wf + k * PACK, _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)));
+        _mm512_storeu_ps(wf + k * PACK + 16, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+    }
+}
+
+/* rows m .. m+5 against the widened block wf [K, 32]; out [6, 32] */
+AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    const float *xs = c->xs + m * NG;
     __m512 t[12], a[12];
+    (void)h;
     for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
         for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k++) {
-            const __m512 b0 = _mm512_loadu_ps(wf + k * PACK), b1 = _mm512_loadu_ps(wf + k * PACK + 16);
-            for (int r = 0; r < ROWS; r++) {
-                const __m512 xv = _mm512_set1_ps(x[r * K + k]);
-                a[2 * r] = _mm512_fmadd_ps(xv, b0, a[2 * r]);
-                a[2 * r + 1] = _mm512_fmadd_ps(xv, b1, a[2 * r + 1]);
-            }
-        }
-        const uint16_t *s = sm + (b * NG + g) * 2 * PACK;
+        tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK;
         const __m512 d0 = half16(s), d1 = half16(s + 16), m0 = half16(s + 32), m1 = half16(s + 48);
         for (int r = 0; r < ROWS; r++) {
             const __m512 xg = _mm512_set1_ps(xs[r * NG + g]);
@@ -296,68 +268,41 @@ AVX512_FN static void tile6_512(const float *x, const float *xs, const float *wf
     for (int i = 0; i < 12; i++) _mm512_storeu_ps(out + i * 16, t[i]);
 }
 
-AVX512_FN static int linear_avx512(const float *x, const float *xs, int64_t M, int64_t K, const uint8_t *q,
-                                   const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t b_begin, int64_t b_end,
-                                   int64_t n_end) {
-    const int64_t NG = K / G, M6 = M / ROWS * ROWS;
-    if (M6 > 0) { /* six rows and more: widen a block's 32 channels once, then 6 x 32 tiles */
-        float *wf = malloc(sizeof(float) * (size_t)(K * PACK));
-        if (!wf) return -2;
-        const __m512i mask = _mm512_set1_epi32(0x0f);
-        float t[ROWS * PACK];
-        for (int64_t b = b_begin; b < b_end; b++) {
-            const uint8_t *p = q + b * K * (PACK / 2);
-            for (int64_t k = 0; k < K; k++) {
-                const __m512i v = widen16(p + k * (PACK / 2));
-                _mm512_storeu_ps(wf + k * PACK, _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)));
-                _mm512_storeu_ps(wf + k * PACK + 16, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
-            }
-            for (int64_t m = 0; m < M6; m += ROWS) {
-                tile6_512(x + m * K, xs + m * NG, wf, sm, K, G, b, t);
-                for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, b * PACK, n_end, t + r * PACK, PACK);
-            }
-        }
-        free(wf);
+AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    const ctx_t *c = ctx;
+    const float *x = c->x + m * c->K, *xs = c->xs + m * (c->K / c->G);
+    if (nb == 4) {
+        row_blocks512(x, xs, c->q, c->sm, c->K, c->G, b, 4, out);
+        return;
     }
-    float out[4 * PACK];
-    for (int64_t m = M6; m < M; m++)
-        for (int64_t b = b_begin; b < b_end;) {
-            const int nb = b_end - b >= 4 ? 4 : 1;
-            if (nb == 4)
-                row_blocks512(x + m * K, xs + m * NG, q, sm, K, G, b, 4, out);
-            else
-                row_blocks512(x + m * K, xs + m * NG, q, sm, K, G, b, 1, out);
-            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
-            b += nb;
-        }
-    return 0;
+    for (int j = 0; j < nb; j++) row_blocks512(x, xs, c->q, c->sm, c->K, c->G, b + j, 1, out + j * PACK);
 }
+
+static const steps_t AVX512_STEPS = {PACK, 4, widen_512, tile_512, rows_512};
 
 /* ---- AVX-512 VNNI: int8 activations (signed) times the nibbles (unsigned), integer dot products per group ---- */
 
-/* R rows (R <= 6) of quantized activations xq (stride K) against block b of qv [N32, K/4, 16, 4]; out [R, 32] */
-VNNI_FN INLINE void vnni_rows(const int8_t *xq, const float *sx, const float *xs, int64_t K, int64_t G,
-                              const uint8_t *qv, const uint16_t *sm, int64_t b, const int R, float *out) {
-    const int64_t NG = K / G, C = G / 4;
-    const __m512i mask = _mm512_set1_epi8(0x0f);
+typedef struct {
+    const int8_t *xq; /* activations quantized per row and group */
+    const float *sx;  /* their scales [M, NG] */
+    const float *xs;  /* sx * the sums of xq per group [M, NG] */
+    const uint8_t *qv;
+    const uint16_t *sm;
+    int64_t K, G;
+} vctx_t;
+
+/* R rows (R <= 6, from row m) against block b of qv [N32, K/4, 16, 4]; out [R, 32] */
+VNNI_FN INLINE void vnni_rows(const vctx_t *c, int64_t m, int64_t b, const int R, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4;
+    const int8_t *xq = c->xq + m * K;
+    const float *sx = c->sx + m * NG, *xs = c->xs + m * NG;
     __m512 t[12];
     __m512i a[12];
     for (int i = 0; i < 2 * R; i++) t[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
         for (int i = 0; i < 2 * R; i++) a[i] = _mm512_setzero_si512();
-        const uint8_t *w = qv + (b * (K / 4) + g * C) * 2 * PACK;
-        for (int64_t c = 0; c < C; c++) {
-            const __m512i v = _mm512_loadu_si512(w + c * 2 * PACK);
-            const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-            for (int r = 0; r < R; r++) {
-                int32_t four;
-                memcpy(&four, xq + r * K + g * G + 4 * c, 4);
-                const __m512i xb = _mm512_set1_epi32(four);
-                a[2 * r] = _mm512_dpbusd_epi32(a[2 * r], lo, xb);
-                a[2 * r + 1] = _mm512_dpbusd_epi32(a[2 * r + 1], hi, xb);
-            }
-        }
-        const uint16_t *s = sm + (b * NG + g) * 2 * PACK;
+        vnni_dots((const uint8_t *)xq + g * G, K, c->qv + (b * (K / 4) + g * C) * 2 * PACK, C, R, 1, a);
+        const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK;
         const __m512 d0 = half16(s), d1 = half16(s + 16), m0 = half16(s + 32), m1 = half16(s + 48);
         for (int r = 0; r < R; r++) {
             const __m512 sr = _mm512_set1_ps(sx[r * NG + g]), xg = _mm512_set1_ps(xs[r * NG + g]);
@@ -370,27 +315,7 @@ VNNI_FN INLINE void vnni_rows(const int8_t *xq, const float *sx, const float *xs
     for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
 }
 
-VNNI_FN static void linear_vnni(const int8_t *xq, const float *sx, const float *xs, int64_t M, int64_t K, int64_t G,
-                                const uint8_t *qv, const uint16_t *sm, float *y, int64_t N, int64_t b_begin,
-                                int64_t b_end, int64_t n_end) {
-    const int64_t NG = K / G;
-    float t[ROWS * PACK];
-    for (int64_t b = b_begin; b < b_end; b++)
-        for (int64_t m = 0; m < M; m += ROWS) {
-            const int R = M - m < ROWS ? (int)(M - m) : ROWS;
-            const int8_t *xr = xq + m * K;
-            const float *sr = sx + m * NG, *gr = xs + m * NG;
-            switch (R) {
-                case 1: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 1, t); break;
-                case 2: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 2, t); break;
-                case 3: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 3, t); break;
-                case 4: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 4, t); break;
-                case 5: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 5, t); break;
-                default: vnni_rows(xr, sr, gr, K, G, qv, sm, b, 6, t); break;
-            }
-            for (int r = 0; r < R; r++) store_n(y + (m + r) * N, b * PACK, n_end, t + r * PACK, PACK);
-        }
-}
+DEFINE_VNNI_STEPS(vnni_rows)
 
 #endif /* HAVE_X86 */
 
@@ -410,8 +335,20 @@ static int prepare(int path, const float *x, int64_t M, int64_t K, int64_t G, pr
     p->buf = malloc(sizeof(float) * floats + bytes);
     if (!p->buf) return -2;
     p->xs = p->buf, p->sx = p->xs + M * NG, p->xq = (int8_t *)(p->xs + floats);
-    group_sums(x, M, K, G, p->xs);
-    if (vnni) quantize_rows(x, M, K, G, 0, p->xq, p->sx);
+    if (!vnni) {
+        group_sums(x, M, K, G, p->xs);
+        return 0;
+    }
+    /* vnni: the minimums multiply the sums of the quantized x (sx * sum of xq, exact), as llama.cpp's Q8_1 does, so
+     * the product is exactly the dequantized weight times the quantized x: with the float sums instead, the error of
+     * the scaled levels d * q (all >= 0, not centred like the weights) doubled the perplexity change */
+    quantize_rows(x, M, K, G, 0, p->xq, p->sx);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < NG; g++) {
+            int32_t sum = 0;
+            for (int64_t k = 0; k < G; k++) sum += p->xq[m * K + g * G + k];
+            p->xs[m * NG + g] = p->sx[m * NG + g] * (float)sum;
+        }
     return 0;
 }
 
@@ -422,11 +359,12 @@ static int run_prepared(int path, const float *x, const prepared_t *p, int64_t M
     const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
 #if HAVE_X86
     if (path == PATH_VNNI) {
-        linear_vnni(p->xq, p->sx, p->xs, M, K, G, q, sm, y, N, b_begin, b_end, n_end);
-        return 0;
+        const vctx_t ctx = {p->xq, p->sx, p->xs, q, sm, K, G};
+        return drive(&VNNI_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
     }
-    if (path == PATH_AVX512) return linear_avx512(x, p->xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
-    if (path == PATH_AVX2) return linear_avx2(x, p->xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
+    const ctx_t ctx = {x, p->xs, q, sm, K, G};
+    if (path == PATH_AVX512) return drive(&AVX512_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
+    if (path == PATH_AVX2) return drive(&AVX2_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
 #endif
     linear_portable(x, p->xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
     return 0;

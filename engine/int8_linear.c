@@ -103,87 +103,53 @@ AVX2_FN static void row_blocks(const float *x, const int8_t *q, const float *sca
             t2 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(s + 16), t2), t3 = _mm256_fmadd_ps(a3, _mm256_loadu_ps(s + 24), t3);
         }
     }
-    _mm256_storeu_ps(out, t0), _mm256_storeu_ps(out + 8, t1), _mm256_storeu_ps(out + 16, t2);
-    _mm256_storeu_ps(out + 24, t3);
-    if (nb == 2)
-        _mm256_storeu_ps(out + 32, t4), _mm256_storeu_ps(out + 40, t5), _mm256_storeu_ps(out + 48, t6),
-            _mm256_storeu_ps(out + 56, t7);
+    const __m256 t[8] = {t0, t1, t2, t3, t4, t5, t6, t7};
+    for (int i = 0; i < 4 * nb; i++) _mm256_storeu_ps(out + 8 * i, t[i]);
 }
 
+/* the operands of a float32-activation product, for drive()'s steps */
+typedef struct {
+    const float *x;
+    const int8_t *q;
+    const float *scale;
+    int64_t K, G;
+} ctx_t;
+
 /* channels 16h .. 16h+15 of block b widened to float (no scale): wf[k * 16 + l] */
-AVX2_FN static void widen_half(const int8_t *q, int64_t K, int64_t b, int h, float *wf) {
-    const int8_t *p = q + b * K * PACK + h * BLOCK;
-    for (int64_t k = 0; k < K; k++) {
+AVX2_FN static void widen_avx2(const void *ctx, int64_t b, int h, float *wf) {
+    const ctx_t *c = ctx;
+    const int8_t *p = c->q + b * c->K * PACK + h * BLOCK;
+    for (int64_t k = 0; k < c->K; k++) {
         _mm256_storeu_ps(wf + k * BLOCK, widen8(p + k * PACK));
         _mm256_storeu_ps(wf + k * BLOCK + 8, widen8(p + k * PACK + 8));
     }
 }
 
-/* six rows x (stride K) against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
-AVX2_FN static void tile6(const float *x, const float *wf, const float *scale, int64_t K, int64_t G, int64_t b, int h,
-                          float *out) {
-    const int64_t NG = K / G;
-    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *x4 = x + 4 * K, *x5 = x + 5 * K;
-    __m256 t[12];
+/* rows m .. m+5 against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
+AVX2_FN static void tile_avx2(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    __m256 t[12], a[12];
     for (int i = 0; i < 12; i++) t[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < NG; g++) { /* 12 partial sums, two weight vectors, one broadcast: 15 of 16 registers */
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-        __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-        for (int64_t k = g * G; k < (g + 1) * G; k++) {
-            const __m256 b0 = _mm256_loadu_ps(wf + k * BLOCK), b1 = _mm256_loadu_ps(wf + k * BLOCK + 8);
-            __m256 xv = _mm256_broadcast_ss(x0 + k);
-            a00 = _mm256_fmadd_ps(xv, b0, a00), a01 = _mm256_fmadd_ps(xv, b1, a01);
-            xv = _mm256_broadcast_ss(x1 + k);
-            a10 = _mm256_fmadd_ps(xv, b0, a10), a11 = _mm256_fmadd_ps(xv, b1, a11);
-            xv = _mm256_broadcast_ss(x2 + k);
-            a20 = _mm256_fmadd_ps(xv, b0, a20), a21 = _mm256_fmadd_ps(xv, b1, a21);
-            xv = _mm256_broadcast_ss(x3 + k);
-            a30 = _mm256_fmadd_ps(xv, b0, a30), a31 = _mm256_fmadd_ps(xv, b1, a31);
-            xv = _mm256_broadcast_ss(x4 + k);
-            a40 = _mm256_fmadd_ps(xv, b0, a40), a41 = _mm256_fmadd_ps(xv, b1, a41);
-            xv = _mm256_broadcast_ss(x5 + k);
-            a50 = _mm256_fmadd_ps(xv, b0, a50), a51 = _mm256_fmadd_ps(xv, b1, a51);
-        }
-        const float *s = scale + (b * NG + g) * PACK + h * BLOCK;
+    for (int64_t g = 0; g < NG; g++) {
+        for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_ps();
+        tile6_sums_avx2(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        const float *s = c->scale + (b * NG + g) * PACK + h * BLOCK;
         const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-        t[0] = _mm256_fmadd_ps(a00, s0, t[0]), t[1] = _mm256_fmadd_ps(a01, s1, t[1]);
-        t[2] = _mm256_fmadd_ps(a10, s0, t[2]), t[3] = _mm256_fmadd_ps(a11, s1, t[3]);
-        t[4] = _mm256_fmadd_ps(a20, s0, t[4]), t[5] = _mm256_fmadd_ps(a21, s1, t[5]);
-        t[6] = _mm256_fmadd_ps(a30, s0, t[6]), t[7] = _mm256_fmadd_ps(a31, s1, t[7]);
-        t[8] = _mm256_fmadd_ps(a40, s0, t[8]), t[9] = _mm256_fmadd_ps(a41, s1, t[9]);
-        t[10] = _mm256_fmadd_ps(a50, s0, t[10]), t[11] = _mm256_fmadd_ps(a51, s1, t[11]);
+        for (int r = 0; r < ROWS; r++) {
+            t[2 * r] = _mm256_fmadd_ps(a[2 * r], s0, t[2 * r]);
+            t[2 * r + 1] = _mm256_fmadd_ps(a[2 * r + 1], s1, t[2 * r + 1]);
+        }
     }
     for (int i = 0; i < 12; i++) _mm256_storeu_ps(out + i * 8, t[i]);
 }
 
-AVX2_FN static int linear_avx2(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
-                               float *y, int64_t N, int64_t b_begin, int64_t b_end, int64_t n_end) {
-    const int64_t M6 = M / ROWS * ROWS;
-    if (M6 > 0) { /* six rows and more: widen 16 channels at a time, then 6 x 16 tiles */
-        float *wf = malloc(sizeof(float) * (size_t)(K * BLOCK));
-        if (!wf) return -2;
-        float t[ROWS * BLOCK];
-        for (int64_t b = b_begin; b < b_end; b++)
-            for (int h = 0; h < PACK / BLOCK; h++) {
-                const int64_t n = b * PACK + h * BLOCK;
-                if (n >= n_end) break;
-                widen_half(q, K, b, h, wf);
-                for (int64_t m = 0; m < M6; m += ROWS) {
-                    tile6(x + m * K, wf, scale, K, G, b, h, t);
-                    for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, n, n_end, t + r * BLOCK, BLOCK);
-                }
-            }
-        free(wf);
-    }
-    float out[2 * PACK]; /* the rows left over (all of them below six rows): two blocks at a time */
-    for (int64_t m = M6; m < M; m++)
-        for (int64_t b = b_begin; b < b_end; b += 2) {
-            const int nb = b + 1 < b_end ? 2 : 1;
-            row_blocks(x + m * K, q, scale, K, G, b, nb, out);
-            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
-        }
-    return 0;
+AVX2_FN static void rows_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    const ctx_t *c = ctx;
+    row_blocks(c->x + m * c->K, c->q, c->scale, c->K, c->G, b, nb, out);
 }
+
+static const steps_t AVX2_STEPS = {BLOCK, 2, widen_avx2, tile_avx2, rows_avx2};
 
 /* ---- AVX-512 F/BW/VL: the avx2 arithmetic on 16 lanes ---- */
 
@@ -191,7 +157,7 @@ AVX512_FN static inline __m512 widen16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* one row x against blocks b .. b + NB - 1 (NB <= 4); out [NB * 32] */
+/* one row x against blocks b .. b + NB - 1 (NB <= 4: eight FMA chains); out [NB * 32] */
 AVX512_FN INLINE void row_blocks512(const float *x, const int8_t *q, const float *scale, int64_t K, int64_t G,
                                     int64_t b, const int NB, float *out) {
     const int64_t NG = K / G;
@@ -216,91 +182,67 @@ AVX512_FN INLINE void row_blocks512(const float *x, const int8_t *q, const float
     for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
 }
 
-/* six rows x (stride K) against the widened block wf [K, 32]; out [6, 32] */
-AVX512_FN static void tile6_512(const float *x, const float *wf, const float *scale, int64_t K, int64_t G, int64_t b,
-                                float *out) {
-    const int64_t NG = K / G;
+/* block b's 32 channels widened to float: wf [K, 32] */
+AVX512_FN static void widen_512(const void *ctx, int64_t b, int h, float *wf) {
+    const ctx_t *c = ctx;
+    const int8_t *p = c->q + b * c->K * PACK;
+    (void)h;
+    for (int64_t i = 0; i < c->K * PACK; i += 16) _mm512_storeu_ps(wf + i, widen16(p + i)); /* the same layout */
+}
+
+/* rows m .. m+5 against the widened block wf [K, 32]; out [6, 32] (12 partial sums, 12 totals in registers) */
+AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t K = c->K, G = c->G, NG = K / G;
     __m512 t[12], a[12];
+    (void)h;
     for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < NG; g++) { /* 12 partial sums, 12 totals, two weight vectors, one broadcast */
+    for (int64_t g = 0; g < NG; g++) {
         for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k++) {
-            const __m512 b0 = _mm512_loadu_ps(wf + k * PACK), b1 = _mm512_loadu_ps(wf + k * PACK + 16);
-            for (int r = 0; r < ROWS; r++) {
-                const __m512 xv = _mm512_set1_ps(x[r * K + k]);
-                a[2 * r] = _mm512_fmadd_ps(xv, b0, a[2 * r]);
-                a[2 * r + 1] = _mm512_fmadd_ps(xv, b1, a[2 * r + 1]);
-            }
-        }
-        const float *s = scale + (b * NG + g) * PACK;
-        const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-        for (int r = 0; r < ROWS; r++) {
-            t[2 * r] = _mm512_fmadd_ps(a[2 * r], s0, t[2 * r]);
-            t[2 * r + 1] = _mm512_fmadd_ps(a[2 * r + 1], s1, t[2 * r + 1]);
-        }
+        tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        const float *s = c->scale + (b * NG + g) * PACK; /* a[i]: row i / 2, channels 16 * (i % 2) .. */
+        const __m512 sv[2] = {_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16)};
+        for (int i = 0; i < 2 * ROWS; i++) t[i] = _mm512_fmadd_ps(a[i], sv[i % 2], t[i]);
     }
     for (int i = 0; i < 12; i++) _mm512_storeu_ps(out + i * 16, t[i]);
 }
 
-AVX512_FN static int linear_avx512(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale,
-                                   int64_t G, float *y, int64_t N, int64_t b_begin, int64_t b_end, int64_t n_end) {
-    const int64_t M6 = M / ROWS * ROWS;
-    if (M6 > 0) { /* six rows and more: widen a block's 32 channels once, then 6 x 32 tiles */
-        float *wf = malloc(sizeof(float) * (size_t)(K * PACK));
-        if (!wf) return -2;
-        float t[ROWS * PACK];
-        for (int64_t b = b_begin; b < b_end; b++) {
-            const int8_t *p = q + b * K * PACK;
-            for (int64_t k = 0; k < K; k++) {
-                _mm512_storeu_ps(wf + k * PACK, widen16(p + k * PACK));
-                _mm512_storeu_ps(wf + k * PACK + 16, widen16(p + k * PACK + 16));
-            }
-            for (int64_t m = 0; m < M6; m += ROWS) {
-                tile6_512(x + m * K, wf, scale, K, G, b, t);
-                for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, b * PACK, n_end, t + r * PACK, PACK);
-            }
-        }
-        free(wf);
+AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    const ctx_t *c = ctx;
+    if (nb == 4) {
+        row_blocks512(c->x + m * c->K, c->q, c->scale, c->K, c->G, b, 4, out);
+        return;
     }
-    float out[4 * PACK];
-    for (int64_t m = M6; m < M; m++)
-        for (int64_t b = b_begin; b < b_end;) {
-            const int nb = b_end - b >= 4 ? 4 : 1;
-            if (nb == 4)
-                row_blocks512(x + m * K, q, scale, K, G, b, 4, out);
-            else
-                row_blocks512(x + m * K, q, scale, K, G, b, 1, out);
-            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
-            b += nb;
-        }
-    return 0;
+    for (int j = 0; j < nb; j++) row_blocks512(c->x + m * c->K, c->q, c->scale, c->K, c->G, b + j, 1, out + j * PACK);
 }
+
+static const steps_t AVX512_STEPS = {PACK, 4, widen_512, tile_512, rows_512};
 
 /* ---- AVX-512 VNNI: int8 activations, integer dot products per group ---- */
 
-/* R rows (R <= 6) of quantized activations xu (stride K, uint8 = xq + 128) against block b; out [R, 32] */
-VNNI_FN INLINE void vnni_rows(const uint8_t *xu, const float *sx, int64_t K, int64_t G, const int8_t *qv,
-                              const int32_t *comp, const float *scale, int64_t b, const int R, float *out) {
-    const int64_t NG = K / G, C = G / 4;
+typedef struct {
+    const uint8_t *xu; /* activations quantized per row and group, + 128 */
+    const float *sx;   /* their scales [M, NG] */
+    const int8_t *qv;
+    const int32_t *comp;
+    const float *scale;
+    int64_t K, G;
+} vctx_t;
+
+/* R rows (R <= 6) of quantized activations (from row m) against block b; out [R, 32] */
+VNNI_FN INLINE void vnni_rows(const vctx_t *c, int64_t m, int64_t b, const int R, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4;
+    const uint8_t *xu = c->xu + m * K;
+    const float *sx = c->sx + m * NG;
     __m512 t[12];
     __m512i a[12];
     for (int i = 0; i < 2 * R; i++) t[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        const int32_t *cg = comp + (b * NG + g) * PACK;
+        const int32_t *cg = c->comp + (b * NG + g) * PACK;
         const __m512i c0 = _mm512_loadu_si512(cg), c1 = _mm512_loadu_si512(cg + 16);
         for (int r = 0; r < R; r++) a[2 * r] = c0, a[2 * r + 1] = c1;
-        const int8_t *w = qv + (b * (K / 4) + g * C) * 4 * PACK;
-        for (int64_t c = 0; c < C; c++) {
-            const __m512i w0 = _mm512_loadu_si512(w + c * 4 * PACK), w1 = _mm512_loadu_si512(w + c * 4 * PACK + 64);
-            for (int r = 0; r < R; r++) {
-                int32_t four;
-                memcpy(&four, xu + r * K + g * G + 4 * c, 4);
-                const __m512i xb = _mm512_set1_epi32(four);
-                a[2 * r] = _mm512_dpbusd_epi32(a[2 * r], xb, w0);
-                a[2 * r + 1] = _mm512_dpbusd_epi32(a[2 * r + 1], xb, w1);
-            }
-        }
-        const float *s = scale + (b * NG + g) * PACK;
+        vnni_dots(xu + g * G, K, (const uint8_t *)c->qv + (b * (K / 4) + g * C) * 4 * PACK, C, R, 0, a);
+        const float *s = c->scale + (b * NG + g) * PACK;
         const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
         for (int r = 0; r < R; r++) {
             const __m512 sr = _mm512_set1_ps(sx[r * NG + g]);
@@ -311,27 +253,7 @@ VNNI_FN INLINE void vnni_rows(const uint8_t *xu, const float *sx, int64_t K, int
     for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
 }
 
-VNNI_FN static void linear_vnni(const uint8_t *xu, const float *sx, int64_t M, int64_t K, const int8_t *qv,
-                                const int32_t *comp, const float *scale, int64_t G, float *y, int64_t N,
-                                int64_t b_begin, int64_t b_end, int64_t n_end) {
-    const int64_t NG = K / G;
-    float t[ROWS * PACK];
-    for (int64_t b = b_begin; b < b_end; b++) /* a block's weights stay in L1/L2 over the row tiles */
-        for (int64_t m = 0; m < M; m += ROWS) {
-            const int R = M - m < ROWS ? (int)(M - m) : ROWS;
-            const uint8_t *xr = xu + m * K;
-            const float *sr = sx + m * NG;
-            switch (R) {
-                case 1: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 1, t); break;
-                case 2: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 2, t); break;
-                case 3: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 3, t); break;
-                case 4: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 4, t); break;
-                case 5: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 5, t); break;
-                default: vnni_rows(xr, sr, K, G, qv, comp, scale, b, 6, t); break;
-            }
-            for (int r = 0; r < R; r++) store_n(y + (m + r) * N, b * PACK, n_end, t + r * PACK, PACK);
-        }
-}
+DEFINE_VNNI_STEPS(vnni_rows)
 
 /* ---- float32 weights, a few rows (f32_linear_f32) ---- */
 
@@ -399,8 +321,9 @@ int int8_linear_f32(int path, const float *x, int64_t M, int64_t K, const int8_t
     if (M == 0 || n_begin == n_end) return 0;
     const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
 #if HAVE_X86
-    if (path == PATH_AVX512) return linear_avx512(x, M, K, q, scale, G, y, N, b_begin, b_end, n_end);
-    if (path == PATH_AVX2) return linear_avx2(x, M, K, q, scale, G, y, N, b_begin, b_end, n_end);
+    const ctx_t ctx = {x, q, scale, K, G};
+    if (path == PATH_AVX512) return drive(&AVX512_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
+    if (path == PATH_AVX2) return drive(&AVX2_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
 #endif
     (void)b_begin, (void)b_end;
     linear_portable(x, M, K, q, scale, G, y, N, n_begin, n_end);
@@ -415,8 +338,8 @@ static int vnni_quantized(const uint8_t *xu, const float *sx, int64_t M, int64_t
     if (!path_supported(PATH_VNNI)) return -3;
     if (M == 0 || n_begin == n_end) return 0;
 #if HAVE_X86
-    linear_vnni(xu, sx, M, K, qv, comp, scale, G, y, N, n_begin / PACK, (n_end + PACK - 1) / PACK, n_end);
-    return 0;
+    const vctx_t ctx = {xu, sx, qv, comp, scale, K, G};
+    return drive(&VNNI_STEPS, &ctx, M, K, y, N, n_begin / PACK, (n_end + PACK - 1) / PACK, n_end);
 #else
     (void)xu, (void)sx, (void)qv, (void)comp, (void)scale, (void)y;
     return -3;

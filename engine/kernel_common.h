@@ -93,4 +93,113 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int b
         }
 }
 
+/* ---- the loops around a product's kernels, shared by both libraries and every SIMD path ----
+ *
+ * A path gives three steps over its own operands (`ctx`):
+ *   widen(ctx, b, h, wf)        channels [32b + h*width, + width) of block b as floats into wf [K, width]
+ *                               (NULL: the path multiplies its packed weights directly, vnni)
+ *   tile(ctx, m, wf, b, h, out) rows m .. m+5 against those channels; out [6, width]
+ *   rows(ctx, m, b, nb, out)    row m against blocks b .. b+nb-1 (nb <= nb_max), weights read on the fly;
+ *                               out [nb * 32]
+ * drive() runs six rows at a time over each widened part of a block while it sits in L1/L2, then the rows left
+ * over one by one, and writes only the channels below n_end. A path whose tile and rows steps do the same
+ * arithmetic per output keeps rows batch invariant. */
+typedef struct {
+    int width, nb_max;
+    void (*widen)(const void *ctx, int64_t b, int h, float *wf);
+    void (*tile)(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out);
+    void (*rows)(const void *ctx, int64_t m, int64_t b, int nb, float *out);
+} steps_t;
+
+static int drive(const steps_t *s, const void *ctx, int64_t M, int64_t K, float *y, int64_t N, int64_t b_begin,
+                 int64_t b_end, int64_t n_end) {
+    const int64_t M6 = M / ROWS * ROWS;
+    if (M6 > 0) {
+        float *wf = s->widen ? malloc(sizeof(float) * (size_t)(K * s->width)) : NULL;
+        if (s->widen && !wf) return -2;
+        float t[ROWS * PACK];
+        for (int64_t b = b_begin; b < b_end; b++)
+            for (int h = 0; h < PACK / s->width; h++) {
+                const int64_t n = b * PACK + h * s->width;
+                if (n >= n_end) break;
+                if (s->widen) s->widen(ctx, b, h, wf);
+                for (int64_t m = 0; m < M6; m += ROWS) {
+                    s->tile(ctx, m, wf, b, h, t);
+                    for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, n, n_end, t + r * s->width, s->width);
+                }
+            }
+        free(wf);
+    }
+    float out[4 * PACK];
+    for (int64_t m = M6; m < M; m++)
+        for (int64_t b = b_begin; b < b_end;) {
+            const int nb = b_end - b < s->nb_max ? (int)(b_end - b) : s->nb_max;
+            s->rows(ctx, m, b, nb, out);
+            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
+            b += nb;
+        }
+    return 0;
+}
+
+#if HAVE_X86
+/* the vnni steps (no widening: vpdpbusd multiplies the packed bytes) from a path's kernel of R rows against one block,
+ * rows_fn(ctx, m, b, R, out) (inlined, R a constant): six rows a tile, one row a block otherwise */
+#define DEFINE_VNNI_STEPS(rows_fn)                                                                                  \
+    VNNI_FN static void tile_vnni(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {     \
+        (void)wf, (void)h;                                                                                          \
+        rows_fn(ctx, m, b, ROWS, out);                                                                              \
+    }                                                                                                               \
+    VNNI_FN static void rows_vnni(const void *ctx, int64_t m, int64_t b, int nb, float *out) {                     \
+        for (int j = 0; j < nb; j++) rows_fn(ctx, m, b + j, 1, out + j * PACK);                                   \
+    }                                                                                                               \
+    static const steps_t VNNI_STEPS = {PACK, 4, NULL, tile_vnni, rows_vnni};
+
+/* a[2r] (channels 0..15) and a[2r+1] (16..31) += the dot products of R rows of quantized activations x (stride K)
+ * with a block's C chunks of four columns at w, one vpdpbusd per 16 channels and row: int8 weights (128 signed bytes
+ * a chunk; x stored + 128, the unsigned operand) or, with `nibbles`, 4-bit ones (64 bytes a chunk, the low nibbles
+ * channels 0..15 and the high ones 16..31, the unsigned operand; x signed) */
+VNNI_FN INLINE void vnni_dots(const uint8_t *x, int64_t K, const uint8_t *w, int64_t C, const int R, const int nibbles,
+                              __m512i *a) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    const int64_t step = nibbles ? 2 * PACK : 4 * PACK;
+    for (int64_t j = 0; j < C; j++) {
+        const __m512i v = _mm512_loadu_si512(w + j * step);
+        const __m512i w0 = nibbles ? _mm512_and_si512(v, mask) : v;
+        const __m512i w1 = nibbles ? _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) : _mm512_loadu_si512(w + j * step + 64);
+        for (int r = 0; r < R; r++) {
+            int32_t four;
+            memcpy(&four, x + r * K + 4 * j, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            a[2 * r] = nibbles ? _mm512_dpbusd_epi32(a[2 * r], w0, xb) : _mm512_dpbusd_epi32(a[2 * r], xb, w0);
+            a[2 * r + 1] = nibbles ? _mm512_dpbusd_epi32(a[2 * r + 1], w1, xb) : _mm512_dpbusd_epi32(a[2 * r + 1], xb, w1);
+        }
+    }
+}
+
+/* a[2r], a[2r+1] += x[r, k] * wf[k, 0..15] over k0 <= k < k1 for six rows x (stride K): the float32 GEMM inner
+ * kernel of the avx2 tiles (12 partial sums, two weight vectors, one broadcast: 15 of 16 registers) */
+AVX2_FN INLINE void tile6_sums_avx2(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, __m256 *a) {
+    for (int64_t k = k0; k < k1; k++) {
+        const __m256 b0 = _mm256_loadu_ps(wf + k * BLOCK), b1 = _mm256_loadu_ps(wf + k * BLOCK + 8);
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+            a[2 * r] = _mm256_fmadd_ps(xv, b0, a[2 * r]);
+            a[2 * r + 1] = _mm256_fmadd_ps(xv, b1, a[2 * r + 1]);
+        }
+    }
+}
+
+/* the same on 16 lanes for the avx512 tiles: wf [K, 32] (a whole block) */
+AVX512_FN INLINE void tile6_sums_512(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, __m512 *a) {
+    for (int64_t k = k0; k < k1; k++) {
+        const __m512 b0 = _mm512_loadu_ps(wf + k * PACK), b1 = _mm512_loadu_ps(wf + k * PACK + 16);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+            a[2 * r] = _mm512_fmadd_ps(xv, b0, a[2 * r]);
+            a[2 * r + 1] = _mm512_fmadd_ps(xv, b1, a[2 * r + 1]);
+        }
+    }
+}
+#endif
+
 #endif

@@ -130,6 +130,12 @@ class PagedAttention:
             raise RuntimeError(f"paged_decode_f32 failed (code {rc})")
 
 
+def _function(lib, name: str, argtypes: list):
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
 def _pack_vnni(q: torch.Tensor, lanes: int, group_size: int) -> torch.Tensor:
     """[N32, K, lanes] bytes (a block's channels at each column) -> [N32, K/4, lanes, 4]: four columns of a channel
     in one 32-bit lane, what vpdpbusd multiplies (int8_linear.c / int4_linear.c, path vnni)."""
@@ -158,6 +164,10 @@ class QuantKernel:
         spin = getattr(lib, f"{self.PREFIX}_set_spin_us")
         spin.argtypes = [ctypes.c_int64]
         spin(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        exact = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]  # path, x, M, K, q, scales, G, y, N, n0, n1
+        self._linear = _function(lib, f"{self.PREFIX}_linear_f32", exact)
+        self._linear2 = _function(lib, f"{self.PREFIX}_linear_f32_2t", exact + [i64])  # + the split channel
         self._bind(lib)
         isa = isa or [name for name in self.supported() if name in self.EXACT][-1]
         if isa not in self.PATHS or not self.supports(isa):
@@ -167,6 +177,7 @@ class QuantKernel:
         self._packed: dict[int, tuple] = {}  # id(weight) -> (weight, its vnni packing)
 
     def _bind(self, lib) -> None:
+        """Bind the library's other entry points: `_vnni` and `_vnni2` at least."""
         raise NotImplementedError
 
     def supports(self, isa: str) -> bool:
@@ -224,16 +235,11 @@ class Int8Linear(QuantKernel):
     PREFIX = "int8"
 
     def _bind(self, lib) -> None:
-        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        for name, args in (("int8_linear_f32", [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]),
-                           ("int8_linear_f32_2t", [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64]),
-                           ("int8_vnni_linear_f32", [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64]),
-                           ("int8_vnni_linear_f32_2t", [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64]),
-                           ("f32_linear_f32_2t", [ptr, i64, i64, ptr, ptr, i64, i64])):
-            getattr(lib, name).argtypes, getattr(lib, name).restype = args, c_int
-        self._linear, self._linear2 = lib.int8_linear_f32, lib.int8_linear_f32_2t
-        self._vnni, self._vnni2 = lib.int8_vnni_linear_f32, lib.int8_vnni_linear_f32_2t
-        self._f32_linear2 = lib.f32_linear_f32_2t
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        vnni = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64]  # x, M, K, qv, comp, scale, G, y, N, n0, n1
+        self._vnni = _function(lib, "int8_vnni_linear_f32", vnni)
+        self._vnni2 = _function(lib, "int8_vnni_linear_f32_2t", vnni + [i64])
+        self._f32_linear2 = _function(lib, "f32_linear_f32_2t", [ptr, i64, i64, ptr, ptr, i64, i64])
 
     @staticmethod
     def _operands(w) -> tuple:
@@ -263,11 +269,6 @@ class Int4Linear(QuantKernel):
     PREFIX = "int4"
 
     def _bind(self, lib) -> None:
-        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        self._linear, self._linear2 = lib.int4_linear_f32, lib.int4_linear_f32_2t
-        self._linear.argtypes = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
-        self._linear2.argtypes = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64]
-        self._linear.restype = self._linear2.restype = c_int
         code = self.PATHS["vnni"]  # the same entry points, on the vnni packing
         self._vnni = lambda *a: self._linear(code, *a)
         self._vnni2 = lambda *a: self._linear2(code, *a)

@@ -17,7 +17,7 @@ import torch
 
 from tokenloop.engine import kernels, matmul
 from tokenloop.engine.matmul import BUCKETS, ROUTE_ENV, Backend, MatmulPolicy, QuantRoute, quant_routes, route_missing
-from tokenloop.engine.quant import Q4Weight, quantize, quantize4
+from tokenloop.engine.quant import quantize, quantize4
 
 MODES = {"int8": (quantize, kernels.load_int8()), "int4": (quantize4, kernels.load_int4())}
 ALL_PATHS = list(kernels.QuantKernel.PATHS)
@@ -45,17 +45,14 @@ def quantized(mode: str, w: torch.Tensor, group: int = 32):
 
 def reference(x: torch.Tensor, w, isa: str = "avx2") -> torch.Tensor:
     """The product in float64 of what path `isa` multiplies: the dequantized weight by x, and on the vnni path by x
-    quantized per row and group of 32 as the kernel does (llama.cpp's Q8 activations: round(x / (max|x| / 127)))."""
+    quantized per row and group of 32 as the kernel does (llama.cpp's Q8 activations: round(x / (max|x| / 127))), int4's
+    minimums included (they multiply the sums of the quantized x, as llama.cpp's Q8_1 does)."""
     if isa != "vnni":
         return (x.double() @ w.dequantize().double().T).float()
     g = w.group_size
     xg = x.double().view(x.shape[0], -1, g)
     sx = xg.abs().amax(dim=2, keepdim=True) / 127
     xq = torch.where(sx > 0, torch.round(xg / torch.where(sx > 0, sx, 1)), 0) * sx
-    if isinstance(w, Q4Weight):  # the minimums multiply the float sums of x, not the quantized ones
-        q, d, m = w.unpacked()
-        wd = (q.double().view(q.shape[0], -1, g) * d.double()[:, :, None]).view(q.shape)
-        return (xq.view(x.shape) @ wd.T + xg.sum(dim=2) @ m.double().T).float()
     return (xq.view(x.shape) @ w.dequantize().double().T).float()
 
 
