@@ -404,7 +404,10 @@ def _time_routes(routes: dict[str, QuantRoute], weights: list) -> dict[int, dict
                 if route not in c_routes and route.family.startswith("torch"):
                     candidates[_candidate(route.name, False) + ("*" if route.ineligible else "")] = \
                         lambda r=route, x=x, over=over: [r.product(x, w, False) for w in over]
-            times[b] = _timings(candidates, rounds=3 if len(over) > 1 or b < 256 else 1)
+            eligible = {c: fn for c, fn in candidates.items() if not c.endswith("*")}
+            times[b] = _timings(eligible, rounds=3 if len(over) > 1 or b < 256 else 1)
+            # the routes it cannot choose are timed once, for the log: start-up time goes to the choice
+            times[b].update(_timings({c: fn for c, fn in candidates.items() if c not in eligible}, rounds=1))
     for route in routes.values():
         route._copies.clear()  # the library routes' copies of the weights were for the timing only
     return times

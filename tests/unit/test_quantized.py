@@ -333,6 +333,8 @@ def test_calibration_keeps_one_family_and_caches_its_choice(mode, tmp_path, monk
         route, split = policy.route(b)
         assert f"<={b}: {route.name} {'2 threads' if split else '1 thread'}" in text
     assert "torch-fp32/1t*" in text and f"{mode}-{kernel.isa}/" in text
+    if kernel.supports("vnni"):  # timed, never chosen: its int8 activations fail the quality contract
+        assert f"{mode}-vnni/2t*" in text and policy.route(1)[0].family == "exact"
     [cache] = tmp_path.glob(f"matmul-{mode}-*.json")
     again = MatmulPolicy.calibrate_quant(mode, weights, kernels.load_int8(), int4)
     assert again.chosen == f"cached in {cache}"
