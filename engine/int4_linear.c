@@ -150,18 +150,10 @@ AVX2_FN static void row_blocks_avx2(const float *x, const float *xs, const uint8
     for (int i = 0; i < 4 * nb; i++) _mm256_storeu_ps(out + 8 * i, t[i]);
 }
 
-/* the operands of a float32-activation product, for drive()'s steps */
-typedef struct {
-    const float *x, *xs;
-    const uint8_t *q;
-    const uint16_t *sm;
-    int64_t K, G;
-} ctx_t;
-
 /* channels 16h .. 16h+15 of block b (h = 0: the low nibbles, 1: the high ones) as floats: wf[k * 16 + l] */
 AVX2_FN static void widen_avx2(const void *ctx, int64_t b, int h, float *wf) {
     const ctx_t *c = ctx;
-    const uint8_t *p = c->q + b * c->K * (PACK / 2);
+    const uint8_t *p = ((const uint8_t *)c->q) + b * c->K * (PACK / 2);
     const __m128i mask = _mm_set1_epi8(0x0f);
     for (int64_t k = 0; k < c->K; k++) {
         __m128i v = _mm_loadu_si128((const __m128i *)(p + k * 16));
@@ -195,52 +187,22 @@ AVX2_FN static void tile_avx2(const void *ctx, int64_t m, const float *wf, int64
 AVX2_FN static void rows_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
     const ctx_t *c = ctx;
     const int64_t NG = c->K / c->G;
-    row_blocks_avx2(c->x + m * c->K, c->xs + m * NG, c->q, c->sm, c->K, c->G, b, nb, out);
+    row_blocks_avx2(c->x + m * c->K, c->xs + m * NG, ((const uint8_t *)c->q), c->sm, c->K, c->G, b, nb, out);
 }
 
 static const steps_t AVX2_STEPS = {BLOCK, 2, widen_avx2, tile_avx2, rows_avx2};
 
 /* ---- AVX-512 F/BW/VL: the avx2 arithmetic on 16 lanes ---- */
 
-/* 16 bytes of a column -> 16 int32 lanes: the low nibbles are channels 0..15, the high ones 16..31 */
-AVX512_FN static inline __m512i widen16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-AVX512_FN static inline __m512 half16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-
-/* one row x against blocks b .. b + NB - 1 (NB <= 4: eight FMA chains); out [NB * 32] */
-AVX512_FN INLINE void row_blocks512(const float *x, const float *xs, const uint8_t *q, const uint16_t *sm, int64_t K,
-                                    int64_t G, int64_t b, const int NB, float *out) {
-    const int64_t NG = K / G;
-    const __m512i mask = _mm512_set1_epi32(0x0f);
-    __m512 t[8], a[8];
-    for (int j = 0; j < 2 * NB; j++) t[j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < NG; g++) {
-        for (int j = 0; j < 2 * NB; j++) a[j] = _mm512_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k++) {
-            const __m512 xv = _mm512_set1_ps(x[k]);
-            for (int j = 0; j < NB; j++) {
-                const __m512i v = widen16(q + ((b + j) * K + k) * (PACK / 2));
-                a[2 * j] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), a[2 * j]);
-                a[2 * j + 1] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), a[2 * j + 1]);
-            }
-        }
-        const __m512 xg = _mm512_set1_ps(xs[g]);
-        for (int j = 0; j < NB; j++) {
-            const uint16_t *s = sm + ((b + j) * NG + g) * 2 * PACK;
-            t[2 * j] = _mm512_fmadd_ps(xg, half16(s + 32), _mm512_fmadd_ps(a[2 * j], half16(s), t[2 * j]));
-            t[2 * j + 1] = _mm512_fmadd_ps(xg, half16(s + 48), _mm512_fmadd_ps(a[2 * j + 1], half16(s + 16), t[2 * j + 1]));
-        }
-    }
-    for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
-}
 
 /* block b's 32 channels as floats: wf [K, 32] */
 AVX512_FN static void widen_512(const void *ctx, int64_t b, int h, float *wf) {
     const ctx_t *c = ctx;
-    const uint8_t *p = c->q + b * c->K * (PACK / 2);
+    const uint8_t *p = ((const uint8_t *)c->q) + b * c->K * (PACK / 2);
     const __m512i mask = _mm512_set1_epi32(0x0f);
     (void)h;
     for (int64_t k = 0; k < c->K; k++) {
-        const __m512i v = widen16(p + k * (PACK / 2));
+        const __m512i v = nibbles16(p + k * (PACK / 2));
         _mm512_storeu_ps(wf + k * PACK, _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)));
         _mm512_storeu_ps(wf + k * PACK + 16, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
     }
@@ -269,53 +231,14 @@ AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int6
 }
 
 AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
-    const ctx_t *c = ctx;
-    const float *x = c->x + m * c->K, *xs = c->xs + m * (c->K / c->G);
-    if (nb == 4) {
-        row_blocks512(x, xs, c->q, c->sm, c->K, c->G, b, 4, out);
-        return;
-    }
-    for (int j = 0; j < nb; j++) row_blocks512(x, xs, c->q, c->sm, c->K, c->G, b + j, 1, out + j * PACK);
+    rows512(ctx, m, b, nb, 1, out);
 }
 
 static const steps_t AVX512_STEPS = {PACK, 4, widen_512, tile_512, rows_512};
 
 /* ---- AVX-512 VNNI: int8 activations (signed) times the nibbles (unsigned), integer dot products per group ---- */
 
-typedef struct {
-    const int8_t *xq; /* activations quantized per row and group */
-    const float *sx;  /* their scales [M, NG] */
-    const float *xs;  /* sx * the sums of xq per group [M, NG] */
-    const uint8_t *qv;
-    const uint16_t *sm;
-    int64_t K, G;
-} vctx_t;
-
-/* R rows (R <= 6, from row m) against block b of qv [N32, K/4, 16, 4]; out [R, 32] */
-VNNI_FN INLINE void vnni_rows(const vctx_t *c, int64_t m, int64_t b, const int R, float *out) {
-    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4;
-    const int8_t *xq = c->xq + m * K;
-    const float *sx = c->sx + m * NG, *xs = c->xs + m * NG;
-    __m512 t[12];
-    __m512i a[12];
-    for (int i = 0; i < 2 * R; i++) t[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < NG; g++) {
-        for (int i = 0; i < 2 * R; i++) a[i] = _mm512_setzero_si512();
-        vnni_dots((const uint8_t *)xq + g * G, K, c->qv + (b * (K / 4) + g * C) * 2 * PACK, C, R, 1, a);
-        const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK;
-        const __m512 d0 = half16(s), d1 = half16(s + 16), m0 = half16(s + 32), m1 = half16(s + 48);
-        for (int r = 0; r < R; r++) {
-            const __m512 sr = _mm512_set1_ps(sx[r * NG + g]), xg = _mm512_set1_ps(xs[r * NG + g]);
-            t[2 * r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r]), _mm512_mul_ps(d0, sr), t[2 * r]);
-            t[2 * r + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r + 1]), _mm512_mul_ps(d1, sr), t[2 * r + 1]);
-            t[2 * r] = _mm512_fmadd_ps(xg, m0, t[2 * r]);
-            t[2 * r + 1] = _mm512_fmadd_ps(xg, m1, t[2 * r + 1]);
-        }
-    }
-    for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
-}
-
-DEFINE_VNNI_STEPS(vnni_rows)
+DEFINE_VNNI_STEPS(1)
 
 #endif /* HAVE_X86 */
 
@@ -359,10 +282,10 @@ static int run_prepared(int path, const float *x, const prepared_t *p, int64_t M
     const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
 #if HAVE_X86
     if (path == PATH_VNNI) {
-        const vctx_t ctx = {p->xq, p->sx, p->xs, q, sm, K, G};
+        const vnni_t ctx = {(const uint8_t *)p->xq, p->sx, p->xs, q, NULL, NULL, sm, K, G};
         return drive(&VNNI_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
     }
-    const ctx_t ctx = {x, p->xs, q, sm, K, G};
+    const ctx_t ctx = {x, p->xs, q, NULL, sm, K, G};
     if (path == PATH_AVX512) return drive(&AVX512_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
     if (path == PATH_AVX2) return drive(&AVX2_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
 #endif

@@ -107,18 +107,10 @@ AVX2_FN static void row_blocks(const float *x, const int8_t *q, const float *sca
     for (int i = 0; i < 4 * nb; i++) _mm256_storeu_ps(out + 8 * i, t[i]);
 }
 
-/* the operands of a float32-activation product, for drive()'s steps */
-typedef struct {
-    const float *x;
-    const int8_t *q;
-    const float *scale;
-    int64_t K, G;
-} ctx_t;
-
 /* channels 16h .. 16h+15 of block b widened to float (no scale): wf[k * 16 + l] */
 AVX2_FN static void widen_avx2(const void *ctx, int64_t b, int h, float *wf) {
     const ctx_t *c = ctx;
-    const int8_t *p = c->q + b * c->K * PACK + h * BLOCK;
+    const int8_t *p = ((const int8_t *)c->q) + b * c->K * PACK + h * BLOCK;
     for (int64_t k = 0; k < c->K; k++) {
         _mm256_storeu_ps(wf + k * BLOCK, widen8(p + k * PACK));
         _mm256_storeu_ps(wf + k * BLOCK + 8, widen8(p + k * PACK + 8));
@@ -146,48 +138,19 @@ AVX2_FN static void tile_avx2(const void *ctx, int64_t m, const float *wf, int64
 
 AVX2_FN static void rows_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
     const ctx_t *c = ctx;
-    row_blocks(c->x + m * c->K, c->q, c->scale, c->K, c->G, b, nb, out);
+    row_blocks(c->x + m * c->K, ((const int8_t *)c->q), c->scale, c->K, c->G, b, nb, out);
 }
 
 static const steps_t AVX2_STEPS = {BLOCK, 2, widen_avx2, tile_avx2, rows_avx2};
 
 /* ---- AVX-512 F/BW/VL: the avx2 arithmetic on 16 lanes ---- */
 
-AVX512_FN static inline __m512 widen16(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
-/* one row x against blocks b .. b + NB - 1 (NB <= 4: eight FMA chains); out [NB * 32] */
-AVX512_FN INLINE void row_blocks512(const float *x, const int8_t *q, const float *scale, int64_t K, int64_t G,
-                                    int64_t b, const int NB, float *out) {
-    const int64_t NG = K / G;
-    __m512 t[8], a[8];
-    for (int j = 0; j < 2 * NB; j++) t[j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < NG; g++) {
-        for (int j = 0; j < 2 * NB; j++) a[j] = _mm512_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k++) {
-            const __m512 xv = _mm512_set1_ps(x[k]);
-            for (int j = 0; j < NB; j++) {
-                const int8_t *p = q + ((b + j) * K + k) * PACK;
-                a[2 * j] = _mm512_fmadd_ps(xv, widen16(p), a[2 * j]);
-                a[2 * j + 1] = _mm512_fmadd_ps(xv, widen16(p + 16), a[2 * j + 1]);
-            }
-        }
-        for (int j = 0; j < NB; j++) {
-            const float *s = scale + ((b + j) * NG + g) * PACK;
-            t[2 * j] = _mm512_fmadd_ps(a[2 * j], _mm512_loadu_ps(s), t[2 * j]);
-            t[2 * j + 1] = _mm512_fmadd_ps(a[2 * j + 1], _mm512_loadu_ps(s + 16), t[2 * j + 1]);
-        }
-    }
-    for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
-}
-
 /* block b's 32 channels widened to float: wf [K, 32] */
 AVX512_FN static void widen_512(const void *ctx, int64_t b, int h, float *wf) {
     const ctx_t *c = ctx;
-    const int8_t *p = c->q + b * c->K * PACK;
+    const int8_t *p = ((const int8_t *)c->q) + b * c->K * PACK;
     (void)h;
-    for (int64_t i = 0; i < c->K * PACK; i += 16) _mm512_storeu_ps(wf + i, widen16(p + i)); /* the same layout */
+    for (int64_t i = 0; i < c->K * PACK; i += 16) _mm512_storeu_ps(wf + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i))))); /* the same layout */
 }
 
 /* rows m .. m+5 against the widened block wf [K, 32]; out [6, 32] (12 partial sums, 12 totals in registers) */
@@ -208,52 +171,14 @@ AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int6
 }
 
 AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
-    const ctx_t *c = ctx;
-    if (nb == 4) {
-        row_blocks512(c->x + m * c->K, c->q, c->scale, c->K, c->G, b, 4, out);
-        return;
-    }
-    for (int j = 0; j < nb; j++) row_blocks512(c->x + m * c->K, c->q, c->scale, c->K, c->G, b + j, 1, out + j * PACK);
+    rows512(ctx, m, b, nb, 0, out);
 }
 
 static const steps_t AVX512_STEPS = {PACK, 4, widen_512, tile_512, rows_512};
 
 /* ---- AVX-512 VNNI: int8 activations, integer dot products per group ---- */
 
-typedef struct {
-    const uint8_t *xu; /* activations quantized per row and group, + 128 */
-    const float *sx;   /* their scales [M, NG] */
-    const int8_t *qv;
-    const int32_t *comp;
-    const float *scale;
-    int64_t K, G;
-} vctx_t;
-
-/* R rows (R <= 6) of quantized activations (from row m) against block b; out [R, 32] */
-VNNI_FN INLINE void vnni_rows(const vctx_t *c, int64_t m, int64_t b, const int R, float *out) {
-    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4;
-    const uint8_t *xu = c->xu + m * K;
-    const float *sx = c->sx + m * NG;
-    __m512 t[12];
-    __m512i a[12];
-    for (int i = 0; i < 2 * R; i++) t[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < NG; g++) {
-        const int32_t *cg = c->comp + (b * NG + g) * PACK;
-        const __m512i c0 = _mm512_loadu_si512(cg), c1 = _mm512_loadu_si512(cg + 16);
-        for (int r = 0; r < R; r++) a[2 * r] = c0, a[2 * r + 1] = c1;
-        vnni_dots(xu + g * G, K, (const uint8_t *)c->qv + (b * (K / 4) + g * C) * 4 * PACK, C, R, 0, a);
-        const float *s = c->scale + (b * NG + g) * PACK;
-        const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-        for (int r = 0; r < R; r++) {
-            const __m512 sr = _mm512_set1_ps(sx[r * NG + g]);
-            t[2 * r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r]), _mm512_mul_ps(s0, sr), t[2 * r]);
-            t[2 * r + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r + 1]), _mm512_mul_ps(s1, sr), t[2 * r + 1]);
-        }
-    }
-    for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
-}
-
-DEFINE_VNNI_STEPS(vnni_rows)
+DEFINE_VNNI_STEPS(0)
 
 /* ---- float32 weights, a few rows (f32_linear_f32) ---- */
 
@@ -321,7 +246,7 @@ int int8_linear_f32(int path, const float *x, int64_t M, int64_t K, const int8_t
     if (M == 0 || n_begin == n_end) return 0;
     const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
 #if HAVE_X86
-    const ctx_t ctx = {x, q, scale, K, G};
+    const ctx_t ctx = {x, NULL, q, scale, NULL, K, G};
     if (path == PATH_AVX512) return drive(&AVX512_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
     if (path == PATH_AVX2) return drive(&AVX2_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
 #endif
@@ -338,7 +263,7 @@ static int vnni_quantized(const uint8_t *xu, const float *sx, int64_t M, int64_t
     if (!path_supported(PATH_VNNI)) return -3;
     if (M == 0 || n_begin == n_end) return 0;
 #if HAVE_X86
-    const vctx_t ctx = {xu, sx, qv, comp, scale, K, G};
+    const vnni_t ctx = {xu, sx, NULL, (const uint8_t *)qv, comp, scale, NULL, K, G};
     return drive(&VNNI_STEPS, &ctx, M, K, y, N, n_begin / PACK, (n_end + PACK - 1) / PACK, n_end);
 #else
     (void)xu, (void)sx, (void)qv, (void)comp, (void)scale, (void)y;

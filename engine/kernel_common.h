@@ -111,6 +111,16 @@ typedef struct {
     void (*rows)(const void *ctx, int64_t m, int64_t b, int nb, float *out);
 } steps_t;
 
+/* the operands of a float32-activation product, for the steps: int8 weights (q, scale) or 4-bit ones (q, sm, and xs,
+ * the sums of each row's groups) */
+typedef struct {
+    const float *x, *xs;
+    const void *q;
+    const float *scale;
+    const uint16_t *sm;
+    int64_t K, G;
+} ctx_t;
+
 static int drive(const steps_t *s, const void *ctx, int64_t M, int64_t K, float *y, int64_t N, int64_t b_begin,
                  int64_t b_end, int64_t n_end) {
     const int64_t M6 = M / ROWS * ROWS;
@@ -142,18 +152,6 @@ static int drive(const steps_t *s, const void *ctx, int64_t M, int64_t K, float 
 }
 
 #if HAVE_X86
-/* the vnni steps (no widening: vpdpbusd multiplies the packed bytes) from a path's kernel of R rows against one block,
- * rows_fn(ctx, m, b, R, out) (inlined, R a constant): six rows a tile, one row a block otherwise */
-#define DEFINE_VNNI_STEPS(rows_fn)                                                                                  \
-    VNNI_FN static void tile_vnni(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {     \
-        (void)wf, (void)h;                                                                                          \
-        rows_fn(ctx, m, b, ROWS, out);                                                                              \
-    }                                                                                                               \
-    VNNI_FN static void rows_vnni(const void *ctx, int64_t m, int64_t b, int nb, float *out) {                     \
-        for (int j = 0; j < nb; j++) rows_fn(ctx, m, b + j, 1, out + j * PACK);                                   \
-    }                                                                                                               \
-    static const steps_t VNNI_STEPS = {PACK, 4, NULL, tile_vnni, rows_vnni};
-
 /* a[2r] (channels 0..15) and a[2r+1] (16..31) += the dot products of R rows of quantized activations x (stride K)
  * with a block's C chunks of four columns at w, one vpdpbusd per 16 channels and row: int8 weights (128 signed bytes
  * a chunk; x stored + 128, the unsigned operand) or, with `nibbles`, 4-bit ones (64 bytes a chunk, the low nibbles
@@ -175,6 +173,123 @@ VNNI_FN INLINE void vnni_dots(const uint8_t *x, int64_t K, const uint8_t *w, int
         }
     }
 }
+
+/* ---- the vnni kernel of both libraries: int8 activations, integer dot products per group ---- */
+
+/* the operands of a vnni product, int8 or 4-bit weights */
+typedef struct {
+    const uint8_t *xq;   /* activations quantized per row and group [M, K]: int8 + 128 (int8 weights), int8 (4-bit) */
+    const float *sx;     /* their scales [M, NG] */
+    const float *xs;     /* 4-bit: sx * the sums of xq per group [M, NG] (the minimums multiply them) */
+    const uint8_t *qv;   /* the weights packed four columns a lane: [N32, K/4, 32, 4] int8 or [N32, K/4, 16, 4] */
+    const int32_t *comp; /* int8: -128 * each channel's group sums of weights [N32, NG, 32] */
+    const float *scale;  /* int8: scales [N32, NG, 32] */
+    const uint16_t *sm;  /* 4-bit: half scales and minimums [N32, NG, 2, 32] */
+    int64_t K, G;
+} vnni_t;
+
+AVX512_FN static inline __m512 half16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* 16 bytes of a 4-bit block's column -> 16 int32 lanes: the low nibbles are channels 0..15, the high ones 16..31 */
+AVX512_FN static inline __m512i nibbles16(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* the avx512 rows step of both libraries: row m against blocks b .. b + NB - 1 (NB <= 4: eight FMA chains), the
+ * weights widened right before their FMAs (int8: 16 bytes a vector; 4-bit, `nibbles`: 16 bytes two vectors), per
+ * group a partial sum, then total += partial * scale (4-bit: + the row's group sum * minimum); out [NB * 32] */
+AVX512_FN INLINE void row_blocks512(const ctx_t *c, int64_t m, int64_t b, const int NB, const int nibbles, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    const float *x = c->x + m * K;
+    const __m512i mask = _mm512_set1_epi32(0x0f);
+    __m512 t[8], a[8];
+    for (int j = 0; j < 2 * NB; j++) t[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        for (int j = 0; j < 2 * NB; j++) a[j] = _mm512_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            const __m512 xv = _mm512_set1_ps(x[k]);
+            for (int j = 0; j < NB; j++) {
+                __m512 w0, w1;
+                if (nibbles) {
+                    const __m512i v = nibbles16((const uint8_t *)c->q + ((b + j) * K + k) * (PACK / 2));
+                    w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                } else {
+                    const int8_t *p = (const int8_t *)c->q + ((b + j) * K + k) * PACK;
+                    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+                    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+                }
+                a[2 * j] = _mm512_fmadd_ps(xv, w0, a[2 * j]);
+                a[2 * j + 1] = _mm512_fmadd_ps(xv, w1, a[2 * j + 1]);
+            }
+        }
+        for (int j = 0; j < NB; j++) {
+            const int64_t bg = (b + j) * NG + g;
+            if (nibbles) {
+                const uint16_t *s = c->sm + bg * 2 * PACK;
+                const __m512 xg = _mm512_set1_ps(c->xs[m * NG + g]);
+                t[2 * j] = _mm512_fmadd_ps(xg, half16(s + 32), _mm512_fmadd_ps(a[2 * j], half16(s), t[2 * j]));
+                t[2 * j + 1] = _mm512_fmadd_ps(xg, half16(s + 48), _mm512_fmadd_ps(a[2 * j + 1], half16(s + 16), t[2 * j + 1]));
+            } else {
+                t[2 * j] = _mm512_fmadd_ps(a[2 * j], _mm512_loadu_ps(c->scale + bg * PACK), t[2 * j]);
+                t[2 * j + 1] = _mm512_fmadd_ps(a[2 * j + 1], _mm512_loadu_ps(c->scale + bg * PACK + 16), t[2 * j + 1]);
+            }
+        }
+    }
+    for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
+}
+
+/* four blocks at a time, one at a time for the rest */
+AVX512_FN INLINE void rows512(const ctx_t *c, int64_t m, int64_t b, int nb, const int nibbles, float *out) {
+    if (nb == 4) {
+        row_blocks512(c, m, b, 4, nibbles, out);
+        return;
+    }
+    for (int j = 0; j < nb; j++) row_blocks512(c, m, b + j, 1, nibbles, out + j * PACK);
+}
+
+/* R rows (R <= 6, from row m) against block b; out [R, 32]. Per group: the exact integer dot products (int8: from
+ * comp, so the + 128 cancels), then total += float(dot) * (weight scale * sx), and for 4-bit weights total +=
+ * (sx * sum xq) * minimum: per output the same operations whatever R, so rows stay batch invariant. */
+VNNI_FN INLINE void vnni_rows(const vnni_t *c, int64_t m, int64_t b, const int R, const int nibbles, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4;
+    __m512 t[12];
+    __m512i a[12];
+    for (int i = 0; i < 2 * R; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        const int64_t bg = b * NG + g;
+        for (int r = 0; r < R; r++) {
+            a[2 * r] = nibbles ? _mm512_setzero_si512() : _mm512_loadu_si512(c->comp + bg * PACK);
+            a[2 * r + 1] = nibbles ? _mm512_setzero_si512() : _mm512_loadu_si512(c->comp + bg * PACK + 16);
+        }
+        vnni_dots(c->xq + m * K + g * G, K, c->qv + (b * (K / 4) + g * C) * (nibbles ? 2 : 4) * PACK, C, R, nibbles, a);
+        const uint16_t *s4 = nibbles ? c->sm + bg * 2 * PACK : NULL;
+        const __m512 s0 = nibbles ? half16(s4) : _mm512_loadu_ps(c->scale + bg * PACK);
+        const __m512 s1 = nibbles ? half16(s4 + 16) : _mm512_loadu_ps(c->scale + bg * PACK + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 sr = _mm512_set1_ps(c->sx[(m + r) * NG + g]);
+            t[2 * r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r]), _mm512_mul_ps(s0, sr), t[2 * r]);
+            t[2 * r + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r + 1]), _mm512_mul_ps(s1, sr), t[2 * r + 1]);
+            if (nibbles) {
+                const __m512 xg = _mm512_set1_ps(c->xs[(m + r) * NG + g]);
+                t[2 * r] = _mm512_fmadd_ps(xg, half16(s4 + 32), t[2 * r]);
+                t[2 * r + 1] = _mm512_fmadd_ps(xg, half16(s4 + 48), t[2 * r + 1]);
+            }
+        }
+    }
+    for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+/* the vnni steps of drive() (no widening: vpdpbusd multiplies the packed bytes), for int8 (nibbles 0) or 4-bit
+ * weights (1): six rows a tile, one row a block otherwise */
+#define DEFINE_VNNI_STEPS(nibbles)                                                                                  \
+    VNNI_FN static void tile_vnni(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {     \
+        (void)wf, (void)h;                                                                                          \
+        vnni_rows(ctx, m, b, ROWS, nibbles, out);                                                                   \
+    }                                                                                                               \
+    VNNI_FN static void rows_vnni(const void *ctx, int64_t m, int64_t b, int nb, float *out) {                     \
+        for (int j = 0; j < nb; j++) vnni_rows(ctx, m, b + j, 1, nibbles, out + j * PACK);                        \
+    }                                                                                                               \
+    static const steps_t VNNI_STEPS = {PACK, 4, NULL, tile_vnni, rows_vnni};
 
 /* a[2r], a[2r+1] += x[r, k] * wf[k, 0..15] over k0 <= k < k1 for six rows x (stride K): the float32 GEMM inner
  * kernel of the avx2 tiles (12 partial sums, two weight vectors, one broadcast: 15 of 16 registers) */
