@@ -12,8 +12,7 @@ from bench.results import write
 from tests.conftest import ROOT
 
 SCRIPTS = ["engine_bench.py", "service_overhead.py", "engine_gil.py", "prompt_stall.py", "idle_cpu.py", "soak.py",
-           "grammar_libs.py", "int8_kernels.py", "int4_kernels.py", "slow_readers.py", "grammar_bounds.py",
-           "bandwidth.py"]
+           "grammar_libs.py", "kernels.py", "slow_readers.py", "grammar_bounds.py", "bandwidth.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -43,7 +42,7 @@ def test_write_stamps_the_date_and_machine(tmp_path, capsys):
 def test_one_current_result_file_per_benchmark():
     files = sorted(p.name for p in (ROOT / "bench").glob("results-*"))
     assert files == ["results-clients.json", "results-clients.png", "results-engine-gil.json", "results-engine.json",
-                     "results-grammar-bounds.json", "results-grammar-libs.json", "results-int4-kernels.json", "results-int8-kernels.json", "results-lora.json", "results-overhead.json",
+                     "results-grammar-bounds.json", "results-grammar-libs.json", "results-kernels.json", "results-lora.json", "results-overhead.json",
                      "results-prompt-stall.json", "results-shared-prefix.json", "results-structured.json"]
 
 
