@@ -1,8 +1,10 @@
 """The real Shepherd Model Gateway (PyPI `smg`, pinned) in front of a real `tokenloop serve` on the default model.
 
-SMG speaks OpenAI HTTP to clients and `trtllm.TrtllmService` gRPC to tokenloop: it applies the chat
-template, sends token ids, detokenizes what comes back, aborts requests whose HTTP client left, and
-probes the worker's health. The tests run in file order; the last one stops tokenloop.
+SMG speaks OpenAI HTTP to clients and gRPC to tokenloop, on each of smg's worker protocols tokenloop serves:
+`vllm.grpc.engine.VllmEngine` (what smg detects when the worker serves both, the default) and
+`trtllm.TrtllmService` (`--router-protocol trtllm`). It applies the chat template, sends token ids, detokenizes
+what comes back, aborts requests whose HTTP client left, and probes the worker's health. The tests run in file
+order, once per protocol; the last one stops tokenloop.
 """
 
 from __future__ import annotations
@@ -98,13 +100,15 @@ class Router:
         self._log.close()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """(tokenloop LiveServer, Router) on loopback; both stopped at the end of the module."""
+@pytest.fixture(scope="module", params=["vllm", "trtllm"])
+def stack(request, tmp_path_factory):
+    """(tokenloop LiveServer, Router) on loopback, the worker serving both protocols (smg detects vLLM) or only
+    TrtllmService; both stopped at the end of the module."""
     if not (DEFAULT_MODEL / "config.json").is_file():
         pytest.skip("the default model is not prepared: run `make model`")
     smg_binary()
-    worker = LiveServer(DEFAULT_MODEL)
+    worker = LiveServer(DEFAULT_MODEL, () if request.param == "vllm" else ("--router-protocol", "trtllm"))
+    worker.protocol = request.param
     router = None
     try:
         worker.wait_ready()
@@ -142,12 +146,12 @@ def poll(predicate, timeout: float = 20.0, step: float = 0.2):
         time.sleep(step)
 
 
-def test_router_lists_the_worker_as_a_trtllm_worker(stack):
+def test_router_lists_the_worker_with_the_protocol_it_detected(stack):
     worker, router = stack
     status, models = router.get("/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [DEFAULT_MODEL.name]
     (w,) = router.workers()
-    assert w["runtime_type"] == "trtllm" and w["is_healthy"] and w["url"] == f"grpc://{worker.address}"
+    assert w["runtime_type"] == worker.protocol and w["is_healthy"] and w["url"] == f"grpc://{worker.address}"
 
 
 def test_non_streaming_chat_completion_through_the_router(stack):
