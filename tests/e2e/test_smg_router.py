@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from tests.e2e.live_server import DEFAULT_MODEL, ROOT, LiveServer, _free_port
 from tokenloop.v1 import tokenloop_pb2 as pb
@@ -31,6 +35,7 @@ pytestmark = pytest.mark.e2e
 SMG_VERSION = "1.13.0"
 QUESTION = "What is the capital of France?"
 READY_TIMEOUT_S = 90.0
+DEFAULT_MAX_NEW_TOKENS = 24  # the worker's --default-max-new-tokens
 
 
 def smg_binary() -> str:
@@ -107,7 +112,8 @@ def stack(request, tmp_path_factory):
     if not (DEFAULT_MODEL / "config.json").is_file():
         pytest.skip("the default model is not prepared: run `make model`")
     smg_binary()
-    worker = LiveServer(DEFAULT_MODEL, () if request.param == "vllm" else ("--router-protocol", "trtllm"))
+    flags = ("--log-format", "json", "--default-max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS))
+    worker = LiveServer(DEFAULT_MODEL, flags + (() if request.param == "vllm" else ("--router-protocol", "trtllm")))
     worker.protocol = request.param
     router = None
     try:
@@ -187,6 +193,79 @@ def test_stop_strings_and_refused_fields_through_the_router(stack):
     body = resp.read().decode()
     assert resp.status >= 400 and "min_p" in body, body  # refused by name, not ignored (test_smg_structured.py:
     # response_format, once refused here, is served)
+
+
+def protocol_table() -> dict[str, dict[str, str]]:
+    """docs/router.md's table of what each protocol gets: row label -> {"trtllm": cell, "vllm": cell}."""
+    lines = (ROOT / "docs" / "router.md").read_text().split("<!-- protocol-table -->", 1)[1].strip().splitlines()
+    assert lines[0].split(" | ")[1:] == ["reaches a `trtllm.TrtllmService` worker",
+                                         "reaches a `vllm.grpc.engine.VllmEngine` worker |"], lines[0]
+    out = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        label, trtllm, vllm = (cell.strip() for cell in line.strip().strip("|").split(" | "))
+        out[label] = {"trtllm": trtllm, "vllm": vllm}
+    return out
+
+
+def generate_records(worker: LiveServer) -> list[dict]:
+    """The worker's request-log records of Generate calls (`--log-format json`), in order."""
+    return [rec for rec in (json.loads(line) for line in list(worker.lines) if line.startswith("{"))
+            if rec.get("message") == "request end" and rec.get("rpc", "").endswith("/Generate")]
+
+
+def received(worker: LiveServer, router: Router, path: str, **body) -> dict:
+    """Send one OpenAI request through the router; the worker's request-log record of the Generate it caused."""
+    before = len(generate_records(worker))
+    conn = http.client.HTTPConnection(router.base, timeout=120)
+    conn.request("POST", path, body=json.dumps({"model": DEFAULT_MODEL.name, **body}).encode(),
+                 headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()[-500:]
+    resp.read()
+    records = poll(lambda: generate_records(worker)[before:], timeout=10)  # the log is read on a thread
+    assert len(records) == 1, records
+    return records[0]
+
+
+def numbers(cell: str) -> list[float]:
+    return [float(n) for n in re.findall(r"\d+(?:\.\d+)?", cell)]
+
+
+def test_what_reaches_the_worker_matches_the_protocol_table_in_router_md(stack):
+    """Each row of docs/router.md's protocol table, for this stack's protocol, against what the worker ran."""
+    worker, router = stack
+    table = {label: cells[worker.protocol] for label, cells in protocol_table().items()}
+    gen = json.loads((DEFAULT_MODEL / "generation_config.json").read_text())
+    chat = {"messages": [{"role": "user", "content": QUESTION}], "stop": ["."]}  # a short answer either way
+
+    rec = received(worker, router, "/v1/chat/completions", **chat)
+    cell = table["chat, no `temperature`, no `max_tokens`"]
+    expected = [gen["temperature"], gen["top_p"], DEFAULT_MAX_NEW_TOKENS] if "unset" in cell else numbers(cell)
+    assert [rec["temperature"], rec["top_p"], rec["max_new_tokens"]] == pytest.approx(expected), (cell, rec)
+
+    rec = received(worker, router, "/v1/completions", prompt="The capital of France is", stop=["."])
+    cell = table["completions, no `max_tokens`"]
+    assert rec["max_new_tokens"] == (DEFAULT_MAX_NEW_TOKENS if "unset" in cell else numbers(cell)[0]), (cell, rec)
+
+    rec = received(worker, router, "/v1/chat/completions", **chat, max_tokens=4, seed=777)
+    cell = table["chat with `seed`"]
+    assert cell in ("seed **dropped**", "seed forwarded") and (rec["seed"] == 777) == (cell == "seed forwarded")
+
+    cell = table["model defaults"]
+    if worker.protocol == "vllm":
+        with grpc.insecure_channel(worker.address) as channel:
+            info = vpb_grpc.VllmEngineStub(channel).GetModelInfo(vpb.GetModelInfoRequest(), timeout=10)
+        assert f"`{info.default_sampling_params_json}`" in cell and json.loads(info.default_sampling_params_json) == {
+            "temperature": gen["temperature"], "top_p": gen["top_p"]}
+    else:
+        assert cell.startswith("none") and not any(
+            "default" in f.name for f in tpb.GetModelInfoResponse.DESCRIPTOR.fields)
+
+    cell = table["`logit_bias`, `min_tokens`, LoRA"]
+    rec = received(worker, router, "/v1/chat/completions", **chat, max_tokens=4, logit_bias={"5": 5.0})
+    assert cell.startswith("dropped") and rec["status"] == "OK"  # not refused: it never reached the worker
 
 
 def test_client_disconnect_at_the_router_ends_the_request_in_tokenloop(stack):
