@@ -50,6 +50,7 @@ class Step:
     error: str | None = None
     error_kind: ErrorKind | None = None
     num_cached_prompt_tokens: int | None = None  # on a sequence's first token step: prompt tokens from the prefix cache
+    embedding: list[float] | None = None  # the final step of an embedding request (ValidRequest.embed): the vector
 
 
 def merge_steps(steps: list[Step]) -> list[Step]:

@@ -111,8 +111,11 @@ class RequestState:
             finish, stop_token = FinishReason.STOP_SEQUENCE, None
         elif step.is_final:
             text += seq.flush()
-        return self._emit(seq, text, new_ids, new_lps, finish if (matched or step.is_final) else None,
-                          matched, stop_token, now)
+        events = self._emit(seq, text, new_ids, new_lps, finish if (matched or step.is_final) else None,
+                            matched, stop_token, now)
+        if step.embedding is not None:  # an embedding request's one final step: its Complete carries the vector
+            events[-1].embedding = step.embedding
+        return events
 
     def cancel_all(self, now: float) -> list[Event]:
         """End every open sequence as CANCELLED (a request dropped before or after submission)."""

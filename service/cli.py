@@ -14,7 +14,7 @@ from .startup import StartupError, check_startup
 # flags handed to the executor factory as keyword arguments when given
 ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens", "max_batch_size", "dtype",
                 "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend", "weights",
-                "max_lora_rank")
+                "max_lora_rank", "embed_pooling", "embed_normalize")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
                 "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size",
@@ -151,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
                         "auto: native where it compiles")
     e.add_argument("--matmul-backend", choices=("auto", "torch", "numpy", "numpy2"), default=None,
                    help="who multiplies the weights; auto: timed at start-up per batch size")
+    e.add_argument("--embed-pooling", choices=("last", "mean"), default=None,
+                   help="Embed requests that name no pooling: the last prompt token's final hidden state or the mean "
+                        "over the prompt (default: the model's sentence-transformers config, else last; docs/engine.md)")
+    e.add_argument("--embed-normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="Embed requests that do not say: scale the vector to unit L2 norm (default: the model's "
+                        "sentence-transformers config, else on)")
     t = s.add_argument_group("TensorRT-LLM (--backend trtllm)")
     t.add_argument("--trtllm-api", choices=("auto", "llm", "executor"), default=None,
                    help="TensorRT-LLM's LLM API or its C++ executor (auto: whichever is installed, LLM API first)")

@@ -14,8 +14,8 @@ from tokenloop.looper.stream import Complete, RequestFailed
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
-from . import convert
-from .errors import AlreadyExists, ServiceError, abort_with, status_of
+from . import convert, embedding
+from .errors import AlreadyExists, ServiceError, ValidationError, abort_with, status_of
 from .logs import RequestRecord, logs_itself
 from .validation import text_size
 
@@ -298,4 +298,24 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             rid = request.request_id
             return pb.AbortResponse(found=self.app.admission.abort(rid) or self.app.looper.abort(rid))
         except ServiceError as exc:
+            await abort_with(context, exc)
+
+    async def Embed(self, request, context):
+        """The prompt's embedding through service.embedding.embed (the path smg's vLLM Embed takes too)."""
+        app = self.app
+        try:
+            app.require_ready()
+            rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
+            pooling = embedding.pooling_of(request.pooling, pb.Pooling)
+            normalize = request.normalize if request.HasField("normalize") else None
+            if request.WhichOneof("input") is None:
+                raise ValidationError("empty_input", "`input` must be set: one of `text`, `token_ids`")
+            embedding.embed_params(app, pooling, normalize)  # UNIMPLEMENTED before tokenizing, on an executor without
+            ids, _ = await app.tokenizing(text_size(request), app.validator.prompt, request)
+            result = await embedding.embed(app, context, rid, ids, pooling, normalize,
+                                           field="token_ids.ids" if request.HasField("token_ids") else "text")
+            return pb.EmbedResponse(request_id=rid, embedding=result.vector, prompt_tokens=result.prompt_tokens,
+                                    pooling=pb.Pooling.Value(result.pooling.upper()), normalized=result.normalized)
+        except (ServiceError, RequestFailed) as exc:
+            app.observe_error(status_of(exc)[0])
             await abort_with(context, exc)
