@@ -27,17 +27,13 @@ from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, S
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 from tokenloop.v1 import tokenloop_pb2 as pb
 
+from . import embedding
 from .errors import AlreadyExists, ServiceError, Unimplemented, ValidationError, abort_with, status_of
 from .logs import RequestRecord, logs_itself
 from .servicer import Delivery, deadline_of, metadata_value
 from .structured import _check_size
 from .trtllm_service import TrtllmServicer, _read_config, _version
 from .validation import MAX_TOP_LOGPROBS, _check
-
-try:  # the embedding helper shared with tokenloop.v1 (issue 31, branch i31-embed)
-    from . import embedding
-except ImportError:  # pragma: no cover - before that branch is merged
-    embedding = None
 
 log = logging.getLogger("tokenloop.service")
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -335,9 +331,8 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
                 await abort_with(context, exc)
 
     async def Embed(self, request, context):
-        if embedding is None:
-            await abort_with(context, Unimplemented("Embed is not available in this build (no service.embedding)"))
-            return None
+        """The prompt's pooled final hidden state (service.embedding, the helper tokenloop.v1 Embed calls too): the
+        executor's default pooling and normalization (--embed-pooling, --embed-normalize, the model's config)."""
         rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
         try:
             done = await embedding.embed(self.app, context, rid, request.tokenized.input_ids,
@@ -349,14 +344,10 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
                                  embedding_dim=len(done.vector))
 
     async def FlushCache(self, request, context):
-        if embedding is None:
-            await abort_with(context, Unimplemented("FlushCache is not available in this build"))
-            return None
+        """Drop the prefix cache's unused blocks (blocks in use stay: no need to wait `timeout_s` for idleness)."""
         try:
             dropped = await embedding.flush_cache(self.app)
-        except Unimplemented as exc:
-            return common_pb2.FlushCacheResponse(success=False, message=str(exc))
-        except ServiceError as exc:
+        except ServiceError as exc:  # UNIMPLEMENTED on an executor without a prefix cache to flush
             await abort_with(context, exc)
             return None
         return common_pb2.FlushCacheResponse(

@@ -25,9 +25,12 @@ from tests.conftest import run
 from tests.integration.service_harness import serving
 from tests.scripted_executor import ScriptedExecutor
 from tests.tiny_model import make_tiny_model
+from tokenloop.core.capabilities import NO_EMBED, NO_FLUSH_CACHE
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
+from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 PROMPT = "Hello world, hello gRPC streams."
 
@@ -250,3 +253,37 @@ def test_router_protocol_chooses_the_services(checkpoint, tmp_path):
                                    {"vllm.grpc.engine.VllmEngine": "NOT_FOUND", "trtllm.TrtllmService": serving_})
     assert run(body("vllm")) == ({"vllm": True, "trtllm": False},
                                  {"vllm.grpc.engine.VllmEngine": serving_, "trtllm.TrtllmService": "NOT_FOUND"})
+
+
+def test_embed_is_tokenloop_v1_embed_and_flush_cache_drops_the_unused_blocks(checkpoint, ids):
+    async def body():
+        async with vllm(checkpoint) as (server, stub, engine):
+            got = await stub.Embed(vpb.EmbedRequest(request_id="e1", tokenized=vpb.TokenizedInput(input_ids=ids)))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                v1 = await pb_grpc.TextGenerationStub(channel).Embed(pb.EmbedRequest(token_ids=pb.TokenIds(ids=ids)))
+            assert got.embedding_dim == len(got.embedding) == 64 and got.prompt_tokens == len(ids)
+            assert list(got.embedding) == pytest.approx(list(v1.embedding), abs=1e-5)  # the same helper, defaults
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[])))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "`tokenized.input_ids` must not be empty" in err.value.details()
+            await completes(stub, gen(ids, max_tokens=4))
+            cached = engine.stats().kv_blocks_cached
+            assert cached > 0
+            flushed = await stub.FlushCache(common_pb2.FlushCacheRequest())
+            assert flushed.success and flushed.message == f"dropped {cached} unused prefix-cache blocks"
+            assert engine.stats().kv_blocks_cached == 0
+            again = await stub.FlushCache(common_pb2.FlushCacheRequest())
+            assert again.message == "dropped 0 unused prefix-cache blocks"
+    run(body())
+
+
+def test_embed_and_flush_cache_without_the_capability_are_unimplemented(checkpoint):
+    async def body():
+        async with vllm(checkpoint, ScriptedExecutor()) as (server, stub, _):
+            for call, message in ((stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[5, 6]))),
+                                   NO_EMBED), (stub.FlushCache(common_pb2.FlushCacheRequest()), NO_FLUSH_CACHE)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNIMPLEMENTED, message)
+    run(body())
