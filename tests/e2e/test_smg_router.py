@@ -263,6 +263,17 @@ def test_what_reaches_the_worker_matches_the_protocol_table_in_router_md(stack):
         assert cell.startswith("none") and not any(
             "default" in f.name for f in tpb.GetModelInfoResponse.DESCRIPTOR.fields)
 
+    cell = table["`/v1/embeddings`"]
+    conn = http.client.HTTPConnection(router.base, timeout=120)
+    conn.request("POST", "/v1/embeddings", body=json.dumps({"model": DEFAULT_MODEL.name, "input": QUESTION}).encode(),
+                 headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    if cell == "`Embed` called":
+        assert resp.status == 200 and len(json.loads(raw)["data"][0]["embedding"]) > 0, raw[-500:]
+    else:
+        assert cell.startswith("HTTP 501") and resp.status == 501, (resp.status, raw[-500:])
+
     cell = table["`logit_bias`, `min_tokens`, LoRA"]
     rec = received(worker, router, "/v1/chat/completions", **chat, max_tokens=4, logit_bias={"5": 5.0})
     assert cell.startswith("dropped") and rec["status"] == "OK"  # not refused: it never reached the worker

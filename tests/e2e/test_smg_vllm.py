@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e.live_server import DEFAULT_MODEL, LiveServer
 from tests.e2e.test_smg_router import Router, poll, smg_binary
+from tokenloop.core.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -151,3 +152,23 @@ def test_a_field_the_worker_refuses_is_named_through_the_router(stack):
     worker, router = stack
     status, body = chat(router, "Hi", max_tokens=5000)  # within the model's context, past --max-new-tokens (4096)
     assert status == 400 and "`sampling_params.max_tokens` must be between 1 and 4096" in json.dumps(body), body
+
+
+def test_embeddings_through_smg_equal_transformers(stack):
+    """smg's /v1/embeddings calls the worker's `Embed` (on TrtllmService smg answers 501: docs/router.md): the vector
+    is the default model's final hidden state at the last token, normalized, within 1e-4 of transformers'."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    worker, router = stack
+    text = "The capital of France is Paris, and the capital of Japan is Tokyo."
+    status, body = post(router, "/v1/embeddings", {"model": DEFAULT_MODEL.name, "input": text})
+    assert status == 200, body
+    (item,) = body["data"]
+    ids = Tokenizer.from_dir(DEFAULT_MODEL).encode(text)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    model = transformers.AutoModel.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        last = model(torch.tensor([ids])).last_hidden_state[0, -1]
+    expected = torch.nn.functional.normalize(last, dim=0)
+    assert len(item["embedding"]) == expected.numel()
+    assert torch.tensor(item["embedding"]).sub(expected).abs().max().item() < 1e-4
