@@ -109,16 +109,23 @@ class Router:
 def stack(request, tmp_path_factory):
     """(tokenloop LiveServer, Router) on loopback, the worker serving both protocols (smg detects vLLM) or only
     TrtllmService; both stopped at the end of the module."""
+    flags = ("--log-format", "json", "--default-max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS))
+    yield from worker_and_router(tmp_path_factory, request.param,
+                                 flags + (() if request.param == "vllm" else ("--router-protocol", "trtllm")))
+
+
+def worker_and_router(tmp_path_factory, protocol: str, flags: tuple[str, ...]):
+    """A fixture's body: `tokenloop serve` with `flags` (its `protocol` noted: what smg must detect) and an smg router
+    in front of it, yielded as (worker, router); both stopped afterwards."""
     if not (DEFAULT_MODEL / "config.json").is_file():
         pytest.skip("the default model is not prepared: run `make model`")
     smg_binary()
-    flags = ("--log-format", "json", "--default-max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS))
-    worker = LiveServer(DEFAULT_MODEL, flags + (() if request.param == "vllm" else ("--router-protocol", "trtllm")))
-    worker.protocol = request.param
+    worker = LiveServer(DEFAULT_MODEL, flags)
+    worker.protocol = protocol
     router = None
     try:
         worker.wait_ready()
-        router = Router(worker.address, tmp_path_factory.mktemp("smg") / "smg.log")
+        router = Router(worker.address, tmp_path_factory.mktemp(f"smg-{protocol}") / "smg.log")
         router.wait_ready()
         yield worker, router
     finally:

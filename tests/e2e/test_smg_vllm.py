@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.e2e.live_server import DEFAULT_MODEL, LiveServer
-from tests.e2e.test_smg_router import Router, poll, smg_binary
+from tests.e2e.test_smg_router import Router, generate_records, poll, worker_and_router
 from tokenloop.core.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -29,24 +29,12 @@ VLLM_GENERATE = "/vllm.grpc.engine.VllmEngine/Generate"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """(tokenloop LiveServer, Router) on loopback; both stopped at the end of the module."""
-    if not (DEFAULT_MODEL / "config.json").is_file():
-        pytest.skip("the default model is not prepared: run `make model`")
-    gen = json.loads((DEFAULT_MODEL / "generation_config.json").read_text())
+    gen = (json.loads((DEFAULT_MODEL / "generation_config.json").read_text())
+           if (DEFAULT_MODEL / "generation_config.json").is_file() else {})
     if (gen.get("temperature"), gen.get("top_p")) != (0.2, 0.9):
         pytest.skip("the default model's generation_config.json lacks temperature 0.2 / top_p 0.9: run `make model`")
-    smg_binary()
-    worker = LiveServer(DEFAULT_MODEL, ("--default-max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS),
-                                        "--log-format", "json"))
-    router = None
-    try:
-        worker.wait_ready()
-        router = Router(worker.address, tmp_path_factory.mktemp("smg-vllm") / "smg.log")
-        router.wait_ready()
-        yield worker, router
-    finally:
-        if router is not None:
-            router.stop()
-        worker.stop()
+    yield from worker_and_router(tmp_path_factory, "vllm", ("--default-max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS),
+                                                            "--log-format", "json"))
 
 
 def post(router: Router, path: str, body: dict) -> tuple[int, dict]:
@@ -65,15 +53,9 @@ def chat(router: Router, content: str, **extra) -> tuple[int, dict]:
                                                  "messages": [{"role": "user", "content": content}], **extra})
 
 
-def request_log(worker: LiveServer, request_id: str = "") -> list[dict]:
-    """The worker's `request end` records of vLLM Generate calls (all, or the one whose id holds `request_id`)."""
-    out = []
-    for line in list(worker.lines):
-        if line.startswith("{") and '"request end"' in line:
-            rec = json.loads(line)
-            if rec.get("rpc") == VLLM_GENERATE and request_id in rec.get("request_id", ""):
-                out.append(rec)
-    return out
+def request_log(worker: LiveServer) -> list[dict]:
+    """The worker's `request end` records of vLLM Generate calls, in order."""
+    return [rec for rec in generate_records(worker) if rec["rpc"] == VLLM_GENERATE]
 
 
 def last_record(worker: LiveServer, before: int) -> dict:
