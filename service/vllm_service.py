@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,11 +27,11 @@ from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from . import embedding
-from .errors import AlreadyExists, ServiceError, Unimplemented, ValidationError, abort_with, status_of
-from .logs import RequestRecord, logs_itself
-from .servicer import Delivery, deadline_of, metadata_value
+from .convert import SequenceWriter
+from .errors import ServiceError, Unimplemented, ValidationError, abort_with
+from .frontdoor import FrontDoor, add_with_raw_responses, request_id_of, unary
 from .structured import _check_size
-from .trtllm_service import TrtllmServicer, _read_config, _version
+from .trtllm_service import TrtllmServicer, _read_config, _refuse, _version
 from .validation import MAX_TOP_LOGPROBS, _check
 
 log = logging.getLogger("tokenloop.service")
@@ -52,10 +51,6 @@ UNSUPPORTED_REQUEST = {
 # generation_config.json key -> the key of `default_sampling_params_json` (vLLM's names)
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def _refuse(field: str, why: str) -> None:
-    _check(False, "unsupported_field", f"`{field}` cannot be honoured: {why}")
 
 
 def _check_supported(request) -> None:
@@ -159,15 +154,8 @@ def prompt_ids(validator, request) -> tuple[int, ...]:
     if which == "text":
         ids, _ = validator.prompt(request)  # the `text` rules of tokenloop.v1 (same field name)
         return ids[-keep:] if keep else ids
-    ids = tuple(request.tokenized.input_ids)
-    _check(len(ids) > 0, "empty_token_ids", "`tokenized.input_ids` must not be empty")
-    if keep:
-        ids = ids[-keep:]
-    validator.check_prompt_length(len(ids))  # before looking at every id
-    bad = next((t for t in ids if t >= validator.vocab_size), None)
-    _check(bad is None, "token_id_out_of_range",
-           f"`tokenized.input_ids` must be < the vocabulary size {validator.vocab_size}; got {bad}")
-    return ids
+    ids = request.tokenized.input_ids
+    return validator.prompt_ids(ids[-keep:] if keep else ids, "tokenized.input_ids")
 
 
 def to_valid_request(validator, request, request_id: str, deadline: float | None,
@@ -213,55 +201,49 @@ def _output_logprobs(items, top: int) -> vpb.OutputLogProbs | None:
     return out
 
 
-class Writer:
-    """Looper events of one request -> vLLM GenerateResponse messages.
+class VllmWriter(SequenceWriter):
+    """vLLM GenerateResponse messages (convert.SequenceWriter holds, merges and paces the chunks).
 
-    Streaming: the chunks of a sequence that arrived together go out as one delta chunk (a reader that fell behind
-    gets every ready token at once; `interval` N > 1 holds them until N tokens are ready, `--stream-interval`), and
-    its end as a complete carrying the last delta, as vLLM's servicer sends it. Not streaming: one complete per
-    sequence with every token.
+    Streaming: a sequence's ready tokens go out as one delta chunk, and its end as a complete carrying the last
+    delta, as vLLM's servicer sends it. Not streaming: no chunks; one complete per sequence with every token.
     """
 
+    __slots__ = ("_last",)
+
     def __init__(self, valid: ValidRequest, interval: int = 1):
-        self.valid, self.interval = valid, max(1, interval)
-        self.held: dict[int, list[Chunk]] = {}  # sequence index -> chunks not yet sent
+        super().__init__(valid, interval)
+        self._last: dict[int, Chunk] = {}  # sequence index -> its final chunk, for its complete
 
-    def messages(self, batch: list) -> list[vpb.GenerateResponse]:
-        out = []
-        stream = self.valid.stream
-        for event in batch:
-            if isinstance(event, Chunk):
-                if stream:
-                    self.held.setdefault(event.index, []).append(event)
-                continue
-            last: list[Chunk] = self.held.pop(event.index, [])
-            if last:
-                out.append(self._chunk(event.index, last))
-            out.append(self._complete(event, last if stream else None))
-        for index in [i for i, cs in self.held.items() if sum(len(c.token_ids) for c in cs) >= self.interval]:
-            out.append(self._chunk(index, self.held.pop(index)))
-        return out
+    def encode_chunk(self, chunk: Chunk, done: Complete | None) -> bytes | None:
+        msg = self.message_chunk(chunk, done)
+        return msg.SerializeToString() if msg is not None else None
 
-    def _chunk(self, index: int, chunks: list[Chunk]) -> vpb.GenerateResponse:
-        ids = [t for c in chunks for t in c.token_ids]
+    def encode_complete(self, done: Complete) -> bytes:
+        return self.message_complete(done).SerializeToString()
+
+    def message_chunk(self, chunk: Chunk, done: Complete | None) -> vpb.GenerateResponse | None:
+        if not self.valid.stream:
+            return None
+        if done is not None:
+            self._last[chunk.index] = chunk
         msg = vpb.GenerateResponse()
         out = msg.chunk
-        out.token_ids.extend(ids)
+        out.token_ids.extend(chunk.token_ids)
         out.prompt_tokens = len(self.valid.prompt_token_ids)
-        out.completion_tokens = len(ids)  # a delta count, as vLLM sends it (smg adds them up)
-        out.cached_tokens = chunks[-1].cached_prompt_tokens
-        out.index = index
-        lps = _output_logprobs([lp for c in chunks for lp in c.logprobs or ()], self.valid.output.top_logprobs)
+        out.completion_tokens = len(chunk.token_ids)  # a delta count, as vLLM sends it (smg adds them up)
+        out.cached_tokens = chunk.cached_prompt_tokens
+        out.index = chunk.index
+        lps = _output_logprobs(chunk.logprobs, self.valid.output.top_logprobs)
         if lps is not None:
             out.output_logprobs.CopyFrom(lps)
         return msg
 
-    def _complete(self, done: Complete, last: list[Chunk] | None) -> vpb.GenerateResponse:
-        """`last`: the chunks of the final delta (streaming), None for the whole output."""
-        if last is None:
-            ids, lps = done.token_ids, done.logprobs
+    def message_complete(self, done: Complete) -> vpb.GenerateResponse:
+        if self.valid.stream:  # the last delta
+            last = self._last.pop(done.index, None)
+            ids, lps = (last.token_ids, last.logprobs) if last is not None else ([], None)
         else:
-            ids, lps = [t for c in last for t in c.token_ids], [lp for c in last for lp in c.logprobs or ()]
+            ids, lps = done.token_ids, done.logprobs
         msg = vpb.GenerateComplete(
             output_ids=ids, finish_reason=FINISH_REASONS[done.finish_reason], prompt_tokens=done.prompt_tokens,
             completion_tokens=len(ids), cached_tokens=done.cached_prompt_tokens, index=done.index)
@@ -288,52 +270,29 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
         self._defaults: dict | None = None  # generation_defaults of the model, read once
         self._started = time.time()
         self._last_receive = 0.0
+        self.Generate = FrontDoor(app).handler(GENERATE, self._validate, self._writer)
 
     def defaults(self) -> dict:
         if self._defaults is None:
             self._defaults = generation_defaults(self.app.config.model)
         return self._defaults
 
-    @logs_itself  # keeps its own request-log record: no interceptor generator around it (see service.logs)
-    async def Generate(self, request, context):
-        async with RequestRecord(GENERATE, request, context):
-            app, arrival = self.app, time.monotonic()
-            self._last_receive = time.time()
-            rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
-            try:
-                app.require_ready()
-                async with app.admission.slot(rid, getattr(app.config, "max_queue_wait", 0.0), context.peer()) as slot:
-                    valid = to_valid_request(app.validator, request, rid, deadline_of(context), self.defaults())
-                    structured = valid.structured
-                    if structured is not None:  # compiled, or cached; errors name the constraint's field
-                        kind = request.sampling_params.WhichOneof("constraint")
-                        valid = await app.grammars.admit(valid, f"sampling_params.{kind}")
-                    if app.looper.find(rid) is not None:
-                        raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
-                    writer = Writer(valid, getattr(app.config, "stream_interval", 1))
-                    slot.check_aborted()  # Abort while it waited: it never runs
-                    stream = app.looper.submit(valid, arrival)
-                    app.admission.submitted(slot)
-                    with Delivery(app, valid, stream, slot) as delivery:  # smg dropping the stream cancels it
-                        watchdog = delivery.watchdog
-                        while (batch := await stream.next_batch()) is not None:
-                            watchdog.arm()
-                            for msg in writer.messages(batch):
-                                yield msg  # a stalled reader blocks here: the watchdog pauses, then cancels us
-                                watchdog.sent += 1
-                            delivery.delivered(batch)
-                            if delivery.paused:
-                                await delivery.resume()
-            except Exception as exc:  # ServiceError, RequestFailed, anything unexpected: one status, no traceback
-                if not isinstance(exc, (ServiceError, RequestFailed)):
-                    log.exception("vLLM Generate %s failed", rid)
-                app.observe_error(status_of(exc)[0])
-                await abort_with(context, exc)
+    async def _validate(self, request, request_id: str, deadline: float | None) -> ValidRequest:
+        """The front door's mapping step: the request validated, its constraint compiled (errors name its field)."""
+        self._last_receive = time.time()
+        valid = to_valid_request(self.app.validator, request, request_id, deadline, self.defaults())
+        if valid.structured is not None:
+            kind = request.sampling_params.WhichOneof("constraint")
+            valid = await self.app.grammars.admit(valid, f"sampling_params.{kind}")
+        return valid
+
+    def _writer(self, valid: ValidRequest, request, arrival_wall: float) -> VllmWriter:
+        return VllmWriter(valid, getattr(self.app.config, "stream_interval", 1))
 
     async def Embed(self, request, context):
         """The prompt's pooled final hidden state (service.embedding, the helper tokenloop.v1 Embed calls too): the
         executor's default pooling and normalization (--embed-pooling, --embed-normalize, the model's config)."""
-        rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
+        rid = request_id_of(request, context)
         try:
             done = await embedding.embed(self.app, context, rid, request.tokenized.input_ids,
                                          field="tokenized.input_ids")
@@ -343,28 +302,29 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
         return vpb.EmbedResponse(embedding=done.vector, prompt_tokens=done.prompt_tokens,
                                  embedding_dim=len(done.vector))
 
+    @unary(ready=False)  # flush_cache: UNAVAILABLE while not ready, UNIMPLEMENTED without a prefix cache
     async def FlushCache(self, request, context):
         """Drop the prefix cache's unused blocks (blocks in use stay: no need to wait `timeout_s` for idleness)."""
-        try:
-            dropped = await embedding.flush_cache(self.app)
-        except ServiceError as exc:  # UNIMPLEMENTED on an executor without a prefix cache to flush
-            await abort_with(context, exc)
-            return None
+        dropped = await embedding.flush_cache(self.app)
         return common_pb2.FlushCacheResponse(
             success=True, message=f"dropped {dropped} unused prefix-cache block{'s' if dropped != 1 else ''}")
 
+    @unary(ready=False)
     async def StartProfile(self, request, context):
-        await abort_with(context, Unimplemented("StartProfile is not supported: this worker has no profiler"))
+        raise Unimplemented("StartProfile is not supported: this worker has no profiler")
 
+    @unary(ready=False)
     async def StopProfile(self, request, context):
-        await abort_with(context, Unimplemented("StopProfile is not supported: this worker has no profiler"))
+        raise Unimplemented("StopProfile is not supported: this worker has no profiler")
 
+    @unary(ready=False)
     async def HealthCheck(self, request, context):
         """As vLLM's servicer: an answer either way (so smg's detection finds this protocol while the model loads),
         `healthy` false while loading, draining, or after the executor died."""
         reason = self.app.not_ready_reason
         return vpb.HealthCheckResponse(healthy=not reason, message=reason or "Healthy")
 
+    @unary(ready=False)
     async def Abort(self, request, context):
         app = self.app
         for rid in request.request_ids:
@@ -372,12 +332,8 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
                 log.debug("Abort %r: not in flight", rid)
         return vpb.AbortResponse()
 
+    @unary()
     async def GetModelInfo(self, request, context):
-        try:
-            self.app.require_ready()
-        except ServiceError as exc:
-            await abort_with(context, exc)
-            return None
         return self.model_info()
 
     def model_info(self) -> vpb.GetModelInfoResponse:
@@ -392,6 +348,7 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
             max_req_input_len=app.validator.limits.max_prompt_tokens,
             default_sampling_params_json=json.dumps(defaults, separators=(",", ":")) if defaults else "")
 
+    @unary(ready=False)
     async def GetServerInfo(self, request, context):
         app = self.app
         info = vpb.GetServerInfoResponse(
@@ -405,6 +362,7 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
             info.block_size = app.executor.stats().tokens_per_block
         return info
 
+    @unary(ready=False)
     async def GetLoads(self, request, context):
         """One rank's load (`App.load`, what tokenloop.v1 GetLoad and the KV-event stream's `load` report)."""
         load = self.app.load()
@@ -419,6 +377,7 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
 
 
 def add_vllm_service(app, grpc_server) -> str:
-    """Register vllm.grpc.engine.VllmEngine on `grpc_server`; returns its full name (for reflection)."""
-    vpb_grpc.add_VllmEngineServicer_to_server(VllmServicer(app), grpc_server)
+    """Register vllm.grpc.engine.VllmEngine on `grpc_server`, Generate yielding serialized messages
+    (`VllmWriter.encode`); returns its full name (for reflection)."""
+    add_with_raw_responses(vpb_grpc.add_VllmEngineServicer_to_server, VllmServicer(app), grpc_server, "Generate")
     return SERVICE_NAME

@@ -179,9 +179,9 @@ def test_stream_writer_coalesces_a_batch_and_honours_the_interval():
     assert msgs[0].chunk.text == "f"
 
 
-def test_stream_writer_stream_refills_one_message_and_sends_what_messages_sends():
-    """stream() (the servicer's path) yields one chunk message refilled per chunk; serialized as each is yielded,
-    as grpc.aio does, the bytes equal those of messages(), for every mode and across sequences and logprobs."""
+def test_stream_writer_encode_refills_one_message_and_sends_what_messages_sends():
+    """encode() (the front door's path) serializes chunks other than the commonest from one chunk message it
+    refills; the bytes equal those of messages(), for every mode and across sequences and logprobs."""
     lp = [TokenLogprob(3, -0.5, [(3, -0.5), (4, -1.0)])]
     batches = [[Chunk(0, "a", [1]), Chunk(1, "b", [2]), Chunk(0, "", [])],
                [Chunk(1, "x", [9, 10], lp), Chunk(1, "y", [11]), Chunk(1, "z", [12, 13, 14])],
@@ -190,32 +190,26 @@ def test_stream_writer_stream_refills_one_message_and_sends_what_messages_sends(
     for kw in ({}, {"coalesce": False}, {"interval": 2}):
         req = request("w")
         a, b = StreamWriter(req, **kw), StreamWriter(req, **kw)
+        seen = set()
         for batch in batches:
-            seen, wire = set(), []
-            for m in b.stream(batch):
-                wire.append(m.SerializeToString())
-                if m.WhichOneof("response") == "chunk":
-                    seen.add(id(m))
+            wire = b.encode(batch)
+            if b._msg is not None:
+                seen.add(id(b._msg))
             assert wire == [m.SerializeToString() for m in a.messages(batch)], kw
-            assert len(seen) <= 1  # one chunk message object per writer
+        assert len(seen) <= 1  # one chunk message object per writer
 
 
-def test_stream_writer_stream_abandoned_mid_batch_leaves_the_next_messages_right():
-    """A handler cancelled at a `yield` drops stream()'s generator mid-batch; the refilled message must not carry
-    that batch's token ids or logprobs into the next one."""
+def test_stream_writer_refilled_message_carries_nothing_into_the_next():
+    """The refilled chunk message must not carry one message's token ids or logprobs into the next one."""
     lp = [TokenLogprob(3, -0.5, [(3, -0.5)])]
     req = request("w")
     w = StreamWriter(req, coalesce=False)
-    gen = w.stream([Chunk(0, "a", [1, 2], lp), Chunk(0, "b", [3])])
-    next(gen)
-    gen.close()  # abandoned after the first message, which had two ids and logprobs
-    wire = [m.SerializeToString() for m in w.stream([Chunk(0, "c", [4]), Chunk(1, "d", [5])])]
+    w.encode([Chunk(0, "a", [1, 2], lp)])  # two ids and logprobs
+    wire = w.encode([Chunk(0, "c", [4]), Chunk(1, "d", [5])])
     assert wire == [m.SerializeToString() for m in StreamWriter(req, coalesce=False).messages(
         [Chunk(0, "c", [4]), Chunk(1, "d", [5])])]
-    w = StreamWriter(req, coalesce=False)  # the same through encode(), whose other messages refill that message
-    gen = w.encode([Chunk(1, "a", [1, 2], lp), Chunk(0, "b", [3])])
-    next(gen)
-    gen.close()
+    w = StreamWriter(req, coalesce=False)
+    w.encode([Chunk(1, "a", [1, 2], lp)])
     assert list(w.encode([Chunk(1, "c", [4]), Chunk(1, "d", [5, 6])])) == [
         m.SerializeToString() for m in StreamWriter(req, coalesce=False).messages(
             [Chunk(1, "c", [4]), Chunk(1, "d", [5, 6])])]

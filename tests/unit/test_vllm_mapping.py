@@ -14,7 +14,7 @@ from tokenloop.core.tokenizer import ModelCard, Tokenizer
 from tokenloop.looper.stream import Chunk, Complete, Timing, TokenLogprob
 from tokenloop.service.errors import ValidationError
 from tokenloop.service.validation import Limits, Validator
-from tokenloop.service.vllm_service import Writer, generation_defaults, to_valid_request
+from tokenloop.service.vllm_service import VllmWriter, generation_defaults, to_valid_request
 
 DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
@@ -159,7 +159,7 @@ def _events(valid_request):
 def test_streaming_sends_deltas_and_a_complete_with_the_last_delta(validator):
     v = valid(validator, vpb.GenerateRequest(stream=True, tokenized=vpb.TokenizedInput(input_ids=[5, 6, 7]),
                                              sampling_params=vpb.SamplingParams(logprobs=2)))
-    writer = Writer(v)
+    writer = VllmWriter(v)
     first, second = (writer.messages(batch) for batch in _events(v))
     (chunk,) = [m.chunk for m in first]
     assert list(chunk.token_ids) == [11, 12] and chunk.completion_tokens == 2 and chunk.prompt_tokens == 3
@@ -174,7 +174,7 @@ def test_streaming_sends_deltas_and_a_complete_with_the_last_delta(validator):
 
 def test_not_streaming_sends_one_complete_with_every_token(validator):
     v = valid(validator, gen(logprobs=0))
-    writer = Writer(v)
+    writer = VllmWriter(v)
     first, second = (writer.messages(batch) for batch in _events(v))
     assert first == [] and len(second) == 1
     c = second[0].complete
