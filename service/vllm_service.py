@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, StructuredOutput, ValidRequest
+from tokenloop.core.request import OutputParams, StoppingParams, StructuredOutput, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed
 from tokenloop.v1 import tokenloop_pb2 as pb
 
@@ -31,16 +31,14 @@ from .convert import SequenceWriter
 from .errors import ServiceError, Unimplemented, ValidationError, abort_with
 from .frontdoor import FrontDoor, add_with_raw_responses, request_id_of, unary
 from .structured import _check_size
+from .trtllm_convert import FINISH_REASONS
 from .trtllm_service import TrtllmServicer, _read_config, _refuse, _version
 from .validation import MAX_TOP_LOGPROBS, _check
 
 log = logging.getLogger("tokenloop.service")
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 GENERATE = f"/{SERVICE_NAME}/Generate"  # the RPC's gRPC path (the request log's `rpc`)
-# vLLM's finish reasons: a complete structure, a stop string or token and EOS are all "stop".
-FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop",
-                  FinishReason.STOP_TOKEN: "stop", FinishReason.CANCELLED: "abort",
-                  FinishReason.STRUCTURE_COMPLETE: "stop"}
+# FINISH_REASONS (trtllm_convert): vLLM's names too, length, stop (EOS, a stop string or token, a structure), abort
 # Fields of GenerateRequest this executor cannot honour, and why (message fields: set when present).
 UNSUPPORTED_REQUEST = {
     "mm_inputs": "multimodal inputs are not supported: this is a text-only model",
