@@ -83,7 +83,8 @@ def test_streaming_sends_deltas_and_unary_one_complete_with_the_same_tokens(chec
         async with vllm(checkpoint) as (server, stub, _):
             msgs = await read_all(stub.Generate(gen(ids, stream=True, temperature=0, max_tokens=12, ignore_eos=True)))
             chunks = [m.chunk for m in msgs if m.HasField("chunk")]
-            assert len(chunks) >= 2 and msgs[-1].HasField("complete") and len(msgs) == len(chunks) + 1
+            # how many chunks depends on how far the reader fell behind (ready tokens go out together)
+            assert chunks and msgs[-1].HasField("complete") and len(msgs) == len(chunks) + 1
             streamed = [t for c in chunks for t in c.token_ids]
             assert [c.completion_tokens for c in chunks] == [len(c.token_ids) for c in chunks]  # deltas
             assert {c.prompt_tokens for c in chunks} == {len(ids)} and len(streamed) == 12
