@@ -1,16 +1,16 @@
 """Embed and FlushCache for every API: tokenloop.v1 and smg's vLLM protocol call these, not copies of them.
 
-`embed` takes a tokenized prompt through the same door as Generate (readiness, an admission slot in line within
---max-queue-wait, the request id unique in flight, Abort while it waits, the call's deadline, cancellation when the
-client goes away) and returns the pooled final hidden state the executor computed (core.request.EmbedParams).
-`flush_cache` drops the executor's unused prefix-cache blocks. Both raise ServiceError / RequestFailed, which
-service.errors.status_of maps to the client's status.
+`embed` takes a tokenized prompt through the front door of Generate (service.frontdoor: readiness, an admission slot
+in line within --max-queue-wait, the request id unique in flight, Abort while it waits, the call's deadline,
+cancellation when the client goes away) and returns the pooled final hidden state the executor computed
+(core.request.EmbedParams).
+`flush_cache` drops the executor's unused prefix-cache blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +21,8 @@ from tokenloop.core.executor import EngineDeadError, ErrorKind
 from tokenloop.core.request import POOLINGS, EmbedParams, FinishReason, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.looper.stream import Complete, RequestFailed
 
-from .errors import AlreadyExists, Cancelled, Unavailable, Unimplemented, ValidationError
+from .errors import Cancelled, Unavailable, Unimplemented, ValidationError
+from .frontdoor import FrontDoor
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,43 +74,49 @@ def check_prompt_ids(app, prompt_ids: Sequence[int], field: str) -> tuple[int, .
     return ids
 
 
+@dataclass(frozen=True, slots=True)
+class EmbedCall:
+    """What the front door's `validate` and `respond` get for one embedding (its `request` argument)."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: EmbedParams
+    field: str
+
+
 async def embed(app, context: grpc.aio.ServicerContext, request_id: str, prompt_ids: Sequence[int],
-                pooling: str | None = None, normalize: bool | None = None, *, field: str = "token_ids") -> Embedding:
-    """Embed one tokenized prompt on `app` (service.app.App) for the call `context`.
+                pooling: str | None = None, normalize: bool | None = None, *,
+                field: str = "token_ids") -> Embedding | None:
+    """Embed one tokenized prompt on `app` (service.app.App) for the call `context`, through the front door
+    (service.frontdoor: ready, slot, the prompt checked, duplicate id, Abort, submit, delivery, cancel on the way out).
 
     `pooling` ("last" | "mean") and `normalize` None take the executor's defaults (`Capabilities.embed_defaults`).
-    `field` names the prompt in error messages (e.g. "tokenized.input_ids"). Raises ServiceError (Unavailable,
-    Overloaded, QueueTimeout, Cancelled, AlreadyExists, ValidationError, Unimplemented when the executor cannot
-    embed) or RequestFailed (the executor failed it, its deadline passed)."""
+    `field` names the prompt in error messages (e.g. "tokenized.input_ids"). Before admission it raises ServiceError
+    (Unavailable; ValidationError naming `pooling`; Unimplemented when the executor cannot embed: the caller maps
+    it, e.g. with frontdoor.unary); from admission on, an error ends the call with its status as the front door does
+    for Generate (grpc.aio.AbortError propagates; None when the client is already gone)."""
     app.require_ready()
     params = embed_params(app, pooling, normalize)
-    arrival = time.monotonic()
-    remaining = context.time_remaining() if context is not None else None
-    deadline = arrival + remaining if remaining is not None else None
-    async with app.admission.slot(request_id, app.config.max_queue_wait, context.peer() if context else "") as slot:
-        ids = check_prompt_ids(app, prompt_ids, field)
-        valid = ValidRequest(request_id=app.validator.request_id(request_id), prompt_token_ids=ids,
-                             sampling=SamplingParams(temperature=0.0), stopping=StoppingParams(max_new_tokens=0),
-                             deadline=deadline, embed=params)
-        if app.looper.find(request_id) is not None:
-            raise AlreadyExists(f"`request_id` {request_id!r} is already in flight")
-        slot.check_aborted()  # Abort while it waited: it never runs
-        stream = app.looper.submit(valid, arrival)
-        app.admission.submitted(slot)
-        done: Complete | None = None
-        try:
-            while (batch := await stream.next_batch()) is not None:
-                done = next((e for e in batch if type(e) is Complete), done)
-        finally:
-            if not stream.finished:
-                stream.cancel()  # the client went away (the handler's task was cancelled)
-            # counted as a request, its prompt tokens too; no generation figures (tokens, TTFT, finish reasons)
-            app.observe_end(valid, [], grpc.StatusCode.OK if stream.finished else None)
+    call = EmbedCall(request_id, prompt_ids, params, field)
+    return await FrontDoor(app).complete(call, context, rpc="Embed", validate=functools.partial(_validate, app),
+                                         respond=_respond)
+
+
+async def _validate(app, call: EmbedCall, request_id: str, deadline: float | None) -> ValidRequest:
+    """The front door's mapping of an embedding (in its admission slot): the prompt's rules, then the request."""
+    ids = check_prompt_ids(app, call.prompt_ids, call.field)
+    return ValidRequest(request_id=app.validator.request_id(request_id), prompt_token_ids=ids,
+                        sampling=SamplingParams(temperature=0.0), stopping=StoppingParams(max_new_tokens=0),
+                        deadline=deadline, embed=call.params)
+
+
+def _respond(valid: ValidRequest, completes: list[Complete]) -> Embedding:
+    done = completes[0] if completes else None
     if done is None or done.embedding is None:
         if done is not None and done.finish_reason is FinishReason.CANCELLED:
-            raise Cancelled(f"request {request_id!r} was aborted")
+            raise Cancelled(f"request {valid.request_id!r} was aborted")
         raise RequestFailed(ErrorKind.INTERNAL, "the embedding request ended without a vector")
-    return Embedding(done.embedding, len(ids), params.pooling, params.normalize)
+    return Embedding(done.embedding, len(valid.prompt_token_ids), valid.embed.pooling, valid.embed.normalize)
 
 
 async def flush_cache(app) -> int:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 
 from tokenloop.core.request import ValidRequest
-from tokenloop.looper.stream import RequestFailed
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 from . import convert, embedding
-from .errors import ServiceError, ValidationError, abort_with, status_of
+from .errors import ValidationError
 from .frontdoor import FrontDoor, add_with_raw_responses, request_id_of, unary
 from .validation import text_size
 
@@ -97,22 +96,20 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
         rid = request.request_id
         return pb.AbortResponse(found=self.app.admission.abort(rid) or self.app.looper.abort(rid))
 
+    @unary()
     async def Embed(self, request, context):
         """The prompt's embedding through service.embedding.embed (the path smg's vLLM Embed takes too)."""
         app = self.app
-        try:
-            app.require_ready()
-            rid = request_id_of(request, context)
-            pooling = embedding.pooling_of(request.pooling, pb.Pooling)
-            normalize = request.normalize if request.HasField("normalize") else None
-            if request.WhichOneof("input") is None:
-                raise ValidationError("empty_input", "`input` must be set: one of `text`, `token_ids`")
-            embedding.embed_params(app, pooling, normalize)  # UNIMPLEMENTED before tokenizing, on an executor without
-            ids, _ = await app.tokenizing(text_size(request), app.validator.prompt, request)
-            result = await embedding.embed(app, context, rid, ids, pooling, normalize,
-                                           field="token_ids.ids" if request.HasField("token_ids") else "text")
-            return pb.EmbedResponse(request_id=rid, embedding=result.vector, prompt_tokens=result.prompt_tokens,
-                                    pooling=pb.Pooling.Value(result.pooling.upper()), normalized=result.normalized)
-        except (ServiceError, RequestFailed) as exc:
-            app.observe_error(status_of(exc)[0])
-            await abort_with(context, exc)
+        pooling = embedding.pooling_of(request.pooling, pb.Pooling)
+        normalize = request.normalize if request.HasField("normalize") else None
+        if request.WhichOneof("input") is None:
+            raise ValidationError("empty_input", "`input` must be set: one of `text`, `token_ids`")
+        embedding.embed_params(app, pooling, normalize)  # UNIMPLEMENTED before tokenizing, on an executor without
+        ids, _ = await app.tokenizing(text_size(request), app.validator.prompt, request)
+        rid = request_id_of(request, context)
+        result = await embedding.embed(app, context, rid, ids, pooling, normalize,
+                                       field="token_ids.ids" if request.HasField("token_ids") else "text")
+        if result is None:
+            return None  # the client went away
+        return pb.EmbedResponse(request_id=rid, embedding=result.vector, prompt_tokens=result.prompt_tokens,
+                                pooling=pb.Pooling.Value(result.pooling.upper()), normalized=result.normalized)

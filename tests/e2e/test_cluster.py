@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port, _tokenloop_command
-from tests.e2e.test_smg_router import smg_binary
+from tests.e2e.gateway import smg_binary
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port, _tokenloop_command, stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -73,13 +73,7 @@ class Worker:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 class Router:
@@ -136,13 +130,7 @@ class Router:
              " to answer a chat")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 def wait(predicate, timeout: float, what: str):

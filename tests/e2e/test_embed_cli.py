@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.e2e.live_server import live_address
-from tests.e2e.test_cli import cli
+from tests.e2e.tools import cli
 from tokenloop.core.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -17,8 +17,8 @@ import pytest
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
+from tests.e2e.gateway import Router, post, smg_binary
 from tests.e2e.live_server import DEFAULT_MODEL, live_address
-from tests.e2e.test_smg_router import Router, post, smg_binary
 from tests.lora_helpers import write_adapter
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc

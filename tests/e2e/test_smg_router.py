@@ -12,13 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import shutil
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -26,83 +19,15 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, LiveServer, _free_port
+from tests.e2e.gateway import Router, generate_records, poll, post, worker_and_router
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, LiveServer
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.e2e
 
-SMG_VERSION = "1.13.0"
 QUESTION = "What is the capital of France?"
-READY_TIMEOUT_S = 90.0
 DEFAULT_MAX_NEW_TOKENS = 24  # the worker's --default-max-new-tokens
-
-
-def smg_binary() -> str:
-    """The `smg` console script next to this Python, on PATH, or installed now from PyPI (pinned)."""
-    local = Path(sys.executable).parent / "smg"
-    if local.exists():
-        return str(local)
-    if shutil.which("smg"):
-        return shutil.which("smg")
-    done = subprocess.run([sys.executable, "-m", "pip", "install", f"smg=={SMG_VERSION}"], check=False,
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 or not local.exists():
-        pytest.skip(f"could not install smg=={SMG_VERSION} from PyPI: {done.stderr[-500:]}")
-    return str(local)
-
-
-class Router:
-    """An `smg launch` child process in front of one gRPC worker."""
-
-    def __init__(self, worker: str, log_path: Path):
-        self.port = _free_port()
-        self.base = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = log_path.open("w")
-        self.proc = subprocess.Popen(
-            [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", f"grpc://{worker}", "--model-path", str(DEFAULT_MODEL),
-             "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-             "--health-success-threshold", "1", "--log-level", "info"],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
-
-    def get(self, path: str) -> tuple[int, dict]:
-        try:
-            with urllib.request.urlopen(f"http://{self.base}{path}", timeout=10) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as err:
-            return err.code, {}
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if self.get("/readiness")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"smg did not become ready (exit {self.proc.returncode}):\n{self.log_tail()}")
-
-    def workers(self) -> list[dict]:
-        return self.get("/workers")[1].get("workers", [])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="module", params=["vllm", "trtllm"])
@@ -114,49 +39,14 @@ def stack(request, tmp_path_factory):
                                  flags + (() if request.param == "vllm" else ("--router-protocol", "trtllm")))
 
 
-def worker_and_router(tmp_path_factory, protocol: str, flags: tuple[str, ...]):
-    """A fixture's body: `tokenloop serve` with `flags` (its `protocol` noted: what smg must detect) and an smg router
-    in front of it, yielded as (worker, router); both stopped afterwards."""
-    if not (DEFAULT_MODEL / "config.json").is_file():
-        pytest.skip("the default model is not prepared: run `make model`")
-    smg_binary()
-    worker = LiveServer(DEFAULT_MODEL, flags)
-    worker.protocol = protocol
-    router = None
-    try:
-        worker.wait_ready()
-        router = Router(worker.address, tmp_path_factory.mktemp(f"smg-{protocol}") / "smg.log")
-        router.wait_ready()
-        yield worker, router
-    finally:
-        if router is not None:
-            router.stop()
-        worker.stop()
-
-
 def chat_body(stream: bool, **extra) -> bytes:
     return json.dumps({"model": DEFAULT_MODEL.name, "messages": [{"role": "user", "content": QUESTION}],
                        "temperature": 0, "max_tokens": 24, "stream": stream, **extra}).encode()
 
 
-def post(router: Router, body: bytes) -> http.client.HTTPResponse:
-    conn = http.client.HTTPConnection(router.base, timeout=120)
-    conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
-    return conn.getresponse()
-
-
 def load(worker: LiveServer) -> pb.Load:
     with grpc.insecure_channel(worker.address) as channel:
         return pb_grpc.TextGenerationStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
-
-
-def poll(predicate, timeout: float = 20.0, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(step)
 
 
 def test_router_lists_the_worker_with_the_protocol_it_detected(stack):
@@ -214,12 +104,6 @@ def protocol_table() -> dict[str, dict[str, str]]:
         label, trtllm, vllm = (cell.strip() for cell in line.strip().strip("|").split(" | "))
         out[label] = {"trtllm": trtllm, "vllm": vllm}
     return out
-
-
-def generate_records(worker: LiveServer) -> list[dict]:
-    """The worker's request-log records of Generate calls (`--log-format json`), in order."""
-    return [rec for rec in (json.loads(line) for line in list(worker.lines) if line.startswith("{"))
-            if rec.get("message") == "request end" and rec.get("rpc", "").endswith("/Generate")]
 
 
 def received(worker: LiveServer, router: Router, path: str, **body) -> dict:

@@ -16,10 +16,9 @@ import re
 import jsonschema
 import pytest
 
+from tests.e2e.gateway import Router, post, smg_binary
 from tests.e2e.live_server import DEFAULT_MODEL, ROOT, live_address
-from tests.e2e.test_buf_curl import buf, curl, messages  # noqa: F401 - `buf` is a fixture
-from tests.e2e.test_cli import cli
-from tests.e2e.test_smg_router import Router, post, smg_binary
+from tests.e2e.tools import cli, curl, messages
 
 pytestmark = pytest.mark.e2e
 

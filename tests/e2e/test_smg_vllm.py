@@ -16,8 +16,8 @@ import time
 
 import pytest
 
+from tests.e2e.gateway import Router, generate_records, poll, worker_and_router
 from tests.e2e.live_server import DEFAULT_MODEL, LiveServer
-from tests.e2e.test_smg_router import Router, generate_records, poll, worker_and_router
 from tokenloop.core.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e

@@ -103,8 +103,9 @@ def test_bad_input_is_refused_naming_the_field_and_nothing_else_breaks(checkpoin
 
 
 def test_server_defaults_and_the_helpers_both_apis_call(checkpoint, hf):
-    """--embed-pooling mean / --no-embed-normalize are the defaults of a request that names none; the helper takes
-    token ids with the caller's field name in errors; flush_cache drops the unused cached blocks."""
+    """--embed-pooling mean / --no-embed-normalize are the defaults of a request that names none (a request that names
+    them gets them); the helper's prompt errors name the caller's field; flush_cache drops the unused cached
+    blocks."""
     async def body():
         engine = engine_for(checkpoint, embed_pooling="mean", embed_normalize=False)
         async with serving(checkpoint, engine) as (server, stub, _):
@@ -114,11 +115,10 @@ def test_server_defaults_and_the_helpers_both_apis_call(checkpoint, hf):
             ids = app.tokenizer.encode(TEXT)
             assert (got.pooling, got.normalized) == (pb.MEAN, False)
             assert list(got.embedding) == pytest.approx(expected(hf, ids, "mean", False), abs=1e-4)
-            direct = await embedding.embed(app, None, "helper-1", ids, "last", True)
-            assert direct.vector == pytest.approx(expected(hf, ids, "last", True), abs=1e-4)
-            assert (direct.prompt_tokens, direct.pooling, direct.normalized) == (len(ids), "last", True)
+            named = await stub.Embed(pb.EmbedRequest(text=TEXT, pooling=pb.LAST, normalize=True))
+            assert list(named.embedding) == pytest.approx(expected(hf, ids, "last", True), abs=1e-4)
             with pytest.raises(embedding.ValidationError, match=r"`tokenized.input_ids` must not be empty"):
-                await embedding.embed(app, None, "helper-2", [], field="tokenized.input_ids")
+                embedding.check_prompt_ids(app, [], "tokenized.input_ids")  # the caller's field in the message
             cached = engine.stats().kv_blocks_cached
             assert cached > 0  # the last-pooled one filled the prefix cache (a mean-pooled one too)
             assert await embedding.flush_cache(app) == cached

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import zipfile
-from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -16,38 +14,10 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tests.conftest import run
-from tests.integration.service_harness import serving
+from tests.integration.service_harness import gen, read_all, serving, trtllm, wait_for
 from tests.scripted_executor import ScriptedExecutor
 
 HELLO = "Hello world, hello gRPC streams."
-
-
-@asynccontextmanager
-async def trtllm(model_dir, executor=None, **config):
-    """(server, TrtllmService stub, executor) on a running server."""
-    async with serving(model_dir, executor, **config) as (server, _stub, ex):
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            yield server, tpb_grpc.TrtllmServiceStub(channel), ex
-
-
-def gen(ids, max_tokens=8, streaming=True, **kw) -> tpb.GenerateRequest:
-    return tpb.GenerateRequest(tokenized=tpb.TokenizedInput(input_token_ids=ids), max_tokens=max_tokens,
-                               streaming=streaming, **kw)
-
-
-async def read_all(call) -> list:
-    out = []
-    while (msg := await call.read()) is not grpc.aio.EOF:
-        out.append(msg)
-    return out
-
-
-async def wait_for(predicate, timeout=5.0) -> bool:
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.engine_helpers import compute
 from tokenloop.core.kv_events import BlocksRemoved
 from tokenloop.core.request import EmbedParams, ValidRequest
 from tokenloop.engine.block_manager import BlockManager
@@ -68,12 +69,6 @@ def test_a_sequence_pools_over_chunks_and_forgets_on_recompute():
     assert mean.pooled is None
 
 
-def compute(bm: BlockManager, s: Sequence, n: int) -> None:
-    assert bm.append_slots(s, n)
-    s.num_computed_tokens += n
-    bm.commit_full_blocks(s)
-
-
 def test_a_mean_pooled_embedding_takes_nothing_from_the_prefix_cache():
     bm = BlockManager(num_blocks=16, block_size=4)
     first = embedding_seq(range(13), "last", True)
@@ -97,3 +92,11 @@ def test_flush_unused_drops_only_blocks_no_sequence_uses_and_says_so():
     assert set(bm.cached) == {bm.blocks[b].hash for b in running.block_table[:3]}  # in use: still cached
     assert bm.num_free_blocks == 16 - 4 and bm.flush_unused() == 0 and bm.take_events() == []
     assert bm.allocate_prefix(embedding_seq(range(9), "last", True)) == 0  # gone from the cache
+
+
+def test_merge_steps_keeps_the_vector_of_a_final_step():
+    from tokenloop.core.executor import Step, merge_steps
+
+    steps = [Step(7, 0, [], num_cached_prompt_tokens=3), Step(7, 0, [], is_final=True, embedding=[0.5, 0.25])]
+    (merged,) = merge_steps(steps)
+    assert merged.is_final and merged.embedding == [0.5, 0.25] and merged.num_cached_prompt_tokens == 3
