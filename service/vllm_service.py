@@ -23,12 +23,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from tokenloop.core.request import OutputParams, StoppingParams, StructuredOutput, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, RequestFailed
+from tokenloop.looper.stream import Chunk, Complete
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from . import embedding
 from .convert import SequenceWriter
-from .errors import ServiceError, Unimplemented, ValidationError, abort_with
+from .errors import Unimplemented, ValidationError
 from .frontdoor import FrontDoor, add_with_raw_responses, request_id_of, unary
 from .structured import _check_size
 from .trtllm_convert import FINISH_REASONS
@@ -287,16 +287,14 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
     def _writer(self, valid: ValidRequest, request, arrival_wall: float) -> VllmWriter:
         return VllmWriter(valid, getattr(self.app.config, "stream_interval", 1))
 
+    @unary()
     async def Embed(self, request, context):
         """The prompt's pooled final hidden state (service.embedding, the helper tokenloop.v1 Embed calls too): the
         executor's default pooling and normalization (--embed-pooling, --embed-normalize, the model's config)."""
-        rid = request_id_of(request, context)
-        try:
-            done = await embedding.embed(self.app, context, rid, request.tokenized.input_ids,
-                                         field="tokenized.input_ids")
-        except (ServiceError, RequestFailed) as exc:
-            await abort_with(context, exc)
-            return None
+        done = await embedding.embed(self.app, context, request_id_of(request, context), request.tokenized.input_ids,
+                                     field="tokenized.input_ids")
+        if done is None:
+            return None  # the client went away
         return vpb.EmbedResponse(embedding=done.vector, prompt_tokens=done.prompt_tokens,
                                  embedding_dim=len(done.vector))
 
