@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="largest gRPC message received")
     s.add_argument("--kv-events-heartbeat", type=float, default=d.kv_events_heartbeat,
                    help="SubscribeKvEvents: seconds between load-only batches while the engine is idle")
+    s.add_argument("--router-protocol", choices=("both", "vllm", "trtllm"), default=d.router_protocol,
+                   help="smg's worker protocols served beside tokenloop.v1: vllm.grpc.engine.VllmEngine, "
+                        "trtllm.TrtllmService, or both (smg then detects vLLM; docs/router.md)")
     s.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
                    help="abort a stream whose reader stopped reading for this long (0: never)")
     s.add_argument("--slow-reader-grace", type=float, default=d.slow_reader_grace,
@@ -190,7 +193,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
         slow_reader_grace=args.slow_reader_grace, max_queue_wait=args.max_queue_wait,
-        kv_events_heartbeat=args.kv_events_heartbeat,
+        kv_events_heartbeat=args.kv_events_heartbeat, router_protocol=args.router_protocol,
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
         front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,

@@ -21,6 +21,7 @@ def parse_lora_flag(value: str) -> tuple[str, str]:
     return name, path
 
 
+ROUTER_PROTOCOLS = ("both", "vllm", "trtllm")  # --router-protocol
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 
 
@@ -73,6 +74,7 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     poll_timeout: float = 0.02
     kv_events_heartbeat: float = 1.0  # SubscribeKvEvents: seconds between load-only batches while idle
+    router_protocol: str = "both"  # smg's worker protocols served: both | vllm | trtllm (docs/router.md)
     stall_timeout: float = 60.0  # a stream whose reader stops reading this long is aborted (0: never)
     slow_reader_grace: float = 1.0  # a stream whose writes stall this long gives back its slot, generation paused (0: off)
     max_queue_wait: float = 30.0  # seconds a request may wait for a slot before RESOURCE_EXHAUSTED (0: no bound)
@@ -108,6 +110,9 @@ class ServerConfig:
         if self.max_concurrent_requests < 1:
             raise ValueError("--max-concurrent-requests must be >= 1")
         _check_limits(self)
+        if self.router_protocol not in ROUTER_PROTOCOLS:
+            raise ValueError(f"--router-protocol must be one of {', '.join(ROUTER_PROTOCOLS)}; "
+                             f"got {self.router_protocol!r}")
         check_spec(self.front_cpu)
         for name, least, strict, note in _AT_LEAST:
             value = getattr(self, name)

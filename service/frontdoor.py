@@ -1,6 +1,7 @@
 """The front door: ONE admission pipeline that every generation API runs, and one error mapping for every unary RPC.
 
-A generation API (tokenloop.v1 `servicer.py`, trtllm `trtllm_service.py`, vLLM's next) only maps its messages:
+A generation API (tokenloop.v1 `servicer.py`, trtllm `trtllm_service.py`, vLLM `vllm_service.py`) only maps its
+messages:
 
     validate(request, request_id, deadline) -> Awaitable[ValidRequest]   its request -> the shared ValidRequest
                                                                           (raises ValidationError naming ITS fields)
@@ -21,7 +22,7 @@ the writer's messages are yielded, the stall watchdog counts them, a reader that
 its slot back and takes it again when it reads. ONE error policy: `ServiceError` and the executor's `RequestFailed`
 end the call with their status (`errors.status_of`); anything else is a bug: logged once with its traceback, the
 client gets INTERNAL naming only the exception's type, and the server keeps serving. A cancellation (client gone,
-deadline, stalled reader) cancels the request on the way out. A non-streaming API (vLLM's `stream=False`) calls
+deadline, stalled reader) cancels the request on the way out. A non-streaming (unary) generation API calls
 `complete()` from its unary handler: same pipeline, the `Complete`s collected, one response built by `respond`.
 
 `handler()` returns the pipeline itself as the RPC's handler (a partial of `generate`), not a wrapper: a wrapping

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port, stop_process
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, LiveServer, _free_port, stop_process
 
 SMG_VERSION = "1.13.0"
 READY_TIMEOUT_S = 90.0
@@ -85,3 +85,38 @@ def post(router: Router, body: bytes) -> http.client.HTTPResponse:
     conn = http.client.HTTPConnection(router.base, timeout=120)
     conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
     return conn.getresponse()
+
+
+def worker_and_router(tmp_path_factory, protocol: str, flags: tuple[str, ...]):
+    """A fixture's body: `tokenloop serve` with `flags` (its `protocol` noted: what smg must detect) and an smg router
+    in front of it, yielded as (worker, router); both stopped afterwards."""
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        pytest.skip("the default model is not prepared: run `make model`")
+    smg_binary()
+    worker = LiveServer(DEFAULT_MODEL, flags)
+    worker.protocol = protocol
+    router = None
+    try:
+        worker.wait_ready()
+        router = Router(worker.address, tmp_path_factory.mktemp(f"smg-{protocol}") / "smg.log")
+        router.wait_ready()
+        yield worker, router
+    finally:
+        if router is not None:
+            router.stop()
+        worker.stop()
+
+
+def generate_records(worker: LiveServer) -> list[dict]:
+    """The worker's request-log records of Generate calls (`--log-format json`), in order."""
+    return [rec for rec in (json.loads(line) for line in list(worker.lines) if line.startswith("{"))
+            if rec.get("message") == "request end" and rec.get("rpc", "").endswith("/Generate")]
+
+
+def poll(predicate, timeout: float = 20.0, step: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(step)

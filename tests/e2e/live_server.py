@@ -34,13 +34,13 @@ _server: LiveServer | None = None
 class LiveServer:
     """A `tokenloop serve` child process; `address` is HOST:PORT once it logged "ready"."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self._ready = threading.Event()
         cmd = [*_tokenloop_command(), "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), "--shutdown-grace", "5"]
+               "--port", str(self.port), "--shutdown-grace", "5", *extra_args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1)
         threading.Thread(target=self._read_log, daemon=True).start()

@@ -1,8 +1,9 @@
 """LoRA behind the real Shepherd Model Gateway, on the session's shared `tokenloop serve` (default model).
 
 What exists in smg 1.13.0: its OpenAI front never fills `lora_config` (every TensorRT-LLM request builder in
-lightseekorg/smg grpc_client/src/trtllm_service.rs sets `lora_config: None`), so a chat completion through it
-runs the base model even while adapters are loaded; `trtllm.TrtllmService.Generate` with `lora_config.task_id`
+lightseekorg/smg grpc_client/src/trtllm_service.rs sets `lora_config: None`; the vLLM protocol it detects on a worker
+that serves both has no LoRA field at all), so a chat completion through it runs the base model even while adapters
+are loaded; `trtllm.TrtllmService.Generate` with `lora_config.task_id`
 (what a router that fills it sends) runs the adapter. The test shows both on one worker, and what smg answers
 when the OpenAI `model` names the adapter.
 """

@@ -209,7 +209,8 @@ def test_health_list_answers_every_service(tokenizer_dir):
                 listed = await health_pb2_grpc.HealthStub(ch).List(health_pb2.HealthListRequest())
                 serving_ = health_pb2.HealthCheckResponse.SERVING
                 assert {name: s.status for name, s in listed.statuses.items()} == {
-                    "": serving_, "tokenloop.v1.TextGeneration": serving_, "trtllm.TrtllmService": serving_}
+                    "": serving_, "tokenloop.v1.TextGeneration": serving_, "trtllm.TrtllmService": serving_,
+                    "vllm.grpc.engine.VllmEngine": serving_}
     run(body())
 
 
