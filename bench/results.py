@@ -14,6 +14,8 @@ import platform
 import time
 from pathlib import Path
 
+from tokenloop_client.machine import ISA_FLAGS, cpu_record  # noqa: F401  (one reader: the client's bench records it too)
+
 
 def add_out_argument(parser: argparse.ArgumentParser, current: str) -> None:
     """`--out FILE`; `current` names the file that holds the recorded figures (for the help text)."""
@@ -21,17 +23,15 @@ def add_out_argument(parser: argparse.ArgumentParser, current: str) -> None:
                         help=f"write the figures as JSON to FILE (none by default; recorded runs go to bench/{current})")
 
 
+def describe(record: dict) -> str:
+    """One line for a table: 'AMD EPYC (family 25 model 17; avx2 fma ... avx512_bf16)', as bench/RESULTS*.md say it."""
+    where = f"family {record.get('cpu_family')} model {record.get('cpu_model')}"
+    return f"{record['cpu']} ({where}; {' '.join(record.get('isa') or ['no flags recorded'])})"
+
+
 def machine() -> dict:
-    """The date and the machine a run was on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu, "cpus": os.cpu_count(),
+    """The date and the machine a run was on: the CPU (cpu_record), CPUs, OS."""
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **cpu_record(), "cpus": os.cpu_count(),
             "machine": platform.platform()}
 
 

@@ -147,14 +147,14 @@ def _install_trace(ex) -> None:
     def traced_fan_out(self):
         now = time.monotonic()
         for stream, entry in list(self._outbox.items()):
-            note("fan-out", stream.request.request_id, entry[0], now)
+            note("fan-out", stream.request.request_id, entry.events, now)
         return fan_out(self)
 
     def traced_deliver(self):
         count["hand-offs"] += 1
         now = time.monotonic()
         for stream, entry in list(self._handoff.items()):
-            note("hand-off", stream.request.request_id, entry[0], now)
+            note("hand-off", stream.request.request_id, entry.events, now)
         return deliver(self)
 
     def traced_encode(self, batch):

@@ -375,10 +375,10 @@ def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, 
         by_kind[o.kind][o.code] += 1
     codes = sorted(by_status)
     sys.path.insert(0, str(ROOT))  # run as a script: bench/ is on the path, the repository root is not
-    from bench.results import machine
+    from bench.results import describe, machine
 
     where = machine()
-    lines = [f"Run {where['date']} on {where['cpu']} ({where['cpus']} CPUs, {where['machine']}).", "",
+    lines = [f"Run {where['date']} on {describe(where)} ({where['cpus']} CPUs, {where['machine']}).", "",
              f"Soak: {len(outcomes)} Generate streams (seed {args.seed}) in {soak_s:.1f} s against `tokenloop serve` "
              f"(default model {MODEL.name}, {' '.join(ADMISSION)}), arrivals spread over {args.num / 40:.1f} s, "
              f"plus an Abort storm of "

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from .kv_events import KvEventHub
+from .request import EmbedParams
 
 NO_LORA = "LoRA adapters are not supported by this executor"
+NO_EMBED = ("embeddings are not supported by this executor (the TensorRT-LLM backend only generates); "
+            "serve the model with --backend engine")
+NO_FLUSH_CACHE = "this executor cannot flush its prefix cache"
 
 
 @runtime_checkable
@@ -83,6 +87,26 @@ class NamesDtype(Protocol):
     dtype: Any
 
 
+@runtime_checkable
+class Embeds(Protocol):
+    """The executor runs embedding requests (`ValidRequest.embed` set): the prompt as a prefill without sampling, then
+    one final Step whose `embedding` is the pooled final hidden state. `embed_defaults` (core.request.EmbedParams) is
+    the pooling and normalization a request that leaves them unset gets (the model's sentence-transformers config,
+    else the server's flags, else last token, normalized, as vLLM does for a decoder-only model)."""
+
+    embed_defaults: EmbedParams
+
+
+@runtime_checkable
+class FlushesCache(Protocol):
+    """`flush_cache()`: drop every prefix-cache block no request uses (evictable, reference count 0), emitting their KV
+    "removed" events; returns how many were dropped. Blocks in use stay cached. Thread-safe: it goes through the
+    executor's own command path and blocks the caller until done (call it off the event loop); raises
+    core.executor.EngineDeadError when the executor is dead."""
+
+    def flush_cache(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What one executor can do beyond `Executor`, read once by `of`."""
@@ -94,6 +118,9 @@ class Capabilities:
     lora_disabled_reason: str = NO_LORA
     kv_events: KvEventHub | None = None
     dtype: Any = None
+    embed: bool = False  # Embeds: ValidRequest.embed requests are served (else refuse them UNIMPLEMENTED, NO_EMBED)
+    embed_defaults: EmbedParams | None = None  # Embeds.embed_defaults
+    flush_cache: Callable[[], int] | None = None  # FlushesCache.flush_cache (blocking); None: NO_FLUSH_CACHE
 
     @classmethod
     def of(cls, executor: object) -> Capabilities:
@@ -106,4 +133,7 @@ class Capabilities:
             lora_disabled_reason=(runs_loras and executor.lora_disabled_reason) or NO_LORA,
             kv_events=executor.kv_events if isinstance(executor, PublishesKvEvents) else None,
             dtype=executor.dtype if isinstance(executor, NamesDtype) else None,
+            embed=isinstance(executor, Embeds),
+            embed_defaults=executor.embed_defaults if isinstance(executor, Embeds) else None,
+            flush_cache=executor.flush_cache if isinstance(executor, FlushesCache) else None,
         )

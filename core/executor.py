@@ -50,6 +50,7 @@ class Step:
     error: str | None = None
     error_kind: ErrorKind | None = None
     num_cached_prompt_tokens: int | None = None  # on a sequence's first token step: prompt tokens from the prefix cache
+    embedding: list[float] | None = None  # the final step of an embedding request (ValidRequest.embed): the vector
 
 
 def merge_steps(steps: list[Step]) -> list[Step]:
@@ -72,6 +73,8 @@ def merge_steps(steps: list[Step]) -> list[Step]:
         prev.is_final, prev.finish_reason = step.is_final, step.finish_reason
         if step.num_cached_prompt_tokens is not None:
             prev.num_cached_prompt_tokens = step.num_cached_prompt_tokens
+        if step.embedding is not None:
+            prev.embedding = step.embedding
         prev.matched_stop_token = step.matched_stop_token
     return out if len(out) < len(steps) else steps
 

@@ -31,6 +31,19 @@ DEFAULT_HISTORY = 1024  # batches kept for resuming subscribers
 DEFAULT_MAX_QUEUED = 2048  # batches one subscriber may fall behind before it is cut off (> DEFAULT_HISTORY: a replay fits)
 
 
+def lora_cache_key(name: str, digest: str) -> str:
+    """The extra key of a LoRA adapter's blocks (in their hashes and `StoredBlock.extra_key`): its name and the digest
+    of its files, the same on every worker that loads the same files. `lora_of_cache_key` reads the name back."""
+    return f"lora:{name}:{digest}"
+
+
+def lora_of_cache_key(key: str | None) -> str:
+    """The adapter name in a `lora_cache_key` ("" for any other key, or none)."""
+    if key is None or not key.startswith("lora:"):
+        return ""
+    return key[len("lora:"):].rpartition(":")[0]
+
+
 @dataclass(frozen=True, slots=True)
 class StoredBlock:
     """One full block newly registered in the prefix cache."""

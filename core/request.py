@@ -67,6 +67,19 @@ class StructuredOutput:
     grammar: object | None = field(default=None, compare=False, repr=False)
 
 
+POOLINGS = ("last", "mean")  # EmbedParams.pooling: the last prompt token's hidden state, or the mean over the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedParams:
+    """An embedding request (`ValidRequest.embed`): the executor runs the prompt as a prefill, samples nothing, and
+    ends the request with one final Step carrying the pooled final hidden state (after the model's final norm).
+    `pooling` is one of POOLINGS; `normalize` scales the vector to unit L2 norm."""
+
+    pooling: str = "last"
+    normalize: bool = True
+
+
 @dataclass(frozen=True, slots=True)
 class ValidRequest:
     """A request that passed validation: defaults filled, limits checked, prompt tokenized."""
@@ -82,3 +95,4 @@ class ValidRequest:
     deadline: float | None = None  # time.monotonic() after which the request is cancelled
     structured: StructuredOutput | None = None  # None: free text
     lora: str = ""  # a loaded LoRA adapter's name; "": the base model
+    embed: EmbedParams | None = None  # set: an embedding request (n 1, no sampling); None: generation

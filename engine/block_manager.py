@@ -118,7 +118,7 @@ class BlockManager:
         """
         if seq.block_table:
             raise ValueError("allocate_prefix needs a sequence without blocks")
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reuses_prefix:
             return 0
         prev = None
         for start in range(0, len(seq) - 1 - self.block_size + 1, self.block_size):
@@ -195,6 +195,22 @@ class BlockManager:
                 (self.free_cached if cached else self.free_empty)[block_id] = None
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    def flush_unused(self) -> int:
+        """Forget every cached block no sequence uses (reference count 0: evictable), emitting one "removed" event
+        for them; blocks in use stay cached. Returns how many were dropped."""
+        dropped = []
+        for block_id in self.free_cached:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+                dropped.append(block.hash)
+            block.hash, block.token_ids = None, ()
+        self.free_empty.update(self.free_cached)
+        self.free_cached.clear()
+        if dropped:
+            self.events.append(BlocksRemoved(tuple(dropped)))
+        return len(dropped)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only when none is in use). True when done; emits CacheCleared."""

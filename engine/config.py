@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.request import POOLINGS
 from .quant import WEIGHT_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -37,6 +38,10 @@ class EngineConfig:
     # matrices as 4-bit values with a scale and a minimum per group of 32 columns (llama.cpp's Q4_1)
     weights: str = "fp32"
     max_lora_rank: int = 64  # --max-lora-rank: the largest LoRA rank an adapter may have
+    # embedding requests that name none (engine/pooling.py): None = the model's sentence-transformers config, else
+    # last token, normalized
+    embed_pooling: str | None = None  # --embed-pooling: last | mean
+    embed_normalize: bool | None = None  # --embed-normalize / --no-embed-normalize
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -71,6 +76,8 @@ class EngineConfig:
                              f"got {self.dtype!r}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.embed_pooling is not None and self.embed_pooling not in POOLINGS:
+            raise ValueError(f"embed_pooling must be one of {', '.join(POOLINGS)}, got {self.embed_pooling!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {', '.join(MATMUL_BACKENDS)}, got {self.matmul_backend!r}")
 

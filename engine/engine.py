@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from ..core.executor import EngineDeadError, ErrorKind, ExecutorStats, Step, merge_steps
 from ..core.kv_events import CacheCleared, KvEventHub
 from ..core.lora import LoraRegistry
-from ..core.request import ValidRequest
+from ..core.request import EmbedParams, FinishReason, ValidRequest
 from ..core.tokenizer import ModelCard
 from . import kernels, runner
 from .block_manager import BlockManager
@@ -30,6 +31,7 @@ from .loader import ModelConfig, load_weights
 from .lora import LoraWeights, read_adapter
 from .matmul import Backend, MatmulPolicy, set_blas_threads
 from .model import Model
+from .pooling import embed_defaults
 from .postprocess import cancelled_steps, error_steps, steps_for_samples
 from .quant import Q4Weight, QWeight
 from .sampler import RowFailure, sample_batch
@@ -74,6 +76,9 @@ class Engine:
         self.kv_events = KvEventHub()  # the prefix cache's stored / removed blocks, for SubscribeKvEvents
         self.kv_events.publish([CacheCleared()])  # the first batch: a fresh, empty cache (TensorRT-LLM's `created`)
         self.eos_token_ids = self.card.eos_token_ids
+        # core.capabilities.Embeds: what an embedding request that names no pooling gets (engine/pooling.py)
+        self.embed_defaults: EmbedParams = embed_defaults(model_dir, self.config.embed_pooling,
+                                                          self.config.embed_normalize)
         self.loras = LoraRegistry()  # the adapters requests may name (GenerateRequest.lora)
         self.lora_enabled, self.lora_disabled_reason = True, ""  # core.capabilities.RunsLoras
         self._requests: dict[int, list[Sequence]] = {}  # engine thread only
@@ -84,6 +89,7 @@ class Engine:
         self._new: list[tuple[int, ValidRequest, LoraWeights | None]] = []
         self._cancels: list[int] = []
         self._pauses: list[tuple[int, bool]] = []  # (request id, pause?) in call order: pause() / resume()
+        self._flushes: list[Future] = []  # flush_cache() calls waiting for the engine thread
         self._outputs: list[Step] = []
         self._stopping = False
         self._woken = False  # wake() was called: the next (or current) await_responses returns at once
@@ -175,6 +181,8 @@ class Engine:
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
         if request.n < 1:
             raise ValueError(f"n must be >= 1, got {request.n}")
+        if request.embed is not None and (request.n != 1 or request.structured is not None):
+            raise ValueError("an embedding request has n 1 and no `structured` constraint")
         if request.structured is not None and request.structured.grammar is None:
             raise ValueError(f"`{request.structured.kind}` was not compiled (validation compiles it)")
         need = min(len(prompt) + request.stopping.max_new_tokens, self.max_context_length)
@@ -219,6 +227,18 @@ class Engine:
             self._pauses.append((request_id, False))
             self._has_input.notify()
 
+    def flush_cache(self) -> int:
+        """Drop the prefix cache's unused blocks (core.capabilities.FlushesCache): the engine thread does it between
+        steps, emitting their KV "removed" events; blocks that running requests hold stay. Blocks until done (call
+        it off the event loop); returns how many were dropped. EngineDeadError once the engine is dead."""
+        done: Future = Future()
+        with self._lock:
+            if self._dead or self._stopping:
+                raise EngineDeadError(self._dead or "the engine is shutting down")
+            self._flushes.append(done)
+            self._has_input.notify()
+        return done.result()
+
     def stats(self) -> ExecutorStats:
         """Thread-safe snapshot."""
         with self._lock:
@@ -235,6 +255,10 @@ class Engine:
             self._has_input.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+        with self._lock:
+            flushes, self._flushes = self._flushes, []
+        for done in flushes:
+            done.set_exception(EngineDeadError("the engine is shutting down"))
 
     # --- the engine thread ---
 
@@ -244,7 +268,7 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not (self._stopping or self._new or self._cancels or self._pauses
+                    while not (self._stopping or self._new or self._cancels or self._pauses or self._flushes
                                or self.scheduler.has_work()):
                         self._has_input.wait()
                     if self._stopping:
@@ -252,9 +276,11 @@ class Engine:
                     new, self._new = self._new, []
                     cancels, self._cancels = self._cancels, []
                     pauses, self._pauses = self._pauses, []
+                    flushes, self._flushes = self._flushes, []
                 self._admit(new)
                 self._pause(pauses)
                 self._cancel(cancels)
+                self._flush(flushes)
                 if self.scheduler.has_work():
                     self.step()
         except BaseException as exc:  # noqa: BLE001 - anything here leaves the engine unusable
@@ -292,6 +318,13 @@ class Engine:
                 steps.extend(cancelled_steps(seqs, self.scheduler))
         self._publish(steps)
 
+    def _flush(self, flushes: list[Future]) -> None:
+        """flush_cache() calls: the first drops the unused blocks, the others find none left."""
+        for i, done in enumerate(flushes):
+            done.set_result(self.block_manager.flush_unused() if i == 0 else 0)
+        if flushes:
+            self._publish([])  # the removed events go out now, with stats that show the cache smaller
+
     def step(self) -> None:
         """One iteration: schedule, run the model, sample, postprocess. A row that fails fails its request alone."""
         start = time.perf_counter()
@@ -301,10 +334,11 @@ class Engine:
         ran = self._forward(scheduled)
         if ran is None:
             return
-        logits, samplers, steps = ran
-        samples = sample_batch(logits, samplers, self.eos_token_ids)
+        logits, samplers, pooled, steps = ran
+        samples = sample_batch(logits, samplers, self.eos_token_ids) if samplers else []
         self._num_failures = 0
         self.scheduler.advance(scheduled)
+        steps += self._embedded(pooled)
         failed = {seq.executor_id: s for seq, s in zip(samplers, samples) if isinstance(s, RowFailure)}
         for request_id, failure in failed.items():  # the request's own values (or its row) failed: it alone ends
             log.warning("request %d failed in sampling: %s", request_id, failure.message)
@@ -319,8 +353,23 @@ class Engine:
         self._latencies.append(time.perf_counter() - start)
         self._publish(steps)
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence], list[Step]] | None:
-        """The model over `scheduled`: logits [S, V], the S sequences that sample, and the error steps of requests
+    def _embedded(self, pooled: list[tuple[Sequence, torch.Tensor]]) -> list[Step]:
+        """Pool the embedding sequences' new hidden states; one whose prompt is all computed ends with its vector
+        and leaves at once (its blocks freed; the full ones stay in the prefix cache like any prompt's)."""
+        steps = []
+        for seq, hidden in pooled:
+            seq.pool(hidden)
+            if seq.num_uncomputed_tokens == 0:
+                steps.append(Step(seq.executor_id, seq.seq_index, [], is_final=True,
+                                  finish_reason=FinishReason.LENGTH, embedding=seq.embedding(),
+                                  num_cached_prompt_tokens=seq.num_cached_prompt_tokens or 0))
+                self.scheduler.finish(seq)
+                self._forget(seq.executor_id)
+        return steps
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence], list, list[Step]] | None:
+        """The model over `scheduled`: logits [S, V], the S sequences that sample, the embedding sequences with their
+        new hidden states (runner.run), and the error steps of requests
         that failed. When the batch fails, each sequence is run alone: those that fail alone fail their requests,
         the rest go on (`scheduled` keeps only them). None when nothing is left to sample from. The step counts
         towards the engine's death only when every sequence failed alone and a one-token probe fails too (a fault
@@ -331,15 +380,16 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - find the rows at fault before failing anyone
             log.exception("engine forward failed for %d sequences; running each alone", len(scheduled))
             batch_error = exc
-        parts, samplers, bad = [], [], {}
+        parts, samplers, pooled, bad = [], [], [], {}
         for seq, n in scheduled:
             try:
-                logits, sampled = runner.run(self.model, [(seq, n)], block_size)
+                logits, sampled, hidden = runner.run(self.model, [(seq, n)], block_size)
             except Exception as exc:  # noqa: BLE001 - this sequence's forward fails alone
                 bad.setdefault(seq.executor_id, exc)
                 continue
             parts.append(logits)
             samplers += sampled
+            pooled += hidden
         ok = [(seq, n) for seq, n in scheduled if seq.executor_id not in bad]
         if not ok and not self._probe_runs():
             self._fail_step(scheduled, batch_error)  # raises once MAX_CONSECUTIVE_STEP_FAILURES steps failed so
@@ -354,7 +404,8 @@ class Engine:
             return None
         scheduled[:] = ok
         keep = [i for i, seq in enumerate(samplers) if seq.executor_id not in bad]
-        return torch.cat(parts)[keep], [samplers[i] for i in keep], steps
+        pooled = [(seq, h) for seq, h in pooled if seq.executor_id not in bad]
+        return torch.cat(parts)[keep], [samplers[i] for i in keep], pooled, steps
 
     def _probe_runs(self) -> bool:
         """Whether the model still runs a one-token sequence of no request (in a free block, freed after): when
@@ -421,5 +472,8 @@ class Engine:
             self._dead = message
             self._has_output.notify_all()
             callback = self._on_death
+            flushes, self._flushes = self._flushes, []
+        for done in flushes:
+            done.set_exception(EngineDeadError(message))
         if callback is not None:
             callback(message)

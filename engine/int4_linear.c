@@ -30,38 +30,7 @@
  * library's own worker thread in one call (a worker that spins briefly, then sleeps on a futex: the scheme of
  * int8_linear.c, which has its own). Returns 0, or < 0 on bad arguments, no memory, or a path this CPU lacks.
  */
-#define _GNU_SOURCE
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
-#include <time.h>
-#include <unistd.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#endif
-
-#define PACK 32  /* output channels per packed block */
-#define BLOCK 16 /* channels widened together for the tiled path */
-#define ROWS 6   /* rows of one register tile */
-
-enum { PATH_PORTABLE = 1, PATH_AVX2 = 2 };
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define HAVE_X86 1
-#include <immintrin.h>
-#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
-#else
-#define HAVE_X86 0
-#endif
-
-static inline void store_n(float *y, int64_t n, int64_t n_end, const float *out, int64_t count) {
-    if (n_end - n < count) count = n_end - n;
-    if (count > 0) memcpy(y + n, out, sizeof(float) * (size_t)count);
-}
+#include "kernel_common.h"
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -177,18 +146,16 @@ AVX2_FN static void row_blocks_avx2(const float *x, const float *xs, const uint8
             t6 = _mm256_fmadd_ps(xg, half8(u + 48), t6), t7 = _mm256_fmadd_ps(xg, half8(u + 56), t7);
         }
     }
-    _mm256_storeu_ps(out, t0), _mm256_storeu_ps(out + 8, t1), _mm256_storeu_ps(out + 16, t2);
-    _mm256_storeu_ps(out + 24, t3);
-    if (nb == 2)
-        _mm256_storeu_ps(out + 32, t4), _mm256_storeu_ps(out + 40, t5), _mm256_storeu_ps(out + 48, t6),
-            _mm256_storeu_ps(out + 56, t7);
+    const __m256 t[8] = {t0, t1, t2, t3, t4, t5, t6, t7};
+    for (int i = 0; i < 4 * nb; i++) _mm256_storeu_ps(out + 8 * i, t[i]);
 }
 
 /* channels 16h .. 16h+15 of block b (h = 0: the low nibbles, 1: the high ones) as floats: wf[k * 16 + l] */
-AVX2_FN static void widen_half_avx2(const uint8_t *q, int64_t K, int64_t b, int h, float *wf) {
-    const uint8_t *p = q + b * K * (PACK / 2);
+AVX2_FN static void widen_avx2(const void *ctx, int64_t b, int h, float *wf) {
+    const ctx_t *c = ctx;
+    const uint8_t *p = ((const uint8_t *)c->q) + b * c->K * (PACK / 2);
     const __m128i mask = _mm_set1_epi8(0x0f);
-    for (int64_t k = 0; k < K; k++) {
+    for (int64_t k = 0; k < c->K; k++) {
         __m128i v = _mm_loadu_si128((const __m128i *)(p + k * 16));
         v = _mm_and_si128(h ? _mm_srli_epi16(v, 4) : v, mask);
         _mm256_storeu_ps(wf + k * BLOCK, lo8(v));
@@ -196,119 +163,158 @@ AVX2_FN static void widen_half_avx2(const uint8_t *q, int64_t K, int64_t b, int 
     }
 }
 
-/* six rows x (stride K) against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
-AVX2_FN static void tile6_avx2(const float *x, const float *xs, const float *wf, const uint16_t *sm, int64_t K,
-                               int64_t G, int64_t b, int h, float *out) {
-    const int64_t NG = K / G;
-    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *x4 = x + 4 * K, *x5 = x + 5 * K;
-    __m256 t[12];
+/* rows m .. m+5 against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
+AVX2_FN static void tile_avx2(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    const float *xs = c->xs + m * NG;
+    __m256 t[12], a[12];
     for (int i = 0; i < 12; i++) t[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-        __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-        for (int64_t k = g * G; k < (g + 1) * G; k++) {
-            const __m256 b0 = _mm256_loadu_ps(wf + k * BLOCK), b1 = _mm256_loadu_ps(wf + k * BLOCK + 8);
-            __m256 xv = _mm256_broadcast_ss(x0 + k);
-            a00 = _mm256_fmadd_ps(xv, b0, a00), a01 = _mm256_fmadd_ps(xv, b1, a01);
-            xv = _mm256_broadcast_ss(x1 + k);
-            a10 = _mm256_fmadd_ps(xv, b0, a10), a11 = _mm256_fmadd_ps(xv, b1, a11);
-            xv = _mm256_broadcast_ss(x2 + k);
-            a20 = _mm256_fmadd_ps(xv, b0, a20), a21 = _mm256_fmadd_ps(xv, b1, a21);
-            xv = _mm256_broadcast_ss(x3 + k);
-            a30 = _mm256_fmadd_ps(xv, b0, a30), a31 = _mm256_fmadd_ps(xv, b1, a31);
-            xv = _mm256_broadcast_ss(x4 + k);
-            a40 = _mm256_fmadd_ps(xv, b0, a40), a41 = _mm256_fmadd_ps(xv, b1, a41);
-            xv = _mm256_broadcast_ss(x5 + k);
-            a50 = _mm256_fmadd_ps(xv, b0, a50), a51 = _mm256_fmadd_ps(xv, b1, a51);
-        }
-        const uint16_t *s = sm + (b * NG + g) * 2 * PACK + h * BLOCK;
+        for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_ps();
+        tile6_sums_avx2(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK + h * BLOCK;
         const __m256 d0 = half8(s), d1 = half8(s + 8), m0 = half8(s + PACK), m1 = half8(s + PACK + 8);
-        const __m256 a[12] = {a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51};
         for (int r = 0; r < ROWS; r++) {
             const __m256 xg = _mm256_broadcast_ss(xs + r * NG + g);
-            t[2 * r] = _mm256_fmadd_ps(a[2 * r], d0, t[2 * r]);
-            t[2 * r + 1] = _mm256_fmadd_ps(a[2 * r + 1], d1, t[2 * r + 1]);
-            t[2 * r] = _mm256_fmadd_ps(xg, m0, t[2 * r]);
-            t[2 * r + 1] = _mm256_fmadd_ps(xg, m1, t[2 * r + 1]);
+            t[2 * r] = _mm256_fmadd_ps(xg, m0, _mm256_fmadd_ps(a[2 * r], d0, t[2 * r]));
+            t[2 * r + 1] = _mm256_fmadd_ps(xg, m1, _mm256_fmadd_ps(a[2 * r + 1], d1, t[2 * r + 1]));
         }
     }
     for (int i = 0; i < 12; i++) _mm256_storeu_ps(out + i * 8, t[i]);
 }
 
-AVX2_FN static int linear_avx2(const float *x, const float *xs, int64_t M, int64_t K, const uint8_t *q,
-                               const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t b_begin, int64_t b_end,
-                               int64_t n_end) {
-    const int64_t NG = K / G, M6 = M / ROWS * ROWS;
-    if (M6 > 0) {
-        float *wf = malloc(sizeof(float) * (size_t)(K * BLOCK));
-        if (!wf) return -2;
-        float t[ROWS * BLOCK];
-        for (int64_t b = b_begin; b < b_end; b++)
-            for (int h = 0; h < PACK / BLOCK; h++) {
-                const int64_t n = b * PACK + h * BLOCK;
-                if (n >= n_end) break;
-                widen_half_avx2(q, K, b, h, wf);
-                for (int64_t m = 0; m < M6; m += ROWS) {
-                    tile6_avx2(x + m * K, xs + m * NG, wf, sm, K, G, b, h, t);
-                    for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, n, n_end, t + r * BLOCK, BLOCK);
-                }
-            }
-        free(wf);
+AVX2_FN static void rows_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t NG = c->K / c->G;
+    row_blocks_avx2(c->x + m * c->K, c->xs + m * NG, ((const uint8_t *)c->q), c->sm, c->K, c->G, b, nb, out);
+}
+
+static const steps_t AVX2_STEPS = {BLOCK, 2, widen_avx2, tile_avx2, rows_avx2};
+
+/* ---- AVX-512 F/BW/VL: the avx2 arithmetic on 16 lanes ---- */
+
+
+/* block b's 32 channels as floats: wf [K, 32] */
+AVX512_FN static void widen_512(const void *ctx, int64_t b, int h, float *wf) {
+    const ctx_t *c = ctx;
+    const uint8_t *p = ((const uint8_t *)c->q) + b * c->K * (PACK / 2);
+    const __m512i mask = _mm512_set1_epi32(0x0f);
+    (void)h;
+    for (int64_t k = 0; k < c->K; k++) {
+        const __m512i v = nibbles16(p + k * (PACK / 2));
+        _mm512_storeu_ps(wf + k * PACK, _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)));
+        _mm512_storeu_ps(wf + k * PACK + 16, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
     }
-    float out[2 * PACK];
-    for (int64_t m = M6; m < M; m++)
-        for (int64_t b = b_begin; b < b_end; b += 2) {
-            const int nb = b + 1 < b_end ? 2 : 1;
-            row_blocks_avx2(x + m * K, xs + m * NG, q, sm, K, G, b, nb, out);
-            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
+}
+
+/* rows m .. m+5 against the widened block wf [K, 32]; out [6, 32] */
+AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    const float *xs = c->xs + m * NG;
+    __m512 t[12], a[12];
+    (void)h;
+    for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_ps();
+        tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK;
+        const __m512 d0 = half16(s), d1 = half16(s + 16), m0 = half16(s + 32), m1 = half16(s + 48);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 xg = _mm512_set1_ps(xs[r * NG + g]);
+            t[2 * r] = _mm512_fmadd_ps(xg, m0, _mm512_fmadd_ps(a[2 * r], d0, t[2 * r]));
+            t[2 * r + 1] = _mm512_fmadd_ps(xg, m1, _mm512_fmadd_ps(a[2 * r + 1], d1, t[2 * r + 1]));
+        }
+    }
+    for (int i = 0; i < 12; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    rows512(ctx, m, b, nb, 1, out);
+}
+
+static const steps_t AVX512_STEPS = {PACK, 4, widen_512, tile_512, rows_512};
+
+/* ---- AVX-512 VNNI: int8 activations (signed) times the nibbles (unsigned), integer dot products per group ---- */
+
+DEFINE_VNNI_STEPS(1)
+
+#endif /* HAVE_X86 */
+
+int int4_path_supported(int path) { return path_supported(path); }
+
+/* the activations of one product, prepared once for both threads: xs = the sums of each row's groups (every
+ * path), and on the vnni path xq / sx, the rows quantized per group (kernel_common.h); one allocation */
+typedef struct {
+    float *xs, *sx;
+    int8_t *xq;
+    void *buf;
+} prepared_t;
+
+static int prepare(int path, const float *x, int64_t M, int64_t K, int64_t G, prepared_t *p) {
+    const int64_t NG = K / G, vnni = path == PATH_VNNI;
+    const size_t floats = (size_t)(M * NG) * (vnni ? 2 : 1) + 1, bytes = vnni ? (size_t)(M * K) : 0;
+    p->buf = malloc(sizeof(float) * floats + bytes);
+    if (!p->buf) return -2;
+    p->xs = p->buf, p->sx = p->xs + M * NG, p->xq = (int8_t *)(p->xs + floats);
+    if (!vnni) {
+        group_sums(x, M, K, G, p->xs);
+        return 0;
+    }
+    /* vnni: the minimums multiply the sums of the quantized x (sx * sum of xq, exact), as llama.cpp's Q8_1 does, so
+     * the product is exactly the dequantized weight times the quantized x: with the float sums instead, the error of
+     * the scaled levels d * q (all >= 0, not centred like the weights) doubled the perplexity change */
+    quantize_rows(x, M, K, G, 0, p->xq, p->sx);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < NG; g++) {
+            int32_t sum = 0;
+            for (int64_t k = 0; k < G; k++) sum += p->xq[m * K + g * G + k];
+            p->xs[m * NG + g] = p->sx[m * NG + g] * (float)sum;
         }
     return 0;
 }
 
-#endif /* HAVE_X86 */
-
-/* 1 when this CPU (and this build) can run `path` */
-int int4_path_supported(int path) {
-    if (path == PATH_PORTABLE) return 1;
+/* the product on prepared activations; q is [N32, K, 16] (vnni: [N32, K/4, 16, 4]) */
+static int run_prepared(int path, const float *x, const prepared_t *p, int64_t M, int64_t K, const uint8_t *q,
+                        const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (M == 0 || n_begin == n_end) return 0;
+    const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
 #if HAVE_X86
-    if (path == PATH_AVX2) {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (path == PATH_VNNI) {
+        const vnni_t ctx = {(const uint8_t *)p->xq, p->sx, p->xs, q, NULL, NULL, sm, K, G};
+        return drive(&VNNI_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
     }
+    const ctx_t ctx = {x, p->xs, q, NULL, sm, K, G};
+    if (path == PATH_AVX512) return drive(&AVX512_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
+    if (path == PATH_AVX2) return drive(&AVX2_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
 #endif
+    linear_portable(x, p->xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
     return 0;
 }
 
-/* the fastest path this CPU runs */
-int int4_best_path(void) { return int4_path_supported(PATH_AVX2) ? PATH_AVX2 : PATH_PORTABLE; }
+static int check(int path, int64_t M, int64_t K, int64_t G, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (bad_args(M, K, G, N, n_begin, n_end) || (path == PATH_VNNI && G % 4 != 0)) return -1;
+    return path_supported(path) ? 0 : -3;
+}
 
 int int4_linear_f32(int path, const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *sm, int64_t G,
                     float *y, int64_t N, int64_t n_begin, int64_t n_end) {
-    if (M < 0 || K < 1 || G < 1 || K % G != 0 || n_begin < 0 || n_begin % PACK != 0 || n_end > N || n_begin > n_end)
-        return -1;
-    if (!int4_path_supported(path)) return -3;
-    if (M == 0 || n_begin == n_end) return 0;
-    const int64_t NG = K / G, b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
-    float stack_xs[64];
-    float *xs = M * NG <= 64 ? stack_xs : malloc(sizeof(float) * (size_t)(M * NG));
-    if (!xs) return -2;
-    group_sums(x, M, K, G, xs);
-    int rc = 0;
-#if HAVE_X86
-    if (path == PATH_AVX2)
-        rc = linear_avx2(x, xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
-    else
-#endif
-        linear_portable(x, xs, M, K, q, sm, G, y, N, b_begin, b_end, n_end);
-    if (xs != stack_xs) free(xs);
+    int rc = check(path, M, K, G, N, n_begin, n_end);
+    if (rc != 0 || M == 0 || n_begin == n_end) return rc;
+    prepared_t p;
+    if ((rc = prepare(path, x, M, K, G, &p)) != 0) return rc;
+    rc = run_prepared(path, x, &p, M, K, q, sm, G, y, N, n_begin, n_end);
+    free(p.buf);
     return rc;
 }
 
-/* ---- one worker thread for int4_linear_f32_2t (int8_linear.c's scheme; this library's own thread) ---- */
+/* ---- one worker thread for int4_linear_f32_2t (kernel_worker.h; this library's own thread) ---- */
 
 typedef struct {
     int path;
     const float *x;
+    const prepared_t *p;
     int64_t M, K;
     const uint8_t *q;
     const uint16_t *sm;
@@ -323,19 +329,27 @@ static int run_job(const job_t *j);
 #include "kernel_worker.h"
 
 static int run_job(const job_t *j) {
-    return int4_linear_f32(j->path, j->x, j->M, j->K, j->q, j->sm, j->G, j->y, j->N, j->n_begin, j->n_end);
+    return run_prepared(j->path, j->x, j->p, j->M, j->K, j->q, j->sm, j->G, j->y, j->N, j->n_begin, j->n_end);
 }
 
 /* How long (microseconds) the worker spins for its next job before it sleeps. */
 void int4_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
 
 /* int4_linear_f32 over channels [n_begin, n_end), split at `mid` (a multiple of 32): [n_begin, mid) here,
- * [mid, n_end) on the worker thread; when the worker is busy with another caller, all of it here. */
+ * [mid, n_end) on the worker thread; when the worker is busy with another caller, all of it here. The
+ * activations are prepared once, here. */
 int int4_linear_f32_2t(int path, const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *sm, int64_t G,
                        float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end) {
+    int rc = check(path, M, K, G, N, n_begin, n_end);
+    if (rc != 0) return rc;
     if (mid % PACK != 0 || mid < n_begin || mid > n_end) return -1;
-    job_t mine = {path, x, M, K, q, sm, G, y, N, n_begin, mid, 0};
+    if (M == 0 || n_begin == n_end) return 0;
+    prepared_t p;
+    if ((rc = prepare(path, x, M, K, G, &p)) != 0) return rc;
+    job_t mine = {path, x, &p, M, K, q, sm, G, y, N, n_begin, mid, 0};
     job_t theirs = mine;
     theirs.n_begin = mid, theirs.n_end = n_end;
-    return run_split(mine, theirs);
+    rc = run_split(mine, theirs);
+    free(p.buf);
+    return rc;
 }

@@ -1,5 +1,5 @@
-/* y = x @ w.T with int8 weights: float32 activations, float32 accumulation; and the one-row float32 product
- * (f32_linear_f32) that --weights fp32 uses for decode steps of a few tokens.
+/* y = x @ w.T with int8 weights (--weights int8); and the one-row float32 product (f32_linear_f32) that --weights
+ * fp32 uses for decode steps of a few tokens.
  *
  *   x      [M, K]          float32 activations (rows contiguous)
  *   q      [N32, K, 32]    int8 weights packed 32 output channels at a time: q[b, k, l] is channel 32b + l at
@@ -9,70 +9,65 @@
  *   y      [M, N]          float32; only columns n_begin .. n_end-1 are written (n_begin a multiple of 32), so
  *                          threads can split the channels
  *
- * Arithmetic, the same on every path: for each output, for each group g in order, a partial sum of x[k] * q[k]
- * over the group's columns in order (one FMA each, on the integer-valued weights), then total += partial *
- * scale[g] (one FMA). A row's result does not depend on how many rows came with it (greedy decoding stays batch
- * invariant), nor on the thread split. Scaling once per group instead of once per weight saves a multiply per
- * weight, and the products of one group are exact small-integer multiples of x, so it is also the more accurate
- * order.
+ * Code paths (kernel_common.h; int8_path_supported says which this CPU runs):
  *
- * - Rows one by one (fewer than six rows, e.g. one decoding sequence): two 32-channel blocks at a time, each
- *   weight byte widened in registers (AVX2 vpmovsxbd + vcvtdq2ps) right before its FMA, so every weight is read
- *   from memory once, as one byte, from two sequential streams (a block's columns are contiguous: with eight
- *   channels per column instead, the eight strided streams ran ~1.5x slower); eight chains keep both FMA pipes
- *   busy.
- * - Six rows and more: the weights of 16 channels are widened once into a buffer [K, 16] that stays in L1/L2,
- *   then a 6 x 16 register tile (12 partial sums: x broadcast, two weight vectors per column) runs over it for
- *   each six rows, as a float32 GEMM's inner kernel does (OpenBLAS's Haswell sgemm kernel is 6 x 16 too); the
- *   totals live in memory and take one FMA per group.
+ * - portable, avx2, avx512: float32 activations. For each output, for each group g in order, a partial sum of
+ *   x[k] * q[k] over the group's columns in order (one FMA each, on the integer-valued weights), then total +=
+ *   partial * scale[g] (one FMA). avx2 and avx512 do exactly this per lane, so they give the same bits (portable
+ *   C may round differently where the compiler does not fuse). A row's result does not depend on how many rows
+ *   came with it (greedy decoding stays batch invariant), nor on the thread split.
+ *   - Rows one by one (fewer than six rows, e.g. one decoding stream): each weight byte widened in registers
+ *     (vpmovsxbd + vcvtdq2ps) right before its FMA, so every weight is read from memory once, as one byte, from
+ *     sequential streams (two 32-channel blocks at a time on avx2, four on avx512: eight FMA chains either way).
+ *   - Six rows and more: the weights of 16 (avx2) or 32 (avx512) channels are widened once into a buffer that
+ *     stays in L1/L2, then a 6-row register tile runs over it for each six rows, as a float32 GEMM's inner kernel
+ *     does (OpenBLAS's Haswell sgemm kernel is 6 x 16).
+ * - vnni: int8 activations, as llama.cpp's Q8_0 x Q8_0 and torch's dynamic quantization (fbgemm) multiply: each
+ *   row of x is quantized per group of G columns (int8_vnni_linear_f32 does it once per call: sx = max|x| / 127),
+ *   stored + 128 as uint8 (vpdpbusd multiplies unsigned by signed bytes), and each group's dot product is exact in
+ *   int32: sum((xq + 128) * q) - 128 * sum(q), the second term precomputed per channel and group (`comp`, as
+ *   fbgemm's row offsets); then total += float(dot) * (scale * sx) (one FMA). Its weights are packed for
+ *   vpdpbusd, four columns of a channel in one 32-bit lane: qv [N32, K/4, 32, 4] (kernels.py packs them from q).
+ *   Numerics differ from the float32-activation paths; the quality tests force this route to check its contract.
  *
- * Two threads: int8_linear_f32_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on one
- * worker thread of this library, in one call. A worker woken through Python (a queue, then the GIL) took ~35 us per
- * product, more than half of what a one-row product of this model takes; this worker spins (pause, then
- * sched_yield, so any other runnable thread gets the core) for up to `spin_us` after each job, then sleeps on a
- * futex, so back-to-back products of one forward pass hand over in about a microsecond and an idle engine costs
- * no CPU. One caller at a time uses the worker; a concurrent caller (a second engine in the process) computes
- * its whole range itself. Same arithmetic per output channel either way.
+ * Two threads: *_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on this library's worker
+ * thread (kernel_worker.h), in one call; the same arithmetic per output channel either way.
  *
- * Built at run time by tokenloop/engine/kernels.py like paged_attention.c (cc -O3 -march=native, -ffast-math at
- * compile time only); without AVX2 + FMA the plain C below serves (one function for every path, slower).
- * Returns 0, or < 0 on bad arguments or no memory.
+ * Built at run time by tokenloop/engine/kernels.py for baseline x86-64 (each path under its own target attribute,
+ * -ffast-math at compile time only). Returns 0, or < 0: -1 bad arguments, -2 no memory, -3 a path this CPU lacks.
  */
-#define _GNU_SOURCE
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
-#include <time.h>
-#include <unistd.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#endif
+#include "kernel_common.h"
 
-#define PACK 32  /* output channels per packed block */
-#define BLOCK 16 /* channels widened together for the tiled path */
-#define ROWS 6   /* rows of one register tile */
+/* ---- portable C: one function for every number of rows, so rows stay batch invariant here too ---- */
 
-/* write out[0..count-1] (channels n..) into y, only the channels below n_end */
-static inline void store_n(float *y, int64_t n, int64_t n_end, const float *out, int64_t count) {
-    if (n_end - n < count) count = n_end - n;
-    if (count > 0) memcpy(y + n, out, sizeof(float) * (size_t)count);
+static void linear_portable(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
+                            float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    const int64_t NG = K / G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = n_begin; n < n_end; n++) {
+            const int64_t b = n / PACK, l = n % PACK;
+            float total = 0.0f;
+            for (int64_t g = 0; g < NG; g++) {
+                float partial = 0.0f;
+                for (int64_t k = g * G; k < (g + 1) * G; k++) partial += x[m * K + k] * (float)q[(b * K + k) * PACK + l];
+                total += partial * scale[(b * NG + g) * PACK + l];
+            }
+            y[m * N + n] = total;
+        }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if HAVE_X86
+
+/* ---- AVX2 + FMA ---- */
 
 /* 8 int8 -> 8 float */
-static inline __m256 widen8(const int8_t *p) {
+AVX2_FN static inline __m256 widen8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
 /* one row x against blocks b and b + 1 (nb = 2) or b alone (nb = 1); out [nb * 32] */
-static void row_blocks(const float *x, const int8_t *q, const float *scale, int64_t K, int64_t G, int64_t b, int nb,
-                       float *out) {
+AVX2_FN static void row_blocks(const float *x, const int8_t *q, const float *scale, int64_t K, int64_t G, int64_t b,
+                               int nb, float *out) {
     const int64_t NG = K / G;
     const int8_t *qb = q + b * K * PACK, *qc = qb + K * PACK;
     const float *sb = scale + b * NG * PACK, *sc = sb + NG * PACK;
@@ -108,124 +103,89 @@ static void row_blocks(const float *x, const int8_t *q, const float *scale, int6
             t2 = _mm256_fmadd_ps(a2, _mm256_loadu_ps(s + 16), t2), t3 = _mm256_fmadd_ps(a3, _mm256_loadu_ps(s + 24), t3);
         }
     }
-    _mm256_storeu_ps(out, t0), _mm256_storeu_ps(out + 8, t1), _mm256_storeu_ps(out + 16, t2);
-    _mm256_storeu_ps(out + 24, t3);
-    if (nb == 2)
-        _mm256_storeu_ps(out + 32, t4), _mm256_storeu_ps(out + 40, t5), _mm256_storeu_ps(out + 48, t6),
-            _mm256_storeu_ps(out + 56, t7);
+    const __m256 t[8] = {t0, t1, t2, t3, t4, t5, t6, t7};
+    for (int i = 0; i < 4 * nb; i++) _mm256_storeu_ps(out + 8 * i, t[i]);
 }
 
 /* channels 16h .. 16h+15 of block b widened to float (no scale): wf[k * 16 + l] */
-static void widen_half(const int8_t *q, int64_t K, int64_t b, int h, float *wf) {
-    const int8_t *p = q + b * K * PACK + h * BLOCK;
-    for (int64_t k = 0; k < K; k++) {
+AVX2_FN static void widen_avx2(const void *ctx, int64_t b, int h, float *wf) {
+    const ctx_t *c = ctx;
+    const int8_t *p = ((const int8_t *)c->q) + b * c->K * PACK + h * BLOCK;
+    for (int64_t k = 0; k < c->K; k++) {
         _mm256_storeu_ps(wf + k * BLOCK, widen8(p + k * PACK));
         _mm256_storeu_ps(wf + k * BLOCK + 8, widen8(p + k * PACK + 8));
     }
 }
 
-/* six rows x (stride K) against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
-static void tile6(const float *x, const float *wf, const float *scale, int64_t K, int64_t G, int64_t b, int h,
-                  float *out) {
-    const int64_t NG = K / G;
-    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * K, *x3 = x + 3 * K, *x4 = x + 4 * K, *x5 = x + 5 * K;
-    __m256 t[12];
+/* rows m .. m+5 against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
+AVX2_FN static void tile_avx2(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    __m256 t[12], a[12];
     for (int i = 0; i < 12; i++) t[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < NG; g++) { /* 12 partial sums, two weight vectors, one broadcast: 15 of 16 registers */
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-        __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-        for (int64_t k = g * G; k < (g + 1) * G; k++) {
-            const __m256 b0 = _mm256_loadu_ps(wf + k * BLOCK), b1 = _mm256_loadu_ps(wf + k * BLOCK + 8);
-            __m256 xv = _mm256_broadcast_ss(x0 + k);
-            a00 = _mm256_fmadd_ps(xv, b0, a00), a01 = _mm256_fmadd_ps(xv, b1, a01);
-            xv = _mm256_broadcast_ss(x1 + k);
-            a10 = _mm256_fmadd_ps(xv, b0, a10), a11 = _mm256_fmadd_ps(xv, b1, a11);
-            xv = _mm256_broadcast_ss(x2 + k);
-            a20 = _mm256_fmadd_ps(xv, b0, a20), a21 = _mm256_fmadd_ps(xv, b1, a21);
-            xv = _mm256_broadcast_ss(x3 + k);
-            a30 = _mm256_fmadd_ps(xv, b0, a30), a31 = _mm256_fmadd_ps(xv, b1, a31);
-            xv = _mm256_broadcast_ss(x4 + k);
-            a40 = _mm256_fmadd_ps(xv, b0, a40), a41 = _mm256_fmadd_ps(xv, b1, a41);
-            xv = _mm256_broadcast_ss(x5 + k);
-            a50 = _mm256_fmadd_ps(xv, b0, a50), a51 = _mm256_fmadd_ps(xv, b1, a51);
-        }
-        const float *s = scale + (b * NG + g) * PACK + h * BLOCK;
+    for (int64_t g = 0; g < NG; g++) {
+        for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_ps();
+        tile6_sums_avx2(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        const float *s = c->scale + (b * NG + g) * PACK + h * BLOCK;
         const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-        t[0] = _mm256_fmadd_ps(a00, s0, t[0]), t[1] = _mm256_fmadd_ps(a01, s1, t[1]);
-        t[2] = _mm256_fmadd_ps(a10, s0, t[2]), t[3] = _mm256_fmadd_ps(a11, s1, t[3]);
-        t[4] = _mm256_fmadd_ps(a20, s0, t[4]), t[5] = _mm256_fmadd_ps(a21, s1, t[5]);
-        t[6] = _mm256_fmadd_ps(a30, s0, t[6]), t[7] = _mm256_fmadd_ps(a31, s1, t[7]);
-        t[8] = _mm256_fmadd_ps(a40, s0, t[8]), t[9] = _mm256_fmadd_ps(a41, s1, t[9]);
-        t[10] = _mm256_fmadd_ps(a50, s0, t[10]), t[11] = _mm256_fmadd_ps(a51, s1, t[11]);
+        for (int r = 0; r < ROWS; r++) {
+            t[2 * r] = _mm256_fmadd_ps(a[2 * r], s0, t[2 * r]);
+            t[2 * r + 1] = _mm256_fmadd_ps(a[2 * r + 1], s1, t[2 * r + 1]);
+        }
     }
     for (int i = 0; i < 12; i++) _mm256_storeu_ps(out + i * 8, t[i]);
 }
 
-int int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
-                    float *y, int64_t N, int64_t n_begin, int64_t n_end) {
-    if (M < 0 || K < 1 || G < 1 || K % G != 0 || n_begin < 0 || n_begin % PACK != 0 || n_end > N || n_begin > n_end)
-        return -1;
-    const int64_t M6 = M / ROWS * ROWS, b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
-    /* six rows and more: widen 16 channels at a time, then 6 x 16 tiles */
-    if (M6 > 0) {
-        float *wf = malloc(sizeof(float) * (size_t)(K * BLOCK));
-        if (!wf) return -2;
-        float t[ROWS * BLOCK];
-        for (int64_t b = b_begin; b < b_end; b++)
-            for (int h = 0; h < PACK / BLOCK; h++) {
-                const int64_t n = b * PACK + h * BLOCK;
-                if (n >= n_end) break;
-                widen_half(q, K, b, h, wf);
-                for (int64_t m = 0; m < M6; m += ROWS) {
-                    tile6(x + m * K, wf, scale, K, G, b, h, t);
-                    for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, n, n_end, t + r * BLOCK, BLOCK);
-                }
-            }
-        free(wf);
+AVX2_FN static void rows_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    const ctx_t *c = ctx;
+    row_blocks(c->x + m * c->K, ((const int8_t *)c->q), c->scale, c->K, c->G, b, nb, out);
+}
+
+static const steps_t AVX2_STEPS = {BLOCK, 2, widen_avx2, tile_avx2, rows_avx2};
+
+/* ---- AVX-512 F/BW/VL: the avx2 arithmetic on 16 lanes ---- */
+
+/* block b's 32 channels widened to float: wf [K, 32] */
+AVX512_FN static void widen_512(const void *ctx, int64_t b, int h, float *wf) {
+    const ctx_t *c = ctx;
+    const int8_t *p = ((const int8_t *)c->q) + b * c->K * PACK;
+    (void)h;
+    for (int64_t i = 0; i < c->K * PACK; i += 16) _mm512_storeu_ps(wf + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i))))); /* the same layout */
+}
+
+/* rows m .. m+5 against the widened block wf [K, 32]; out [6, 32] (12 partial sums, 12 totals in registers) */
+AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
+    const ctx_t *c = ctx;
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    __m512 t[12], a[12];
+    (void)h;
+    for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_ps();
+        tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        const float *s = c->scale + (b * NG + g) * PACK; /* a[i]: row i / 2, channels 16 * (i % 2) .. */
+        const __m512 sv[2] = {_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16)};
+        for (int i = 0; i < 2 * ROWS; i++) t[i] = _mm512_fmadd_ps(a[i], sv[i % 2], t[i]);
     }
-    /* the rows left over (all of them below six rows): two blocks at a time, widened on the fly */
-    float out[2 * PACK];
-    for (int64_t m = M6; m < M; m++)
-        for (int64_t b = b_begin; b < b_end; b += 2) {
-            const int nb = b + 1 < b_end ? 2 : 1;
-            row_blocks(x + m * K, q, scale, K, G, b, nb, out);
-            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
-        }
-    return 0;
+    for (int i = 0; i < 12; i++) _mm512_storeu_ps(out + i * 16, t[i]);
 }
 
-#else /* portable C: one function for every number of rows, so rows stay batch invariant here too */
-
-int int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
-                    float *y, int64_t N, int64_t n_begin, int64_t n_end) {
-    if (M < 0 || K < 1 || G < 1 || K % G != 0 || n_begin < 0 || n_begin % PACK != 0 || n_end > N || n_begin > n_end)
-        return -1;
-    const int64_t NG = K / G;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = n_begin; n < n_end; n++) {
-            const int64_t b = n / PACK, l = n % PACK;
-            float total = 0.0f;
-            for (int64_t g = 0; g < NG; g++) {
-                float partial = 0.0f;
-                for (int64_t k = g * G; k < (g + 1) * G; k++) partial += x[m * K + k] * (float)q[(b * K + k) * PACK + l];
-                total += partial * scale[(b * NG + g) * PACK + l];
-            }
-            y[m * N + n] = total;
-        }
-    return 0;
+AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    rows512(ctx, m, b, nb, 0, out);
 }
 
-#endif
+static const steps_t AVX512_STEPS = {PACK, 4, widen_512, tile_512, rows_512};
 
-/* y[:, n_begin:n_end] = x @ w.T for float32 weights w [N, K] (rows contiguous), a few rows x at a time (a decode
- * step of one to a few sequences): four output channels at a time, each a dot product of two 8-lane FMA chains
- * summed at the end. Memory-bound at one row, where it reads the weight once at the machine's bandwidth. */
-int f32_linear_f32(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t n_begin,
-                   int64_t n_end) {
-    if (M < 0 || K < 1 || n_begin < 0 || n_end > N || n_begin > n_end) return -1;
-    int64_t n = n_begin;
-#if defined(__AVX2__) && defined(__FMA__)
+/* ---- AVX-512 VNNI: int8 activations, integer dot products per group ---- */
+
+DEFINE_VNNI_STEPS(0)
+
+/* ---- float32 weights, a few rows (f32_linear_f32) ---- */
+
+AVX2_FN static int64_t f32_linear_avx2(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N,
+                                       int64_t n_begin, int64_t n_end) {
     const int64_t K16 = K / 16 * 16;
+    int64_t n = n_begin;
     for (; n + 4 <= n_end; n += 4) {
         const float *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
         for (int64_t m = 0; m < M; m++) {
@@ -249,6 +209,22 @@ int f32_linear_f32(const float *x, int64_t M, int64_t K, const float *w, float *
             }
         }
     }
+    return n;
+}
+
+#endif /* HAVE_X86 */
+
+/* y[:, n_begin:n_end] = x @ w.T for float32 weights w [N, K] (rows contiguous), a few rows x at a time (a decode
+ * step of one to a few sequences): four output channels at a time, each a dot product of two 8-lane FMA chains
+ * summed at the end. Memory-bound at one row, where it reads the weight once at the machine's bandwidth. */
+int f32_linear_f32(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t n_begin,
+                   int64_t n_end) {
+    if (M < 0 || K < 1 || n_begin < 0 || n_end > N || n_begin > n_end) return -1;
+    int64_t n = n_begin;
+#if HAVE_X86
+    static int avx2 = -1;
+    if (avx2 < 0) avx2 = path_supported(PATH_AVX2);
+    if (avx2) n = f32_linear_avx2(x, M, K, w, y, N, n_begin, n_end);
 #endif
     for (; n < n_end; n++)
         for (int64_t m = 0; m < M; m++) {
@@ -259,16 +235,79 @@ int f32_linear_f32(const float *x, int64_t M, int64_t K, const float *w, float *
     return 0;
 }
 
-/* ---- one worker thread for int8_linear_f32_2t ---- */
+/* ---- the exported products ---- */
+
+int int8_path_supported(int path) { return path_supported(path); }
+
+int int8_linear_f32(int path, const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
+                    float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (bad_args(M, K, G, N, n_begin, n_end) || path == PATH_VNNI) return -1;
+    if (!path_supported(path)) return -3;
+    if (M == 0 || n_begin == n_end) return 0;
+    const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
+#if HAVE_X86
+    const ctx_t ctx = {x, NULL, q, scale, NULL, K, G};
+    if (path == PATH_AVX512) return drive(&AVX512_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
+    if (path == PATH_AVX2) return drive(&AVX2_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
+#endif
+    (void)b_begin, (void)b_end;
+    linear_portable(x, M, K, q, scale, G, y, N, n_begin, n_end);
+    return 0;
+}
+
+/* the vnni product on activations quantized already (xu: uint8 = xq + 128, sx: their scales) */
+static int vnni_quantized(const uint8_t *xu, const float *sx, int64_t M, int64_t K, const int8_t *qv,
+                          const int32_t *comp, const float *scale, int64_t G, float *y, int64_t N, int64_t n_begin,
+                          int64_t n_end) {
+    if (bad_args(M, K, G, N, n_begin, n_end) || G % 4 != 0) return -1;
+    if (!path_supported(PATH_VNNI)) return -3;
+    if (M == 0 || n_begin == n_end) return 0;
+#if HAVE_X86
+    const vnni_t ctx = {xu, sx, NULL, (const uint8_t *)qv, comp, scale, NULL, K, G};
+    return drive(&VNNI_STEPS, &ctx, M, K, y, N, n_begin / PACK, (n_end + PACK - 1) / PACK, n_end);
+#else
+    (void)xu, (void)sx, (void)qv, (void)comp, (void)scale, (void)y;
+    return -3;
+#endif
+}
+
+/* x quantized per row and group (+ 128, uint8) into one buffer: xu [M * K] then sx [M * NG]; NULL on no memory */
+static uint8_t *quantize_x(const float *x, int64_t M, int64_t K, int64_t G, float **sx) {
+    if (K < 1 || G < 1 || K % G != 0 || M < 0) return NULL;
+    const size_t bytes = (size_t)(M * K + 64) / 64 * 64;
+    uint8_t *buf = malloc(bytes + sizeof(float) * (size_t)(M * (K / G) + 1));
+    if (!buf) return NULL;
+    *sx = (float *)(buf + bytes);
+    quantize_rows(x, M, K, G, 1, (int8_t *)buf, *sx);
+    return buf;
+}
+
+/* y = x @ w.T on the vnni path: qv [N32, K/4, 32, 4] int8, comp [N32, NG, 32] int32 (-128 * the sum of each
+ * channel's weights over each group), scale as int8_linear_f32's */
+int int8_vnni_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *qv, const int32_t *comp,
+                         const float *scale, int64_t G, float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    float *sx;
+    uint8_t *xu = quantize_x(x, M, K, G, &sx);
+    if (!xu) return bad_args(M, K, G, N, n_begin, n_end) ? -1 : -2;
+    const int rc = vnni_quantized(xu, sx, M, K, qv, comp, scale, G, y, N, n_begin, n_end);
+    free(xu);
+    return rc;
+}
+
+/* ---- one worker thread for the *_2t products ---- */
 
 typedef struct {
-    int kind; /* 0: int8_linear_f32, 1: f32_linear_f32 (w in `fw`) */
+    int kind; /* 0: int8_linear_f32 on `path`, 1: f32_linear_f32 (w in `fw`), 2: vnni_quantized */
+    int path;
     const float *x;
     int64_t M, K;
     const float *fw;
     const int8_t *q;
     const float *scale;
     int64_t G;
+    const uint8_t *xu;
+    const float *sx;
+    const int32_t *comp;
     float *y;
     int64_t N, n_begin, n_end;
     int rc;
@@ -282,25 +321,45 @@ static int run_job(const job_t *j);
 void int8_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
 
 static int run_job(const job_t *j) {
-    return j->kind == 1 ? f32_linear_f32(j->x, j->M, j->K, j->fw, j->y, j->N, j->n_begin, j->n_end)
-                        : int8_linear_f32(j->x, j->M, j->K, j->q, j->scale, j->G, j->y, j->N, j->n_begin, j->n_end);
+    if (j->kind == 1) return f32_linear_f32(j->x, j->M, j->K, j->fw, j->y, j->N, j->n_begin, j->n_end);
+    if (j->kind == 2)
+        return vnni_quantized(j->xu, j->sx, j->M, j->K, j->q, j->comp, j->scale, j->G, j->y, j->N, j->n_begin,
+                              j->n_end);
+    return int8_linear_f32(j->path, j->x, j->M, j->K, j->q, j->scale, j->G, j->y, j->N, j->n_begin, j->n_end);
 }
 
-/* int8_linear_f32 over channels [n_begin, n_end), split at `mid` (a multiple of 8): [n_begin, mid) here,
- * [mid, n_end) on the worker thread. */
-int int8_linear_f32_2t(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
-                       float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end) {
-    if (mid % 8 != 0 || mid < n_begin || mid > n_end) return -1;
-    const job_t mine = {0, x, M, K, NULL, q, scale, G, y, N, n_begin, mid, 0};
+static int split_at(job_t mine, int64_t mid) {
+    if (mid % PACK != 0 || mid < mine.n_begin || mid > mine.n_end) return -1;
     job_t theirs = mine;
-    theirs.n_begin = mid, theirs.n_end = n_end;
+    mine.n_end = mid, theirs.n_begin = mid;
     return run_split(mine, theirs);
+}
+
+/* int8_linear_f32 over channels [n_begin, n_end), split at `mid` (a multiple of 32): [n_begin, mid) here,
+ * [mid, n_end) on the worker thread. */
+int int8_linear_f32_2t(int path, const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
+                       float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end) {
+    const job_t job = {0, path, x, M, K, NULL, q, scale, G, NULL, NULL, NULL, y, N, n_begin, n_end, 0};
+    return split_at(job, mid);
+}
+
+/* int8_vnni_linear_f32 on two threads: x quantized once, here, then the channels split at `mid` */
+int int8_vnni_linear_f32_2t(const float *x, int64_t M, int64_t K, const int8_t *qv, const int32_t *comp,
+                            const float *scale, int64_t G, float *y, int64_t N, int64_t n_begin, int64_t mid,
+                            int64_t n_end) {
+    float *sx;
+    uint8_t *xu = quantize_x(x, M, K, G, &sx);
+    if (!xu) return bad_args(M, K, G, N, n_begin, n_end) ? -1 : -2;
+    const job_t job = {2, PATH_VNNI, x, M, K, NULL, qv, scale, G, xu, sx, comp, y, N, n_begin, n_end, 0};
+    const int rc = split_at(job, mid);
+    free(xu);
+    return rc;
 }
 
 /* f32_linear_f32 over channels [0, N) on two threads, split at `mid` */
 int f32_linear_f32_2t(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t mid) {
     if (mid < 0 || mid > N) return -1;
-    const job_t mine = {1, x, M, K, w, NULL, NULL, 1, y, N, 0, mid, 0};
+    const job_t mine = {1, PATH_PORTABLE, x, M, K, w, NULL, NULL, 1, NULL, NULL, NULL, y, N, 0, mid, 0};
     job_t theirs = mine;
     theirs.n_begin = mid, theirs.n_end = N;
     return run_split(mine, theirs);

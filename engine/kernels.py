@@ -2,7 +2,7 @@
 
 `paged_attention.c` holds decode attention that reads the paged KV cache in place; `int8_linear.c` the
 matrix products of int8 weights (`--weights int8`) with float32 activations; `int4_linear.c` those of 4-bit
-weights (`--weights int4`), its code path chosen at run time from the CPU's flags. Each is built once
+weights (`--weights int4`), both with their code path chosen at run time from the CPU's flags. Each is built once
 per source, compiler flags and CPU (`-march=native`), into a cache directory (`$TOKENLOOP_KERNEL_CACHE`,
 else `$XDG_CACHE_HOME/tokenloop` or `~/.cache/tokenloop`), which takes well under a second. No C
 compiler, or a failed build, means `load()` returns None and the engine uses its pure-torch path:
@@ -36,13 +36,17 @@ OPS_SOURCE = Path(__file__).with_name("layer_ops.c")
 # the library would pull in crtfastmath.o, which switches the whole process to flush-denormals-to-zero on
 # load (torch's and Python's arithmetic included).
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
+# int8_linear.c and int4_linear.c pick their code path at run time from the CPU's flags (each path under its own
+# target attribute, kernel_common.h), so on x86-64 they are built for the baseline ISA: the portable path then runs
+# on any x86-64, and the avx2 path cannot pick up AVX-512 instructions from -march=native.
+DISPATCHED_FLAGS = ("-O3", "-mtune=native", "-ffast-math", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared",)
 FLAGS = COMPILE_FLAGS + LINK_FLAGS
 _lock = threading.Lock()
 _loaded: dict[str, PagedAttention | Int8Linear | Int4Linear | LayerOps | None] = {}
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
     """What -march=native depends on: the CPU model and its flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -66,14 +70,21 @@ def compiler() -> str | None:
     return None
 
 
+def compile_flags_for(source: Path) -> tuple[str, ...]:
+    dispatched = source.name in (INT8_SOURCE.name, INT4_SOURCE.name) and platform.machine() in ("x86_64", "AMD64")
+    return DISPATCHED_FLAGS if dispatched else COMPILE_FLAGS
+
+
 def build(source: Path = SOURCE) -> Path:
     """Compile `source` into the cache (if not already there); returns the shared library's path."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may #include
-    digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(FLAGS).encode(), cc.encode(),
-                                        platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
+    compile_flags = compile_flags_for(source)
+    digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(compile_flags + LINK_FLAGS).encode(),
+                                        cc.encode(),
+                                        platform.machine().encode(), cpu_id().encode()])).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{digest}.so"
     if target.is_file():
         return target
@@ -82,7 +93,7 @@ def build(source: Path = SOURCE) -> Path:
     os.close(fd)
     obj = tmp[:-3] + ".o"
     try:
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", obj], [cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
+        for cmd in ([cc, *compile_flags, "-c", str(source), "-o", obj], [cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if result.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
@@ -143,34 +154,128 @@ class PagedAttention:
             raise RuntimeError(f"paged_decode_f32 ({self.isa}) failed (code {rc})")
 
 
-class Int8Linear:
-    """ctypes binding of int8_linear.c."""
+def _function(lib, name: str, argtypes: list):
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
 
-    def __init__(self, path: Path):
+
+def _pack_vnni(q: torch.Tensor, lanes: int, group_size: int) -> torch.Tensor:
+    """[N32, K, lanes] bytes (a block's channels at each column) -> [N32, K/4, lanes, 4]: four columns of a channel
+    in one 32-bit lane, what vpdpbusd multiplies (int8_linear.c / int4_linear.c, path vnni)."""
+    nb, k, _ = q.shape
+    if group_size % 4:
+        raise ValueError(f"the vnni path needs groups of a multiple of 4 columns, not {group_size}")
+    return q.view(nb, k // 4, 4, lanes).permute(0, 1, 3, 2).contiguous()
+
+
+class QuantKernel:
+    """ctypes binding of int8_linear.c or int4_linear.c on one code path (`isa`): the fastest exact one this CPU
+    runs unless one is named. PATHS lists every path, `supported()` those this CPU runs, `missing(isa)` why one
+    cannot run here. Exact paths (avx2, avx512) give the same bits; vnni quantizes the activations to int8 (its own
+    numerics) and multiplies weights it packs on first use (`_packed`, one copy per weight)."""
+
+    PATHS = {"portable": 1, "avx2": 2, "avx512": 3, "vnni": 4}
+    EXACT = ("portable", "avx2", "avx512")  # float32 activations; avx2 and avx512 give identical bits
+    NEEDS = {"avx2": "avx2, fma, f16c", "avx512": "avx512f, avx512bw, avx512vl", "vnni": "avx512_vnni"}
+    PREFIX = ""
+
+    def __init__(self, path: Path, isa: str | None = None):
         self.path = path
-        lib = ctypes.CDLL(str(path))
-        self._linear = lib.int8_linear_f32
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
-        self._linear.restype = ctypes.c_int
-        self._linear2 = lib.int8_linear_f32_2t
-        self._linear2.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64]
-        self._linear2.restype = ctypes.c_int
-        self._f32_linear2 = lib.f32_linear_f32_2t
-        self._f32_linear2.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64]
-        self._f32_linear2.restype = ctypes.c_int
-        lib.int8_set_spin_us.argtypes = [i64]
-        lib.int8_set_spin_us(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+        self._lib = lib = ctypes.CDLL(str(path))
+        self._supported = getattr(lib, f"{self.PREFIX}_path_supported")
+        self._supported.argtypes, self._supported.restype = [ctypes.c_int], ctypes.c_int
+        spin = getattr(lib, f"{self.PREFIX}_set_spin_us")
+        spin.argtypes = [ctypes.c_int64]
+        spin(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        exact = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]  # path, x, M, K, q, scales, G, y, N, n0, n1
+        self._linear = _function(lib, f"{self.PREFIX}_linear_f32", exact)
+        self._linear2 = _function(lib, f"{self.PREFIX}_linear_f32_2t", exact + [i64])  # + the split channel
+        self._bind(lib)
+        isa = isa or [name for name in self.supported() if name in self.EXACT][-1]
+        if isa not in self.PATHS or not self.supports(isa):
+            raise ValueError(f"{self.PREFIX} kernel path {isa!r} is not available on this CPU (supported: "
+                             f"{', '.join(self.supported())})")
+        self.isa, self._code = isa, self.PATHS[isa]
+        self._packed: dict[int, tuple] = {}  # id(weight) -> (weight, its vnni packing)
+
+    def _bind(self, lib) -> None:
+        """Bind the library's other entry points: `_vnni` and `_vnni2` at least."""
+        raise NotImplementedError
+
+    def supports(self, isa: str) -> bool:
+        return isa in self.PATHS and bool(self._supported(self.PATHS[isa]))
+
+    def supported(self) -> list[str]:
+        return [name for name in self.PATHS if self.supports(name)]
+
+    def missing(self, isa: str) -> str:
+        """Why this CPU cannot run `isa` ("" when it can)."""
+        if self.supports(isa):
+            return ""
+        if isa not in self.PATHS:
+            return f"no {self.PREFIX} kernel path {isa!r} (paths: {', '.join(self.PATHS)})"
+        return (f"this CPU ({platform.machine()}) lacks {self.NEEDS.get(isa, isa)} for the {self.PREFIX} {isa} path "
+                f"(it runs {', '.join(self.supported())})")
+
+    def with_isa(self, isa: str):
+        """The same library running another code path (tests, benchmarks and the calibration force each one)."""
+        return type(self)(self.path, isa)
+
+    def packed(self, w) -> tuple:
+        """w's vnni packing, made on first use and kept while w lives here."""
+        entry = self._packed.get(id(w))
+        if entry is None or entry[0] is not w:
+            entry = self._packed[id(w)] = (w, self._pack(w))
+        return entry[1]
+
+    def linear(self, x: torch.Tensor, w, out: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
+        """out[:, begin:end] = x @ w.dequantize().T[:, begin:end]; x [M, K] and out [M, N] float32, contiguous.
+        Releases the GIL (ctypes does), so threads can split the N channels."""
+        self._run(x, w, out, begin, None, w.num_out if end is None else end)
 
     def linear2(self, x: torch.Tensor, w, out: torch.Tensor) -> None:
-        """`linear` over all channels on two threads: the caller's and the library's worker (int8_linear.c), which
-        spins briefly for the next product instead of being woken through Python."""
-        num_out = w.num_out
-        half = num_out // 2 // 32 * 32  # keep the kernel's 32-channel blocks whole
-        rc = self._linear2(x.data_ptr(), x.shape[0], x.shape[1], w.q.data_ptr(), w.scale.data_ptr(), w.group_size,
-                           out.data_ptr(), num_out, 0, half, num_out)
+        """`linear` over all channels on two threads: the caller's and the library's worker (kernel_worker.h),
+        which spins briefly for the next product instead of being woken through Python."""
+        self._run(x, w, out, 0, w.num_out // 2 // 32 * 32, w.num_out)  # keep the 32-channel blocks whole
+
+    def _run(self, x, w, out, begin, mid, end) -> None:
+        split = mid is not None
+        if self.isa == "vnni":
+            fn = self._vnni2 if split else self._vnni
+            args = (x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in self.packed(w)])
+        else:
+            fn = self._linear2 if split else self._linear
+            args = (self._code, x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in self._operands(w)])
+        rc = fn(*args, w.group_size, out.data_ptr(), w.num_out, begin, *((mid,) if split else ()), end)
         if rc != 0:
-            raise RuntimeError(f"int8_linear_f32_2t failed (code {rc})")
+            raise RuntimeError(f"{fn.__name__} failed (code {rc})")
+
+
+class Int8Linear(QuantKernel):
+    """int8_linear.c: products of int8 weights (quant.QWeight), and the float32 one-row product (f32_linear2)."""
+
+    PREFIX = "int8"
+
+    def _bind(self, lib) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        vnni = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64]  # x, M, K, qv, comp, scale, G, y, N, n0, n1
+        self._vnni = _function(lib, "int8_vnni_linear_f32", vnni)
+        self._vnni2 = _function(lib, "int8_vnni_linear_f32_2t", vnni + [i64])
+        self._f32_linear2 = _function(lib, "f32_linear_f32_2t", [ptr, i64, i64, ptr, ptr, i64, i64])
+
+    @staticmethod
+    def _operands(w) -> tuple:
+        return w.q, w.scale
+
+    @staticmethod
+    def _pack(w) -> tuple:
+        """(qv [N32, K/4, 32, 4] int8, comp [N32, NG, 32] int32 = -128 * each group's sum of weights, scale)."""
+        qv = _pack_vnni(w.q, 32, w.group_size)
+        nb, k, _ = w.q.shape
+        comp = w.q.view(nb, k // w.group_size, w.group_size, 32).sum(dim=2, dtype=torch.int32) * -128
+        return qv, comp.contiguous(), w.scale
 
     def f32_linear2(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         """out = x @ w.T for float32 x [M, K] (a few rows), w [N, K] and out [M, N], all contiguous, on two threads
@@ -181,74 +286,26 @@ class Int8Linear:
         if rc != 0:
             raise RuntimeError(f"f32_linear_f32_2t failed (code {rc})")
 
-    def linear(self, x: torch.Tensor, w, out: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
-        """out[:, begin:end] = x @ w.dequantize().T[:, begin:end] for a quant.QWeight w. x [M, K] float32 and
-        out [M, N] float32, contiguous. Releases the GIL (ctypes does), so threads can split the N channels."""
-        num_out = w.num_out
-        rc = self._linear(x.data_ptr(), x.shape[0], x.shape[1], w.q.data_ptr(), w.scale.data_ptr(), w.group_size,
-                          out.data_ptr(), num_out, begin, num_out if end is None else end)
-        if rc != 0:
-            raise RuntimeError(f"int8_linear_f32 failed (code {rc})")
 
+class Int4Linear(QuantKernel):
+    """int4_linear.c: products of 4-bit weights (quant.Q4Weight)."""
 
-class Int4Linear:
-    """ctypes binding of int4_linear.c (4-bit weights, quant.Q4Weight). `isa` is the code path it runs: the
-    fastest this CPU has (int4_best_path) unless one is named; PATHS lists them all, `supported()` those this CPU
-    runs (an AVX-512 path would join them here)."""
+    PREFIX = "int4"
 
-    PATHS = {"portable": 1, "avx2": 2}
+    def _bind(self, lib) -> None:
+        code = self.PATHS["vnni"]  # the same entry points, on the vnni packing
+        self._vnni = lambda *a: self._linear(code, *a)
+        self._vnni2 = lambda *a: self._linear2(code, *a)
+        self._vnni.__name__, self._vnni2.__name__ = "int4_linear_f32", "int4_linear_f32_2t"
 
-    def __init__(self, path: Path, isa: str | None = None):
-        self.path = path
-        self._lib = lib = ctypes.CDLL(str(path))
-        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.int4_path_supported.argtypes = [c_int]
-        lib.int4_path_supported.restype = c_int
-        lib.int4_best_path.restype = c_int
-        self._linear = lib.int4_linear_f32
-        self._linear.argtypes = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]
-        self._linear.restype = c_int
-        self._linear2 = lib.int4_linear_f32_2t
-        self._linear2.argtypes = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64]
-        self._linear2.restype = c_int
-        lib.int4_set_spin_us.argtypes = [i64]
-        lib.int4_set_spin_us(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
-        if isa is None:
-            best = lib.int4_best_path()
-            isa = next(name for name, code in self.PATHS.items() if code == best)
-        if isa not in self.PATHS or not self.supports(isa):
-            raise ValueError(f"int4 kernel path {isa!r} is not available on this CPU (supported: "
-                             f"{', '.join(self.supported())})")
-        self.isa = isa
-        self._code = self.PATHS[isa]
+    @staticmethod
+    def _operands(w) -> tuple:
+        return w.q, w.sm
 
-    def supports(self, isa: str) -> bool:
-        return isa in self.PATHS and bool(self._lib.int4_path_supported(self.PATHS[isa]))
-
-    def supported(self) -> list[str]:
-        return [name for name in self.PATHS if self.supports(name)]
-
-    def with_isa(self, isa: str) -> Int4Linear:
-        """The same library running another code path (tests and benchmarks force each one with it)."""
-        return Int4Linear(self.path, isa)
-
-    def linear2(self, x: torch.Tensor, w, out: torch.Tensor) -> None:
-        """`linear` over all channels on two threads: the caller's and the library's own worker (int4_linear.c)."""
-        num_out = w.num_out
-        half = num_out // 2 // 32 * 32  # keep the kernel's 32-channel blocks whole
-        rc = self._linear2(self._code, x.data_ptr(), x.shape[0], x.shape[1], w.q.data_ptr(), w.sm.data_ptr(),
-                           w.group_size, out.data_ptr(), num_out, 0, half, num_out)
-        if rc != 0:
-            raise RuntimeError(f"int4_linear_f32_2t failed (code {rc})")
-
-    def linear(self, x: torch.Tensor, w, out: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
-        """out[:, begin:end] = x @ w.dequantize().T[:, begin:end] for a quant.Q4Weight w; x [M, K] and out [M, N]
-        float32, contiguous. Releases the GIL (ctypes does)."""
-        num_out = w.num_out
-        rc = self._linear(self._code, x.data_ptr(), x.shape[0], x.shape[1], w.q.data_ptr(), w.sm.data_ptr(),
-                          w.group_size, out.data_ptr(), num_out, begin, num_out if end is None else end)
-        if rc != 0:
-            raise RuntimeError(f"int4_linear_f32 failed (code {rc})")
+    @staticmethod
+    def _pack(w) -> tuple:
+        """(qv [N32, K/4, 16, 4] uint8: the nibble bytes of four columns in one lane, sm)."""
+        return _pack_vnni(w.q, 16, w.group_size), w.sm
 
 
 class LayerOps:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.kv_events import lora_cache_key
 from ..core.lora import LoraError, read_peft
 from .loader import ModelConfig
 
@@ -54,7 +55,7 @@ class LoraWeights:
     def cache_key(self) -> str:
         """The extra key of its sequences' prefix-cache block hashes (and KV events): name and content, the same
         on every worker that loads the same files."""
-        return f"lora:{self.name}:{self.digest}"
+        return lora_cache_key(self.name, self.digest)
 
     @property
     def num_bytes(self) -> int:

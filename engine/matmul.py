@@ -20,17 +20,24 @@ layer's weights, not one: one matrix sits in the cache and hides what memory cos
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
+import logging
+import math
 import os
 import queue
 import threading
 import time
+import warnings
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .kernels import Int4Linear, Int8Linear, name_this_thread
+from .kernels import Int4Linear, Int8Linear, cache_dir, cpu_id, name_this_thread
 from .quant import Q4Weight, QWeight
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # tokens per step at which the backends are compared
 MIN_SPLIT_TOKENS = 1
@@ -48,9 +55,17 @@ class Backend(enum.Enum):
 
 NATIVE_MAX_TOKENS = 16  # native2 is a candidate up to this bucket (past it BLAS's blocking wins)
 COLD_TOKENS = 4  # buckets up to this many tokens are timed over every layer's weights (memory-bound)
+ROUTE_ENV = "TOKENLOOP_MATMUL_ROUTE"  # force one route for every bucket of a quantized mode (docs/engine.md)
+CACHE_ENV = "TOKENLOOP_MATMUL_CACHE"  # "off": time the routes at every start, never read or write the cache file
 
 def _fastest(candidates: dict, rounds: int = 7):
-    """The key of the fastest callable. Rounds interleave the candidates (A B C A B C ...) and each keeps its
+    """The key of the fastest callable (_timings)."""
+    best = _timings(candidates, rounds)
+    return min(best, key=best.get)
+
+
+def _timings(candidates: dict, rounds: int = 7) -> dict:
+    """Each callable's best time in seconds. Rounds interleave the candidates (A B C A B C ...) and each keeps its
     best time, so a burst of load from elsewhere cannot land on one candidate's runs only. Each timed call
     follows an untimed one of the same candidate: a helper thread that just slept through the others' turns
     is awake, as it is in a running engine, where every product uses it."""
@@ -61,7 +76,7 @@ def _fastest(candidates: dict, rounds: int = 7):
             start = time.perf_counter()
             fn()
             best[key] = min(best[key], time.perf_counter() - start)
-    return min(best, key=best.get)
+    return best
 
 
 class _Helper:
@@ -102,19 +117,127 @@ class _Helper:
         return out
 
 
+
+class QuantRoute:
+    """One way to run a quantized mode's products: `product(x, w, split)` for its weights (QWeight and, with
+    --weights int4, Q4Weight; int4's lm_head is int8) on one of the engine's C kernel paths or a library kernel.
+    `family`: routes of one family give the same bits, so a step may take any of them without breaking batch
+    invariance; the calibration keeps to one family for every bucket. `ineligible`: why the calibration times
+    this route but never chooses it (it can still be forced with TOKENLOOP_MATMUL_ROUTE)."""
+
+    def __init__(self, name: str, family: str, int8: Int8Linear | None = None, int4: Int4Linear | None = None,
+                 ineligible: str = ""):
+        self.name, self.family, self.int8, self.int4, self.ineligible = name, family, int8, int4, ineligible
+        self._copies: dict[int, tuple] = {}  # id(weight) -> (weight, what a library route multiplies by)
+
+    def __repr__(self) -> str:
+        return f"QuantRoute({self.name})"
+
+    def _copy(self, w, make):
+        entry = self._copies.get(id(w))
+        if entry is None or entry[0] is not w:
+            entry = self._copies[id(w)] = (w, make(w))
+        return entry[1]
+
+    def product(self, x: torch.Tensor, w: QWeight | Q4Weight, split: bool) -> torch.Tensor:
+        """x [T, K] float32 @ w [N, K] -> [T, N] float32."""
+        kernel = self.int4 if isinstance(w, Q4Weight) else self.int8
+        if self.family == "torch-fp32" or (kernel is None and self.family != "torch-dynq"):
+            # torch on the weight widened to float32 (kept: a library route; dropped: the fallback without a kernel)
+            weight = self._copy(w, lambda v: v.dequantize()) if self.family == "torch-fp32" else w.dequantize()
+            return F.linear(x, weight.to(x.dtype))
+        if self.family == "torch-dynq":
+            return _dynamic_int8(x, self._copy(w, _prepack_dynamic))
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], w.num_out, dtype=torch.float32)
+        (kernel.linear2 if split else kernel.linear)(x, w, out)
+        return out
+
+
+def _dynq_engine() -> str:
+    engines = torch.backends.quantized.supported_engines
+    return next((e for e in ("x86", "fbgemm", "onednn") if e in engines), "")
+
+
+def _prepack_dynamic(w: QWeight | Q4Weight):
+    """torch's dynamically quantized Linear weight (fbgemm / x86 engine) from w's values: fbgemm takes one scale per
+    output channel, not per group of 32 columns, so the dequantized weight is requantized per channel."""
+    torch.backends.quantized.engine = _dynq_engine()
+    dense = w.dequantize()
+    scale = (dense.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+    with warnings.catch_warnings():  # torch deprecates its quantized tensors (this route is measured, not chosen)
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch.quantize_per_channel(dense, scale, torch.zeros(dense.shape[0], dtype=torch.int64), 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(qw, None)
+
+
+def _dynamic_int8(x: torch.Tensor, packed) -> torch.Tensor:
+    """torch.ops.quantized.linear_dynamic: x quantized to uint8 per call (one scale for the whole tensor), int8
+    weights, VNNI where the CPU has it."""
+    return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, False)
+
+
+DYNQ_INELIGIBLE = ("quantizes the activations with one scale per call (the whole batch): a row's result depends on "
+                   "its batch, and the default model's perplexity rises ~70 % (tests/e2e/test_weights_quality.py)")
+VNNI_INELIGIBLE = ("its int8 activations fail the quality contract on the default model: greedy output equals fp32's "
+                   "on 9 of 16 prompts with int8 weights and 7 with int4 (the rule: 12), and 3-4 of 16 prompts change "
+                   "between alone and batched (rounding x to 8 bits turns last-bit differences upstream into whole "
+                   "steps); tests/e2e/test_weights_quality.py")
+FP32_INELIGIBLE = "needs a float32 copy of every weight (4 bytes a weight against the mode's 1 or 0.5)"
+
+
+def quant_routes(mode: str, int8: Int8Linear | None, int4: Int4Linear | None = None) -> dict[str, QuantRoute]:
+    """Every route of `mode` ("int8" / "int4") this machine can run: the C kernel's paths this CPU has (with int4,
+    each int4 path takes int8's path of the same name for the int8 lm_head), and torch's kernels."""
+    routes: dict[str, QuantRoute] = {}
+    kernel = int4 if mode == "int4" else int8
+    if kernel is not None:
+        for isa in kernel.supported():
+            family = "exact" if isa in ("avx2", "avx512") else isa
+            ineligible = VNNI_INELIGIBLE if isa == "vnni" else ""
+            partner = int8.with_isa(isa) if mode == "int4" and int8 is not None and int8.supports(isa) else None
+            routes[f"{mode}-{isa}"] = QuantRoute(f"{mode}-{isa}", family, **(
+                {"int4": kernel.with_isa(isa), "int8": partner} if mode == "int4" else {"int8": kernel.with_isa(isa)}),
+                ineligible=ineligible)
+    routes["torch-fp32"] = QuantRoute("torch-fp32", "torch-fp32", ineligible=FP32_INELIGIBLE)
+    if _dynq_engine():
+        routes["torch-dynq"] = QuantRoute("torch-dynq", "torch-dynq", ineligible=DYNQ_INELIGIBLE)
+    return routes
+
+
+def route_missing(mode: str, name: str, int8: Int8Linear | None, int4: Int4Linear | None = None) -> str:
+    """Why route `name` of `mode` cannot run here ("" when it can)."""
+    if name in quant_routes(mode, int8, int4):
+        return ""
+    kernel = int4 if mode == "int4" else int8
+    prefix, _, isa = name.partition("-")
+    if prefix != mode or not isa:
+        return (f"{ROUTE_ENV}={name!r} is not a route of --weights {mode} (routes: "
+                f"{', '.join([*(f'{mode}-{i}' for i in Int8Linear.PATHS), 'torch-fp32', 'torch-dynq'])})")
+    if kernel is None:
+        return f"the {mode} C kernel could not be built here (no C compiler, or a failed build)"
+    return kernel.missing(isa)
+
 class MatmulPolicy:
-    """`linear(x, w, backend)` = x @ w.T; `backend(num_tokens)` says how a step multiplies."""
+    """`linear(x, w, backend)` = x @ w.T; `backend(num_tokens)` says how a step multiplies float weights, `qroutes`
+    how it multiplies quantized ones (a QuantRoute and whether it splits over two threads, per bucket)."""
 
     def __init__(self, buckets: dict[int, Backend], helper: _Helper | None = None, int8: Int8Linear | None = None,
                  int8_split: dict[int, bool] | None = None, native: Int8Linear | None = None,
-                 int4: Int4Linear | None = None):
+                 int4: Int4Linear | None = None, qroutes: dict[int, tuple[QuantRoute, bool]] | None = None,
+                 timings: dict[int, dict[str, float]] | None = None, chosen: str = ""):
         self.buckets = buckets
         self.int8 = int8  # the native int8 kernel for QWeight products; None: torch (dequantize, then F.linear)
         self.int4 = int4  # the native 4-bit kernel for Q4Weight products; None: torch (dequantize, then F.linear)
         self.native = native or int8  # the native kernels' library, for Backend.NATIVE2 (None: numpy serves)
-        # bucket -> split a QWeight's (or Q4Weight's) product's output channels over two threads
+        # bucket -> split a quantized product's output channels over two threads (the default route's)
         self.int8_split = int8_split or {}
-        wants_helper = Backend.NUMPY2 in buckets.values() or any(self.int8_split.values())
+        mode, kernel = ("int4", int4) if int4 is not None else ("int8", int8)
+        default = QuantRoute(f"{mode}-{kernel.isa}" if kernel is not None else "torch", "exact", int8=int8, int4=int4)
+        self.qroutes = qroutes or {b: (default, self.int8_split.get(b, False)) for b in BUCKETS}
+        self.timings = timings or {}  # bucket -> {candidate: best seconds} from the calibration
+        self.chosen = chosen  # how the routes were chosen (timed now, read from the cache, forced)
+        wants_helper = Backend.NUMPY2 in buckets.values()
         self._helper = helper or (_Helper() if wants_helper else None)
 
     def helper(self) -> _Helper:
@@ -162,44 +285,54 @@ class MatmulPolicy:
 
     @classmethod
     def calibrate_int8(cls, weights: QWeight | list[QWeight], int8: Int8Linear | None) -> MatmulPolicy:
-        """For int8 weights: time the native kernel on one thread against two (output channels halved) per bucket,
-        each candidate running over all of `weights` (every layer's: a real step streams them from memory, where
-        one matrix alone would sit in the cache and make a second thread look useless)."""
-        policy = cls.fixed(Backend.TORCH)
-        if int8 is None:
-            return policy
-        policy.int8 = int8
-        if (os.cpu_count() or 1) >= 2:
-            policy.int8_split = _time_split(weights, policy._qlinear)
-        return policy
+        """For int8 weights: calibrate_quant over int8's routes."""
+        return cls.calibrate_quant("int8", weights, int8)
 
     @classmethod
     def calibrate_int4(cls, weights: Q4Weight | list[Q4Weight], int4: Int4Linear | None,
                        int8: Int8Linear | None = None) -> MatmulPolicy:
-        """For 4-bit weights: as calibrate_int8, with engine/int4_linear.c on the fastest path this CPU runs; `int8`
-        multiplies the int8 lm_head that goes with them."""
-        policy = cls.fixed(Backend.TORCH)
-        policy.int8 = int8
-        if int4 is None:
-            return policy
-        policy.int4 = int4
-        if (os.cpu_count() or 1) >= 2:
-            policy.int8_split = _time_split(weights, policy._q4linear)
-        return policy
+        """For 4-bit weights: calibrate_quant over int4's routes; `int8` multiplies the int8 lm_head that goes with
+        them (on the int8 path of the int4 route's name)."""
+        return cls.calibrate_quant("int4", weights, int8, int4)
 
-    def _q4linear(self, x: torch.Tensor, w: Q4Weight, split: bool | None = None) -> torch.Tensor:
-        """x [T, K] float32 @ 4-bit w [N, K] -> [T, N] float32; split: over two threads (None: as calibrated)."""
-        if self.int4 is None:  # fallback: the same product in torch, the weight widened on the fly
-            return F.linear(x, w.dequantize().to(x.dtype))
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], w.num_out, dtype=torch.float32)
-        if split is None:
-            split = self.int8_split.get(self._bucket(x.shape[0]), False)
-        if split:
-            self.int4.linear2(x, w, out)
-        else:
-            self.int4.linear(x, w, out)
-        return out
+    @classmethod
+    def calibrate_quant(cls, mode: str, weights, int8: Int8Linear | None, int4: Int4Linear | None = None,
+                        use_cache: bool | None = None) -> MatmulPolicy:
+        """The routes of a quantized mode, per bucket. TOKENLOOP_MATMUL_ROUTE forces one for every bucket (an
+        error names why when it cannot run here). Otherwise every route this machine runs (quant_routes) is timed
+        per bucket, each over all of `weights` (every layer's gate_up: a real step streams them from memory) up to
+        COLD_TOKENS rows and over the first beyond; the C routes on one thread and on two up to INT8_TIMED_TOKENS
+        rows, on two beyond. Then one family is kept for every bucket (so a row gets the same bits alone and in any
+        batch): the eligible family whose per-bucket best is closest to the overall best (the sum over buckets of
+        log(family best / overall best)), and in each bucket its fastest route. The choice and the times are cached
+        per CPU (model and flags), kernel build, mode and weight shapes in the kernels' cache directory, so later
+        starts skip the timing (TOKENLOOP_MATMUL_CACHE=off: time at every start)."""
+        weights = weights if isinstance(weights, list) else [weights]
+        kernel = int4 if mode == "int4" else int8
+        routes = quant_routes(mode, int8, int4)
+        forced = os.environ.get(ROUTE_ENV, "").strip()
+        if forced:
+            missing = route_missing(mode, forced, int8, int4)
+            if missing:
+                raise RuntimeError(missing)
+            split = (os.cpu_count() or 1) >= 2
+            return cls(dict.fromkeys(BUCKETS, Backend.TORCH), int8=int8, int4=int4,
+                       qroutes={b: (routes[forced], split) for b in BUCKETS}, chosen=f"forced by {ROUTE_ENV}")
+        if kernel is None:  # without the C kernel: torch multiplies by the weight widened on the fly
+            return cls(dict.fromkeys(BUCKETS, Backend.TORCH), int8=int8, int4=int4)
+        use_cache = os.environ.get(CACHE_ENV, "").lower() != "off" if use_cache is None else use_cache
+        path = cache_dir() / f"matmul-{mode}-{_cache_key(mode, weights, kernel)}.json"
+        record = _read_record(path, routes) if use_cache else None
+        chosen = f"cached in {path}"
+        if record is None:
+            started = time.perf_counter()
+            record = _choose(_time_routes(routes, weights), routes)
+            chosen = f"timed in {time.perf_counter() - started:.1f} s"
+            if use_cache:
+                _write_record(path, record)
+        qroutes = {b: (routes[name], split) for b, (name, split) in record["buckets"].items()}
+        return cls(dict.fromkeys(BUCKETS, Backend.TORCH), int8=int8, int4=int4, qroutes=qroutes,
+                   timings=record["times"], chosen=chosen)
 
     def _bucket(self, num_tokens: int) -> int:
         for b in BUCKETS:
@@ -210,27 +343,15 @@ class MatmulPolicy:
     def backend(self, num_tokens: int) -> Backend:
         return self.buckets[self._bucket(num_tokens)]
 
-    def _qlinear(self, x: torch.Tensor, w: QWeight, split: bool | None = None) -> torch.Tensor:
-        """x [T, K] float32 @ int8 w [N, K] -> [T, N] float32; split: over two threads (None: as calibrated)."""
-        if self.int8 is None:  # fallback: the same product in torch, the weight widened on the fly
-            return F.linear(x, w.dequantize().to(x.dtype))
-        x = x.contiguous()
-        num_out = w.num_out
-        out = torch.empty(x.shape[0], num_out, dtype=torch.float32)
-        if split is None:
-            split = self.int8_split.get(self._bucket(x.shape[0]), False)
-        if split:  # the kernel's own worker thread takes half the channels (no Python hand-over)
-            self.int8.linear2(x, w, out)
-        else:
-            self.int8.linear(x, w, out)
-        return out
+    def route(self, num_tokens: int) -> tuple[QuantRoute, bool]:
+        """The quantized products' route for a step of `num_tokens` rows, and whether it splits over two threads."""
+        return self.qroutes[self._bucket(num_tokens)]
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor | QWeight, backend: Backend) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor | QWeight | Q4Weight, backend: Backend) -> torch.Tensor:
         """x: [T, D_in], w: [D_out, D_in] -> [T, D_out]."""
-        if isinstance(w, QWeight):
-            return self._qlinear(x, w)
-        if isinstance(w, Q4Weight):
-            return self._q4linear(x, w)
+        if isinstance(w, (QWeight, Q4Weight)):
+            route, split = self.route(x.shape[0])
+            return route.product(x, w, split)
         if backend is Backend.NATIVE2 and self.native is not None and w.dtype == torch.float32 and w.is_contiguous():
             x = x.contiguous()
             out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
@@ -244,13 +365,102 @@ class MatmulPolicy:
         return torch.from_numpy(np.matmul(x_np, w.numpy().T))
 
     def describe(self) -> str:
-        if self.int4 is not None:
-            return f"int4 native kernel ({self.int4.isa}), " + ", ".join(
-                f"<={b}: {'2 threads' if self.int8_split.get(b) else '1 thread'}" for b in BUCKETS)
-        if self.int8 is not None:
-            return "int8 native kernel, " + ", ".join(
-                f"<={b}: {'2 threads' if self.int8_split.get(b) else '1 thread'}" for b in BUCKETS)
-        return ", ".join(f"<={b}: {backend.value}" for b, backend in self.buckets.items())
+        """The float backends per bucket; with quantized weights, each bucket's route, threads and the times of
+        every candidate (ms, * = not eligible), and how the routes were chosen."""
+        if self.int8 is None and self.int4 is None and not self.timings:
+            return ", ".join(f"<={b}: {backend.value}" for b, backend in self.buckets.items())
+        parts = []
+        for b in BUCKETS:
+            route, split = self.qroutes[b]
+            times = self.timings.get(b, {})
+            timed = "; ".join(f"{name} {t * 1e3:.2f}" for name, t in sorted(times.items(), key=lambda kv: kv[1]))
+            parts.append(f"<={b}: {route.name} {'2 threads' if split else '1 thread'}" + (f" ({timed})" if timed else ""))
+        return f"routes ({self.chosen or 'default'}; ms per pass over the timed weights, * not eligible): " + \
+            ", ".join(parts)
+
+
+def _candidate(name: str, split: bool) -> str:
+    return f"{name}/{'2t' if split else '1t'}"
+
+
+def _time_routes(routes: dict[str, QuantRoute], weights: list) -> dict[int, dict[str, float]]:
+    """bucket -> {candidate ("route/2t"): best seconds over the bucket's weights}. The portable C path is timed only
+    where it is the only C path (it is the fallback, minutes behind the SIMD paths on big steps)."""
+    two = (os.cpu_count() or 1) >= 2
+    c_routes = [r for r in routes.values() if r.int8 is not None or r.int4 is not None]
+    if len(c_routes) > 1:
+        c_routes = [r for r in c_routes if not r.name.endswith("-portable")]
+    times = {}
+    with torch.inference_mode():
+        for b in BUCKETS:
+            over = weights if b <= COLD_TOKENS else weights[:1]
+            x = torch.randn(b, weights[0].shape[1])
+            candidates = {}
+            for route in c_routes:
+                for split in ((False, True) if two and b <= INT8_TIMED_TOKENS else (two,)):
+                    candidates[_candidate(route.name, split) + ("*" if route.ineligible else "")] = \
+                        lambda r=route, s=split, x=x, over=over: [r.product(x, w, s) for w in over]
+            for route in routes.values():
+                if route not in c_routes and route.family.startswith("torch"):
+                    candidates[_candidate(route.name, False) + ("*" if route.ineligible else "")] = \
+                        lambda r=route, x=x, over=over: [r.product(x, w, False) for w in over]
+            eligible = {c: fn for c, fn in candidates.items() if not c.endswith("*")}
+            times[b] = _timings(eligible, rounds=3 if len(over) > 1 or b < 256 else 1)
+            # the routes it cannot choose are timed once, for the log: start-up time goes to the choice
+            times[b].update(_timings({c: fn for c, fn in candidates.items() if c not in eligible}, rounds=1))
+    for route in routes.values():
+        route._copies.clear()  # the library routes' copies of the weights were for the timing only
+    return times
+
+
+def _choose(times: dict[int, dict[str, float]], routes: dict[str, QuantRoute]) -> dict:
+    """One family for every bucket (the eligible family closest to the overall best, see calibrate_quant), then
+    each bucket's fastest candidate of it."""
+    def parse(candidate):
+        name, _, threads = candidate.rstrip("*").partition("/")
+        return routes[name], threads == "2t"
+    eligible = {b: {c: t for c, t in ts.items() if not c.endswith("*")} for b, ts in times.items()}
+    families = {parse(c)[0].family for ts in eligible.values() for c in ts}
+
+    def cost(family):
+        return sum(math.log(min(t for c, t in ts.items() if parse(c)[0].family == family) / min(ts.values()))
+                   for ts in eligible.values())
+    family = min(sorted(families, key=lambda f: f != "exact"), key=cost)
+    buckets = {}
+    for b, ts in eligible.items():
+        best = min((c for c in ts if parse(c)[0].family == family), key=ts.get)
+        route, split = parse(best)
+        buckets[b] = (route.name, split)
+    return {"family": family, "buckets": buckets, "times": times}
+
+
+def _cache_key(mode: str, weights: list, kernel) -> str:
+    what = [mode, cpu_id(), str(os.cpu_count()), torch.__version__, kernel.path.name, str(len(weights)),
+            *(f"{tuple(w.shape)}/{w.group_size}" for w in weights[:1])]
+    return hashlib.sha256("\0".join(what).encode()).hexdigest()[:16]
+
+
+def _read_record(path, routes: dict[str, QuantRoute]) -> dict | None:
+    try:
+        raw = json.loads(path.read_text())
+        record = {"family": raw["family"], "times": {int(b): ts for b, ts in raw["times"].items()},
+                  "buckets": {int(b): (name, bool(split)) for b, (name, split) in raw["buckets"].items()}}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if set(record["buckets"]) != set(BUCKETS) or any(n not in routes or routes[n].ineligible
+                                                     for n, _ in record["buckets"].values()):
+        return None
+    return record
+
+
+def _write_record(path, record: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache directory: time again next start
+        log.warning("matmul: cannot write the route cache %s: %s", path, exc)
 
 
 def set_blas_threads(num_threads: int) -> bool:
@@ -268,18 +478,3 @@ def set_blas_threads(num_threads: int) -> bool:
                 fn(ctypes.c_int(num_threads))
                 return True
     return False
-
-
-def _time_split(weights, product) -> dict[int, bool]:
-    """Per bucket: whether `product(x, w, split)` over all of `weights` is faster on two threads than on one (timed
-    up to INT8_TIMED_TOKENS rows; larger products are milliseconds of arithmetic, which two threads halve)."""
-    weights = weights if isinstance(weights, list) else [weights]
-    split = {}
-    with torch.inference_mode():
-        for b in BUCKETS:
-            if b > INT8_TIMED_TOKENS:
-                split[b] = True
-                continue
-            x = torch.randn(b, weights[0].shape[1])
-            split[b] = _fastest({s: lambda x=x, s=s: [product(x, w, s) for w in weights] for s in (False, True)})
-    return split

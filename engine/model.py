@@ -54,6 +54,10 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [S] rows whose next-token logits are wanted
     # rows start..end-1 run with a LoRA adapter (lora.LoraWeights); rows in no segment run the base model
     lora_segments: list[tuple[int, int, object]] = field(default_factory=list)
+    # embedding requests: rows whose final hidden states (after the final norm) `forward` puts in `hidden` [R, D]
+    hidden_rows: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    embeds: list[tuple[object, int]] = field(default_factory=list)  # (sequence, its rows in `hidden`), in row order
 
 
 @dataclass(slots=True)
@@ -171,6 +175,7 @@ class Model:
             act = (F.silu(gate) * up).contiguous()
             down = linear(act, w.down, backend)
             h = h + (add_lora(down, act, loras, i, "down") if loras else down)
+        self._final_hidden(h, batch)
         x = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [S, D]
         return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
 
@@ -209,10 +214,17 @@ class Model:
             down = linear(act, w.down, backend)
             delta = add_lora(down, act, loras, i, "down") if loras else down
         h.add_(delta)
+        self._final_hidden(h, batch)
         rows = h[batch.logits_rows]  # [S, D]
         x = torch.empty_like(rows)
         ops.add_rms_norm(rows, None, self.norm, eps, x)
         return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
+
+    def _final_hidden(self, h: torch.Tensor, batch: ForwardBatch) -> None:
+        """The embedding rows' hidden states after the final norm (transformers' last_hidden_state) into
+        `batch.hidden`."""
+        if batch.hidden_rows is not None:
+            batch.hidden = rms_norm(h[batch.hidden_rows], self.norm, self.config.rms_norm_eps)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Copy whole blocks (index_select on [num_blocks, block_size*K*E] rows is ~5x faster than

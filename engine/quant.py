@@ -23,18 +23,24 @@ GROUP_SIZE = 32
 PACK = 32  # output channels interleaved per column
 
 
+class _Packed:
+    """What QWeight and Q4Weight share: `q` packed [N32, K, ...] and `num_out` channels of them are real."""
+
+    __slots__ = ()
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_out, self.q.shape[1]))
+
+
 @dataclass(frozen=True, slots=True)
-class QWeight:
+class QWeight(_Packed):
     """An int8 weight of `num_out` x K: packed q [N32, K, 32] int8 and scale [N32, K // group_size, 32] float32."""
 
     q: torch.Tensor
     scale: torch.Tensor
     group_size: int
     num_out: int
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.num_out, self.q.shape[1]))
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, K] int8, scale [N, K // group_size] float32), one row per output channel."""
@@ -55,14 +61,19 @@ def group_size_for(num_in: int, group_size: int = GROUP_SIZE) -> int:
     return group_size if num_in % group_size == 0 else num_in
 
 
-def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE) -> QWeight:
-    """w [N, K] float -> QWeight, symmetric, one scale per output channel and group of columns."""
+def _groups(w: torch.Tensor, group_size: int) -> tuple[int, int, int, int, torch.Tensor]:
+    """(N, K, G, N32, w as float32 [N32 * 32, K / G, G], the channels past N zero)."""
     n, k = w.shape
     g = group_size_for(k, group_size)
     nb = -(-n // PACK)
     padded = torch.zeros(nb * PACK, k, dtype=torch.float32)
     padded[:n] = w.float()
-    groups = padded.view(nb * PACK, k // g, g)
+    return n, k, g, nb, padded.view(nb * PACK, k // g, g)
+
+
+def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE) -> QWeight:
+    """w [N, K] float -> QWeight, symmetric, one scale per output channel and group of columns."""
+    n, k, g, nb, groups = _groups(w, group_size)
     amax = groups.abs().amax(dim=-1)  # [NB*32, K / g]
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(groups / scale[:, :, None]).clamp_(-127, 127).to(torch.int8).view(nb, PACK, k)
@@ -74,7 +85,7 @@ def qweight(w: torch.Tensor) -> QWeight:
 
 
 @dataclass(frozen=True, slots=True)
-class Q4Weight:
+class Q4Weight(_Packed):
     """A 4-bit weight of `num_out` x K (`--weights int4`), llama.cpp's Q4_1 block: for output channel n and group g of
     `group_size` columns, w ~ d[n, g] * q + m[n, g] with q in 0..15, d = (max - min) / 15 and m = min over the group
     (`symmetric`: Q4_0-like, d = max|w| / -8 signed as llama.cpp does and m = -8 d, so zero is exact).
@@ -88,10 +99,6 @@ class Q4Weight:
     sm: torch.Tensor
     group_size: int
     num_out: int
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.num_out, self.q.shape[1]))
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [N, K] uint8 in 0..15, d [N, K // group_size] float32, m [N, K // group_size] float32)."""
@@ -113,12 +120,7 @@ def quantize4(w: torch.Tensor, group_size: int = GROUP_SIZE, symmetric: bool = F
     """w [N, K] float -> Q4Weight: per output channel and group of columns, Q4_1-like (scale and minimum) or, with
     `symmetric`, Q4_0-like (a scale alone). The levels are computed from the float16 scale and minimum as stored,
     so a weight already on a Q4_1 grid (the default checkpoint is a dequantized Q4_1 GGUF) comes back exactly."""
-    n, k = w.shape
-    g = group_size_for(k, group_size)
-    nb = -(-n // PACK)
-    padded = torch.zeros(nb * PACK, k, dtype=torch.float32)
-    padded[:n] = w.float()
-    groups = padded.view(nb * PACK, k // g, g)
+    n, k, g, nb, groups = _groups(w, group_size)
     if symmetric:  # llama.cpp's Q4_0: the value of largest magnitude maps to -8 exactly
         idx = groups.abs().argmax(dim=-1, keepdim=True)
         d = (groups.gather(-1, idx).squeeze(-1) / -8.0).half()

@@ -47,7 +47,9 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
 def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[ForwardBatch, list[Sequence]]:
     """Flat batch for `scheduled` (sequence, number of new tokens); decodes first, then prefill chunks.
 
-    Returns the batch and the sequences that sample after it (those whose last token is computed).
+    Returns the batch and the sequences that sample after it (those whose last token is computed). Embedding
+    sequences sample nothing: their rows go to `batch.hidden_rows` (every new row for mean pooling, the last prompt
+    row for last) and `batch.embeds`.
     """
     by_adapter = lambda item: item[0].lora.uid if item[0].lora is not None else 0  # noqa: E731 - rows of one adapter side by side
     decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=by_adapter)
@@ -57,6 +59,7 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
                       key=lambda p: (by_adapter(p), p[0].num_computed_tokens == 0, p[1], p[0].num_computed_tokens))
     ids, positions, slots = [], [], []
     samplers, logits_rows = [], []
+    hidden_rows, embeds = [], []
     segments: list[tuple[int, int, object]] = []  # (first row, end row, adapter): consecutive rows of one adapter
     for seq, n in decodes + prefills:
         start = seq.num_computed_tokens
@@ -68,7 +71,13 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
         ids.extend(seq.token_ids[start:start + n])
         positions.extend(range(start, start + n))
         slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        if start + n == len(seq.token_ids):
+        if seq.embed is not None:
+            rows = range(len(ids) - n, len(ids)) if seq.embed.pooling == "mean" else \
+                range(len(ids) - 1, len(ids)) if start + n == len(seq.token_ids) else range(0)
+            if rows:
+                hidden_rows.extend(rows)
+                embeds.append((seq, len(rows)))
+        elif start + n == len(seq.token_ids):
             samplers.append(seq)
             logits_rows.append(len(ids) - 1)
     groups = []
@@ -91,12 +100,19 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long), groups=groups,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long), lora_segments=segments)
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long), lora_segments=segments,
+        hidden_rows=torch.tensor(hidden_rows, dtype=torch.long) if hidden_rows else None, embeds=embeds)
     return batch, samplers
 
 
-def run(model: Model, scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[torch.Tensor, list[Sequence]]:
-    """Forward `scheduled`; returns logits [S, V] for the sequences that sample, and those sequences."""
+def run(model: Model, scheduled: list[tuple[Sequence, int]],
+        block_size: int) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
+    """Forward `scheduled`; returns logits [S, V] for the sequences that sample, those sequences, and each embedding
+    sequence with its new rows' final hidden states [n, D] (to pool)."""
     batch, samplers = prepare(scheduled, block_size)
     logits = model.forward(batch)
-    return logits, samplers
+    pooled, row = [], 0
+    for seq, n in batch.embeds:
+        pooled.append((seq, batch.hidden[row:row + n]))
+        row += n
+    return logits, samplers, pooled

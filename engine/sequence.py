@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.request import FinishReason, ValidRequest
+from ..core.request import EmbedParams, FinishReason, ValidRequest
 
 _seq_ids = itertools.count()
 
@@ -41,12 +41,13 @@ class Sequence:
     generator: torch.Generator | None = None
     matcher: object | None = None  # llguidance.LLMatcher of a `structured` request: what may come next
     lora: object | None = None  # lora.LoraWeights of a request that names an adapter; None: the base model
-
+    embed: EmbedParams | None = None  # an embedding request's pooling: it samples nothing (ValidRequest.embed)
+    pooled: torch.Tensor | None = None  # [D] float32: the last token's final hidden state, or the sum over the prompt
 
     @classmethod
     def from_request(cls, executor_id: int, seq_index: int, request: ValidRequest) -> Sequence:
         prompt = list(request.prompt_token_ids)
-        seq = cls(executor_id, seq_index, prompt, len(prompt), request)
+        seq = cls(executor_id, seq_index, prompt, len(prompt), request, embed=request.embed)
         if not request.sampling.greedy:
             # each sequence of a request draws from its own stream: seed, seq_index -> generator
             seq.generator = torch.Generator().manual_seed((request.sampling.seed * 1_000_003 + seq_index) % (1 << 63))
@@ -71,6 +72,30 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def reuses_prefix(self) -> bool:
+        """Whether cached blocks may stand in for its leading tokens: not for a mean-pooled embedding, which needs
+        every prompt token's hidden state (a cached block has only its K/V)."""
+        return self.embed is None or self.embed.pooling != "mean"
+
+    def pool(self, hidden: torch.Tensor) -> None:
+        """Take the final hidden states [n, D] of an embedding's tokens just computed (all of them for mean pooling,
+        the last prompt token's for last)."""
+        rows = hidden.float()
+        if self.embed.pooling == "mean":
+            total = rows.sum(0)
+            self.pooled = total if self.pooled is None else self.pooled + total
+        else:
+            self.pooled = rows[-1]
+
+    def embedding(self) -> list[float]:
+        """The pooled vector once the whole prompt is computed: the mean (over every prompt token) or the last
+        token's state, L2-normalized when asked."""
+        vec = self.pooled / self.num_prompt_tokens if self.embed.pooling == "mean" else self.pooled
+        if self.embed.normalize:
+            vec = torch.nn.functional.normalize(vec, dim=0)
+        return vec.tolist()
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -82,3 +107,4 @@ class Sequence:
         self.block_table = []
         self.num_cached_blocks = 0
         self.status = SequenceStatus.WAITING
+        self.pooled = None  # an embedding pools again from its recomputed states

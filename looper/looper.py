@@ -21,7 +21,7 @@ from tokenloop.core.request import ValidRequest
 from tokenloop.core.threads import name_this_thread
 
 from .detokenizer import Decoder
-from .outputs import RequestState
+from .outputs import APPLY, Outgoing, RequestState
 from .stream import ErrorKind, Event, RequestFailed, RequestStream
 
 log = logging.getLogger("tokenloop.looper")
@@ -47,8 +47,8 @@ class Looper:
         self.can_pause = abilities.pause
         self._death_callback = abilities.death_callback
         self._in_flight: dict[int, RequestState] = {}  # executor id -> state (looper thread only)
-        self._outbox: dict[RequestStream, list] = {}  # stream -> [events, done, error] (looper thread only)
-        self._handoff: dict[RequestStream, list] = {}  # the same, awaiting the event loop (under _handoff_lock)
+        self._outbox: dict[RequestStream, Outgoing] = {}  # stream -> what its next hand-off pushes (looper thread)
+        self._handoff: dict[RequestStream, Outgoing] = {}  # the same, awaiting the event loop (under _handoff_lock)
         self._handoff_lock = threading.Lock()
         self._handoff_scheduled = False  # a _deliver is queued on the event loop
         self._delivered = threading.Event()  # set when the event loop has taken the last hand-off
@@ -138,8 +138,9 @@ class Looper:
             items, self._handoff = self._handoff, {}
             self._handoff_scheduled = False
             self._delivered.set()
-        for stream, (events, done, error) in items.items():
-            stream.push(events, done, error)
+        for stream, entry in items.items():
+            done, error = entry.done, entry.error
+            stream.push(entry.events, done, error)
             if (done or error is not None) and self._streams.get(stream.request.request_id) is stream:
                 del self._streams[stream.request.request_id]
 
@@ -230,15 +231,15 @@ class Looper:
             if state is None:
                 continue
             # the common decode step, inline: one chunk queued for the stream's next hand-off
-            chunk = state.decode(step, now) if step.error is None and not state.closed else False
-            if chunk is False:
+            chunk = state.decode(step, now) if step.error is None and not state.closed else APPLY
+            if chunk is APPLY:
                 self._apply(state, step, now)
             elif chunk is not None:
                 entry = outbox.get(state.stream)
                 if entry is None:
-                    outbox[state.stream] = [[chunk], False, None]
+                    outbox[state.stream] = Outgoing([chunk])
                 else:
-                    entry[0].append(chunk)
+                    entry.events.append(chunk)
 
     def _apply(self, state: RequestState, step: Step, now: float) -> None:
         if step.error is not None:  # the executor failed this request (and only it)
@@ -275,12 +276,12 @@ class Looper:
         """Queue events for the next hand-off; marks the request closed when it ends for the client."""
         entry = self._outbox.get(state.stream)
         if entry is None:
-            entry = self._outbox[state.stream] = [[], False, None]
-        entry[0] += events
+            entry = self._outbox[state.stream] = Outgoing([])
+        entry.events += events
         if error is not None:
-            entry[2] = error
+            entry.error = error
         if error is not None or state.num_open == 0:
-            entry[1] = True
+            entry.done = True
             state.closed = True
 
     def _fan_out(self) -> None:
@@ -338,14 +339,14 @@ class Looper:
                 self._fan_out()
 
 
-def _merge_outbox(into: dict[RequestStream, list], more: dict[RequestStream, list]) -> None:
+def _merge_outbox(into: dict[RequestStream, Outgoing], more: dict[RequestStream, Outgoing]) -> None:
     for stream, entry in more.items():
         old = into.get(stream)
         if old is None:
             into[stream] = entry
             continue
-        old[0] += entry[0]
-        old[1] = old[1] or entry[1]
-        if old[2] is None:
-            old[2] = entry[2]
+        old.events += entry.events
+        old.done = old.done or entry.done
+        if old.error is None:
+            old.error = entry.error
 

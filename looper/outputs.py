@@ -7,11 +7,32 @@ streaming, a `Complete` when the sequence ends).
 
 from __future__ import annotations
 
+from enum import Enum
+
 from tokenloop.core.executor import Step
 from tokenloop.core.request import FinishReason, ValidRequest
 
 from .detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
-from .stream import Chunk, Complete, Event, RequestStream, Timing, TokenLogprob
+from .stream import Chunk, Complete, Event, RequestFailed, RequestStream, Timing, TokenLogprob
+
+
+class NotDecode(Enum):
+    """`RequestState.decode`'s answer for a step that is not the common decode step: `apply` it instead."""
+
+    APPLY = "apply"
+
+
+APPLY = NotDecode.APPLY
+
+
+class Outgoing:
+    """What one stream's next hand-off pushes (an entry of the looper's outbox): events, whether the request ended
+    for the client, and the error that ended it."""
+
+    __slots__ = ("events", "done", "error")
+
+    def __init__(self, events: list[Event], done: bool = False, error: RequestFailed | None = None):
+        self.events, self.done, self.error = events, done, error
 
 
 class SequenceState:
@@ -73,15 +94,15 @@ class RequestState:
         return Timing(queue_s=max(0.0, self.t_enqueued - self.arrival), ttft_s=first - self.arrival,
                       total_s=now - self.arrival)
 
-    def decode(self, step: Step, now: float) -> Chunk | None | bool:
+    def decode(self, step: Step, now: float) -> Chunk | None | NotDecode:
         """The common decode step (new tokens, not final, no logprobs, no stop strings, sequence open):
-        its chunk, or None when the request does not stream. False: not such a step, use `apply`."""
+        its chunk, or None when the request does not stream. `APPLY`: not such a step, use `apply`."""
         seq = self.seqs[step.seq_index]
         ids = step.token_ids
         if step.num_cached_prompt_tokens is not None:
             seq.cached_prompt_tokens = step.num_cached_prompt_tokens
         if seq.per_token or seq.finished or step.is_final or not ids or step.logprobs is not None:
-            return False
+            return APPLY
         if not self.t_first:
             self.t_first = now
         text = seq.detok.push(ids)  # no stop strings here (per_token is False)
@@ -111,8 +132,11 @@ class RequestState:
             finish, stop_token = FinishReason.STOP_SEQUENCE, None
         elif step.is_final:
             text += seq.flush()
-        return self._emit(seq, text, new_ids, new_lps, finish if (matched or step.is_final) else None,
-                          matched, stop_token, now)
+        events = self._emit(seq, text, new_ids, new_lps, finish if (matched or step.is_final) else None,
+                            matched, stop_token, now)
+        if step.embedding is not None:  # an embedding request's one final step: its Complete carries the vector
+            events[-1].embedding = step.embedding
+        return events
 
     def cancel_all(self, now: float) -> list[Event]:
         """End every open sequence as CANCELLED (a request dropped before or after submission)."""

@@ -61,6 +61,7 @@ class Complete:
     matched_stop_token: int | None = None
     logprobs: list[TokenLogprob] | None = None
     cached_prompt_tokens: int = 0  # prompt tokens served from the executor's prefix cache
+    embedding: list[float] | None = None  # an embedding request's vector (ValidRequest.embed); no tokens, no text
 
     @property
     def completion_tokens(self) -> int:

@@ -2,8 +2,9 @@
 # Cluster demo (`make cluster-demo`): three tokenloop workers behind one Shepherd Model Gateway (SMG) router
 # with `--policy cache_aware`, on loopback.
 #
-# Each worker runs one engine thread (`--num-threads 1`) so three fit on a 2-core machine. SMG subscribes to
-# every worker's KV-cache events (trtllm.TrtllmService/SubscribeKvEvents) and routes each chat to the worker
+# Each worker runs one engine thread (`--num-threads 1`) so three fit on a 2-core machine. SMG detects the workers'
+# protocol (vLLM: tokenloop serves both of SMG's, docs/router.md), subscribes to every worker's KV-cache events
+# (vllm.grpc.engine.VllmEngine/SubscribeKvEvents) and routes each chat to the worker
 # that already holds its prompt's prefix. The demo sends two rounds of chats that share one of three system
 # prompts, prints which worker's prefix cache served them (each worker's /metrics), kills one worker with
 # SIGKILL on purpose (a crash, as the demo announces), shows that the router's next requests still succeed, then
@@ -68,6 +69,8 @@ PIDS+=($!)
 disown "$!"
 for _ in $(seq 1 600); do curl -sf "http://127.0.0.1:$ROUTER_PORT/readiness" >/dev/null && break; sleep 0.2; done
 curl -sf "http://127.0.0.1:$ROUTER_PORT/readiness" >/dev/null || fail "smg was not ready"
+echo "== the workers' protocol, as SMG detected it: $(curl -sf "http://127.0.0.1:$ROUTER_PORT/workers" | \
+    "$VENV/bin/python" -c 'import json, sys; print(sorted({w["runtime_type"] for w in json.load(sys.stdin)["workers"]}))')"
 
 "$VENV/bin/python" -u - "$ROUTER_PORT" "$BASE_PORT" "$MODEL" "${PIDS[1]}" <<'PY'
 import json, os, signal, sys, time, urllib.request

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Router demo (`make router-demo`): tokenloop behind the Shepherd Model Gateway (SMG) on loopback.
 #
-# Starts `tokenloop serve` (gRPC + Prometheus /metrics), starts `smg launch` in front of it, sends a
-# streaming OpenAI chat completion through SMG with curl, shows the load gauges, then stops both.
+# Starts `tokenloop serve` (gRPC + Prometheus /metrics), starts `smg launch` in front of it (no runtime type given:
+# SMG detects the worker's protocol, vLLM, since tokenloop serves both of SMG's; docs/router.md), shows the detected
+# protocol, sends a streaming OpenAI chat completion through SMG with curl, shows the load gauges, then stops both.
 #
 #   MODEL=models/SmolLM2-135M-Instruct   checkpoint directory (tokenloop loads the model, SMG its tokenizer)
 #   GRPC_PORT=50151                       tokenloop gRPC port (SMG's worker)
@@ -75,6 +76,9 @@ wait_for "smg" 120 "$SMG_PID" curl -sf "http://127.0.0.1:$ROUTER_PORT/readiness"
 MODEL_ID="$(curl -sf "http://127.0.0.1:$ROUTER_PORT/v1/models" | "$VENV/bin/python" -c \
     'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')"
 echo "== GET /v1/models -> $MODEL_ID"
+RUNTIME="$(curl -sf "http://127.0.0.1:$ROUTER_PORT/workers" | "$VENV/bin/python" -c \
+    'import json, sys; print(",".join(w["runtime_type"] for w in json.load(sys.stdin)["workers"]))')"
+echo "== GET /workers -> the worker's protocol, as SMG detected it: $RUNTIME"
 
 echo "== POST /v1/chat/completions (stream) through SMG"
 curl -sN "http://127.0.0.1:$ROUTER_PORT/v1/chat/completions" \

@@ -34,7 +34,14 @@ from .validation import Limits, Validator
 
 log = logging.getLogger("tokenloop.service")
 
-SERVICE_NAMES = ("tokenloop.v1.TextGeneration", "trtllm.TrtllmService")
+SERVICE_NAMES = ("tokenloop.v1.TextGeneration", "trtllm.TrtllmService", "vllm.grpc.engine.VllmEngine")
+ROUTER_SERVICES = {"trtllm": ("trtllm.TrtllmService",), "vllm": ("vllm.grpc.engine.VllmEngine",),
+                   "both": ("trtllm.TrtllmService", "vllm.grpc.engine.VllmEngine")}  # by --router-protocol
+
+
+def served_names(config: ServerConfig) -> tuple[str, ...]:
+    """The gRPC services this server answers (grpc.health names them): tokenloop.v1 and the router protocols."""
+    return SERVICE_NAMES[:1] + ROUTER_SERVICES[config.router_protocol]
 TOKENIZE_THREADS = 2  # threads that tokenize long inputs (App.tokenizing); more would only share the same cores
 # Grammars compile on threads of their own (service/compile_pool.py), and llguidance recurses ~3 KB of stack per nested
 # grammar rule: a GBNF chain of 3,000 rules overflowed the default 8 MB and killed the process. 256 MB holds the
@@ -83,7 +90,7 @@ class App:
     # -- lifecycle -------------------------------------------------------------------------
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("",) + SERVICE_NAMES:
+        for name in ("",) + served_names(self.config):
             await self.health.set(name, status)
 
     def load_model(self) -> None:

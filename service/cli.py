@@ -14,7 +14,7 @@ from .startup import StartupError, check_startup
 # flags handed to the executor factory as keyword arguments when given
 ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens", "max_batch_size", "dtype",
                 "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend", "weights",
-                "max_lora_rank")
+                "max_lora_rank", "embed_pooling", "embed_normalize")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
                 "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size",
@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="largest gRPC message received")
     s.add_argument("--kv-events-heartbeat", type=float, default=d.kv_events_heartbeat,
                    help="SubscribeKvEvents: seconds between load-only batches while the engine is idle")
+    s.add_argument("--router-protocol", choices=("both", "vllm", "trtllm"), default=d.router_protocol,
+                   help="smg's worker protocols served beside tokenloop.v1: vllm.grpc.engine.VllmEngine, "
+                        "trtllm.TrtllmService, or both (smg then detects vLLM; docs/router.md)")
     s.add_argument("--stall-timeout", type=float, default=d.stall_timeout,
                    help="abort a stream whose reader stopped reading for this long (0: never)")
     s.add_argument("--slow-reader-grace", type=float, default=d.slow_reader_grace,
@@ -148,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
                         "auto: native where it compiles")
     e.add_argument("--matmul-backend", choices=("auto", "torch", "numpy", "numpy2"), default=None,
                    help="who multiplies the weights; auto: timed at start-up per batch size")
+    e.add_argument("--embed-pooling", choices=("last", "mean"), default=None,
+                   help="Embed requests that name no pooling: the last prompt token's final hidden state or the mean "
+                        "over the prompt (default: the model's sentence-transformers config, else last; docs/engine.md)")
+    e.add_argument("--embed-normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="Embed requests that do not say: scale the vector to unit L2 norm (default: the model's "
+                        "sentence-transformers config, else on)")
     t = s.add_argument_group("TensorRT-LLM (--backend trtllm)")
     t.add_argument("--trtllm-api", choices=("auto", "llm", "executor"), default=None,
                    help="TensorRT-LLM's LLM API or its C++ executor (auto: whichever is installed, LLM API first)")
@@ -184,7 +193,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
         slow_reader_grace=args.slow_reader_grace, max_queue_wait=args.max_queue_wait,
-        kv_events_heartbeat=args.kv_events_heartbeat,
+        kv_events_heartbeat=args.kv_events_heartbeat, router_protocol=args.router_protocol,
         stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
         front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,
         log_format=args.log_format, max_stop_strings=args.max_stop_strings,

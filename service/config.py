@@ -21,7 +21,28 @@ def parse_lora_flag(value: str) -> tuple[str, str]:
     return name, path
 
 
+ROUTER_PROTOCOLS = ("both", "vllm", "trtllm")  # --router-protocol
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
+
+
+# Flags with a lower bound: (field, the least value, whether it must be greater, what the message adds)
+_AT_LEAST = (
+    ("max_queue", 0, False, ""),
+    ("stall_timeout", 0, False, " (0: never)"),
+    ("slow_reader_grace", 0, False, " (0: off)"),
+    ("max_queue_wait", 0, False, " (0: no bound)"),
+    ("shutdown_grace", 0, False, ""),
+    ("kv_events_heartbeat", 0, True, ""),
+    ("stream_interval", 1, False, ""),
+    ("tokenize_inline_chars", 0, False, ""),
+    ("max_stop_token_ids", 0, False, ""),
+    ("max_detokenize_ids", 0, False, " (0: the model's context length)"),
+    ("max_grammar_bytes", 1, False, ""),
+    ("grammar_compile_timeout", 0, True, ""),
+    ("grammar_cache_size", 0, False, ""),
+    ("grammar_compile_workers", 1, False, ""),
+    ("max_grammar_compiles_waiting", 0, False, ""),
+)
 
 
 @dataclass(slots=True)
@@ -53,6 +74,7 @@ class ServerConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     poll_timeout: float = 0.02
     kv_events_heartbeat: float = 1.0  # SubscribeKvEvents: seconds between load-only batches while idle
+    router_protocol: str = "both"  # smg's worker protocols served: both | vllm | trtllm (docs/router.md)
     stall_timeout: float = 60.0  # a stream whose reader stops reading this long is aborted (0: never)
     slow_reader_grace: float = 1.0  # a stream whose writes stall this long gives back its slot, generation paused (0: off)
     max_queue_wait: float = 30.0  # seconds a request may wait for a slot before RESOURCE_EXHAUSTED (0: no bound)
@@ -88,37 +110,14 @@ class ServerConfig:
         if self.max_concurrent_requests < 1:
             raise ValueError("--max-concurrent-requests must be >= 1")
         _check_limits(self)
-        if self.max_queue < 0:
-            raise ValueError("--max-queue must be >= 0")
-        if not self.stall_timeout >= 0:
-            raise ValueError("--stall-timeout must be >= 0 (0: never)")
-        if not self.slow_reader_grace >= 0:
-            raise ValueError("--slow-reader-grace must be >= 0 (0: off)")
-        if not self.max_queue_wait >= 0:
-            raise ValueError("--max-queue-wait must be >= 0 (0: no bound)")
-        if self.shutdown_grace < 0:
-            raise ValueError("--shutdown-grace must be >= 0")
-        if not self.kv_events_heartbeat > 0:
-            raise ValueError("--kv-events-heartbeat must be > 0")
-        if self.stream_interval < 1:
-            raise ValueError("--stream-interval must be >= 1")
-        if self.tokenize_inline_chars < 0:
-            raise ValueError("--tokenize-inline-chars must be >= 0")
+        if self.router_protocol not in ROUTER_PROTOCOLS:
+            raise ValueError(f"--router-protocol must be one of {', '.join(ROUTER_PROTOCOLS)}; "
+                             f"got {self.router_protocol!r}")
         check_spec(self.front_cpu)
-        if self.max_stop_token_ids < 0:
-            raise ValueError("--max-stop-token-ids must be >= 0")
-        if self.max_detokenize_ids < 0:
-            raise ValueError("--max-detokenize-ids must be >= 0 (0: the model's context length)")
-        if self.max_grammar_bytes < 1:
-            raise ValueError("--max-grammar-bytes must be >= 1")
-        if not self.grammar_compile_timeout > 0:
-            raise ValueError("--grammar-compile-timeout must be > 0")
-        if self.grammar_cache_size < 0:
-            raise ValueError("--grammar-cache-size must be >= 0")
-        if self.grammar_compile_workers < 1:
-            raise ValueError("--grammar-compile-workers must be >= 1")
-        if self.max_grammar_compiles_waiting < 0:
-            raise ValueError("--max-grammar-compiles-waiting must be >= 0")
+        for name, least, strict, note in _AT_LEAST:
+            value = getattr(self, name)
+            if not (value > least if strict else value >= least):
+                raise ValueError(f"--{name.replace('_', '-')} must be {'>' if strict else '>='} {least}{note}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"--log-format must be 'text' or 'json'; got {self.log_format!r}")
         if bool(self.tls_cert) != bool(self.tls_key):

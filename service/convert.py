@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from tokenloop.core.request import ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, Event, TokenLogprob
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 
-def _logprobs(items: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+def logprob_messages(items: list[TokenLogprob] | None, token_logprob=pb.TokenLogprob,
+                     top_logprob=pb.TopLogprob) -> list:
+    """Log probabilities -> an API's messages (`token_logprob(token_id, logprob, top_logprobs)`; both APIs name
+    the fields alike: tokenloop.v1's by default, trtllm's passing its classes)."""
     if not items:
         return []
-    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                            top_logprobs=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+    return [token_logprob(token_id=lp.token_id, logprob=lp.logprob,
+                          top_logprobs=[top_logprob(token_id=t, logprob=p) for t, p in lp.top])
             for lp in items]
 
-
-def coalesce(batch: list[Event]) -> list[Event]:
-    """Merge consecutive chunks of one sequence that arrived together (a reader that fell behind)."""
-    out: list[Event] = []
-    for event in batch:
-        prev = out[-1] if out else None
-        if isinstance(event, Chunk) and isinstance(prev, Chunk) and prev.index == event.index:
-            out[-1] = _merge([prev, event])
-        else:
-            out.append(event)
-    return out
 
 
 def _merge(chunks: list[Chunk]) -> Chunk:
@@ -72,74 +62,122 @@ def _chunk_field(text: str, token_id: int) -> bytes:
     return _CHUNK_TAG + varint(len(body)) + body
 
 
-class StreamWriter:
-    """Events -> messages for one Generate call: ready chunks of a sequence go out as one message.
+class SequenceWriter:
+    """Looper events of one generation call -> one API's messages: the hold / merge / stream-interval logic of every
+    API, written once. A subclass (one per API) writes only its message constructors:
 
-    Every batch the looper handed over since the reader last asked is merged per sequence (a reader
-    that fell behind gets all ready tokens at once); with `interval` N > 1 a sequence's chunks are
-    held until N tokens are ready or it completes. `coalesce=False` sends one message per chunk.
+        encode_chunk(chunk, done) -> bytes | None   a chunk's serialized message (None: nothing to send); `done` is
+                                                    its sequence's Complete when the chunk is that sequence's last
+        encode_complete(done) -> bytes              a Complete's serialized message
+        message_chunk(chunk, done) / message_complete(done)   the same as protobuf messages (`messages()`)
 
-    `encode(batch)` is the servicer's path: the same messages already serialized, one `bytes` each (the
-    Generate method is registered without one: `servicer.add_text_generation`). The commonest
-    message, one token of sequence 0 with no logprobs, is the request's id field followed by a chunk
-    field that depends only on the token and its text: that field is built once per token id and kept in
-    a table shared by every stream (`_CHUNK_FIELDS`), so such a message costs one bytes concatenation.
-    Anything else is serialized from the refilled message of `stream()`.
+    Every batch the looper handed over since the reader last asked is merged per sequence (a reader that fell
+    behind gets all ready tokens at once, in one message); with `interval` N > 1 a sequence's chunks are held until
+    N tokens are ready or it completes (--stream-interval). `coalesce=False` sends one message per chunk.
+    `encode(batch)` is the front door's path (the Generate handler is registered without a response serializer:
+    frontdoor.add_with_raw_responses); `messages(batch)` returns independent protobuf messages."""
 
-    `stream(batch)` yields one message at a time and refills a single chunk message per call, so each
-    yielded chunk is valid only until the next one is asked for. `messages(batch)` returns independent
-    messages.
-    """
+    __slots__ = ("valid", "interval", "coalesce", "_held")
 
-    __slots__ = ("request", "interval", "coalesce", "_held", "_msg", "_msg_lps", "_prefix")
-
-    def __init__(self, request: ValidRequest, interval: int = 1, coalesce: bool = True):
-        self.request = request
-        self.interval = interval
+    def __init__(self, valid: ValidRequest, interval: int = 1, coalesce: bool = True):
+        self.valid = valid
+        self.interval = max(1, interval)
         self.coalesce = coalesce
         self._held: dict[int, list[Chunk]] = {}  # sequence index -> chunks not yet sent
-        self._msg: pb.GenerateResponse | None = None  # the chunk message that stream() refills
-        self._msg_lps = False  # whether that message holds logprobs (reading the field costs more than this)
-        self._prefix: bytes | None = None  # the serialized request_id field that starts every message
 
-    def messages(self, batch: list[Event]) -> list[pb.GenerateResponse]:
-        """The messages to send for one batch of events, in order per sequence."""
-        rid, request = self.request.request_id, self.request
-        return [chunk_message(rid, e) if type(e) is Chunk else complete_message(rid, e, request)
-                for e in self._plan(batch)]
+    def encode(self, batch: list[Event]) -> list[bytes]:
+        """The serialized messages for one batch of events, in order per sequence."""
+        return self._out(batch, self.encode_chunk, self.encode_complete)
 
-    def encode(self, batch: list[Event]) -> Iterator[bytes]:
-        """The messages of `stream(batch)`, serialized: byte for byte what protobuf would write."""
-        prefix = self._prefix
-        if prefix is None:
-            prefix = self._prefix = string_field(_REQUEST_ID_TAG, self.request.request_id)
-        fields = _CHUNK_FIELDS
-        for event in self._plan(batch):
-            if type(event) is Chunk and not event.index and not event.logprobs and len(event.token_ids) == 1:
-                token_id = event.token_ids[0]
-                known = fields.get(token_id)
-                if known is not None and known[0] == event.text:  # the common message: no protobuf at all
-                    yield prefix + known[1]
-                    continue
-                field = _chunk_field(event.text, token_id)
-                if known is None and len(fields) < _MAX_CHUNK_FIELDS:
-                    fields[token_id] = (event.text, field)
-                yield prefix + field
+    def messages(self, batch: list[Event]) -> list:
+        """The protobuf messages for one batch of events, in order per sequence."""
+        return self._out(batch, self.message_chunk, self.message_complete)
+
+    def _out(self, batch: list[Event], chunk, complete) -> list:
+        held = self._held
+        if len(batch) == 1 and not held:  # the commonest batch: one chunk, ready to go (nothing to merge or hold)
+            event = batch[0]
+            if type(event) is Chunk and len(event.token_ids) >= self.interval:
+                msg = chunk(event, None)
+                return [msg] if msg is not None else []
+        out = []
+        if not self.coalesce:
+            for event in batch:
+                msg = chunk(event, None) if type(event) is Chunk else complete(event)
+                if msg is not None:
+                    out.append(msg)
+            return out
+        for event in batch:
+            if type(event) is Chunk:
+                held.setdefault(event.index, []).append(event)
                 continue
-            yield self._one(event).SerializeToString()
+            chunks = held.pop(event.index, None)
+            if chunks and (msg := chunk(_merge(chunks), event)) is not None:
+                out.append(msg)
+            out.append(complete(event))
+        for index in [i for i, chunks in held.items() if sum(len(c.token_ids) for c in chunks) >= self.interval]:
+            if (msg := chunk(_merge(held.pop(index)), None)) is not None:
+                out.append(msg)
+        return out
 
-    def stream(self, batch: list[Event]) -> Iterator[pb.GenerateResponse]:
-        """The same messages, one at a time; each chunk message is the previous one refilled."""
-        for event in self._plan(batch):
-            yield self._one(event)
+    def encode_chunk(self, chunk: Chunk, done: Complete | None) -> bytes | None:
+        raise NotImplementedError
 
-    def _one(self, event: Event) -> pb.GenerateResponse:
-        """The message of one planned event: a Complete's own, or this writer's chunk message refilled."""
-        if type(event) is not Chunk:
-            return complete_message(self.request.request_id, event, self.request)
+    def encode_complete(self, done: Complete) -> bytes:
+        raise NotImplementedError
+
+    def message_chunk(self, chunk: Chunk, done: Complete | None):
+        raise NotImplementedError
+
+    def message_complete(self, done: Complete):
+        raise NotImplementedError
+
+
+class StreamWriter(SequenceWriter):
+    """tokenloop.v1's messages. The commonest message, one token of sequence 0 with no logprobs, is the request's id
+    field followed by a chunk field that depends only on the token and its text: that field is built once per token
+    id and kept in a table shared by every stream (`_CHUNK_FIELDS`), so such a message costs one bytes
+    concatenation. Any other chunk is serialized from one chunk message this writer refills."""
+
+    __slots__ = ("_msg", "_msg_lps", "_prefix")
+
+    def __init__(self, request: ValidRequest, interval: int = 1, coalesce: bool = True):
+        super().__init__(request, interval, coalesce)
+        self._msg: pb.GenerateResponse | None = None  # the chunk message encode_chunk refills
+        self._msg_lps = False  # whether that message holds logprobs (reading the field costs more than this)
+        self._prefix = string_field(_REQUEST_ID_TAG, request.request_id)  # starts every message
+
+    @property
+    def request(self) -> ValidRequest:
+        return self.valid
+
+    def encode_chunk(self, event: Chunk, done: Complete | None) -> bytes:
+        if not event.index and not event.logprobs and len(event.token_ids) == 1:
+            fields = _CHUNK_FIELDS
+            token_id = event.token_ids[0]
+            known = fields.get(token_id)
+            if known is not None and known[0] == event.text:  # the common message: no protobuf at all
+                return self._prefix + known[1]
+            field = _chunk_field(event.text, token_id)
+            if known is None and len(fields) < _MAX_CHUNK_FIELDS:
+                fields[token_id] = (event.text, field)
+            return self._prefix + field
+        return self._refilled(event).SerializeToString()
+
+    def encode_complete(self, done: Complete) -> bytes:
+        return complete_message(self.valid.request_id, done, self.valid).SerializeToString()
+
+    def message_chunk(self, chunk: Chunk, done: Complete | None) -> pb.GenerateResponse:
+        return chunk_message(self.valid.request_id, chunk)
+
+    def message_complete(self, done: Complete) -> pb.GenerateResponse:
+        return complete_message(self.valid.request_id, done, self.valid)
+
+    def _refilled(self, event: Chunk) -> pb.GenerateResponse:
+        """This writer's chunk message refilled with `event` (cheaper than a new message in upb)."""
         msg = self._msg
         if msg is None:
-            msg = self._msg = pb.GenerateResponse(request_id=self.request.request_id)
+            msg = self._msg = pb.GenerateResponse(request_id=self.valid.request_id)
             msg.chunk.SetInParent()
         out = msg.chunk
         if event.index != out.index:
@@ -152,26 +190,9 @@ class StreamWriter:
             ids[:] = new
         if event.logprobs or self._msg_lps:
             del out.logprobs[:]
-            out.logprobs.extend(_logprobs(event.logprobs))
+            out.logprobs.extend(logprob_messages(event.logprobs))
             self._msg_lps = bool(event.logprobs)
         return msg
-
-    def _plan(self, batch: list[Event]) -> list[Event]:
-        """The events to send for one batch: chunks merged per sequence (when coalescing) or held."""
-        if not self.coalesce:
-            return batch
-        held, out = self._held, []
-        for event in batch:
-            if type(event) is Chunk:
-                held.setdefault(event.index, []).append(event)
-                continue
-            chunks = held.pop(event.index, None)
-            if chunks:
-                out.append(_merge(chunks))
-            out.append(event)
-        for index in [i for i, chunks in held.items() if sum(len(c.token_ids) for c in chunks) >= self.interval]:
-            out.append(_merge(held.pop(index)))
-        return out
 
 
 def chunk_message(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
@@ -187,7 +208,7 @@ def chunk_message(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
     if chunk.token_ids:
         out.token_ids.extend(chunk.token_ids)
     if chunk.logprobs:
-        out.logprobs.extend(_logprobs(chunk.logprobs))
+        out.logprobs.extend(logprob_messages(chunk.logprobs))
     return msg
 
 
@@ -198,7 +219,7 @@ def complete_message(request_id: str, done: Complete, request: ValidRequest) -> 
                        cached_prompt_tokens=done.cached_prompt_tokens),
         seed=done.seed, timing=pb.Timing(queue_s=done.timing.queue_s, ttft_s=done.timing.ttft_s,
                                          total_s=done.timing.total_s),
-        logprobs=_logprobs(done.logprobs))
+        logprobs=logprob_messages(done.logprobs))
     if done.matched_stop_str is not None:
         msg.matched_stop_str = done.matched_stop_str
     elif done.matched_stop_token is not None:
@@ -207,10 +228,3 @@ def complete_message(request_id: str, done: Complete, request: ValidRequest) -> 
         msg.prompt_text = request.prompt_text
         msg.prompt_token_ids.extend(request.prompt_token_ids)
     return pb.GenerateResponse(request_id=request_id, complete=msg)
-
-
-def messages(request: ValidRequest, batch: list[Event]) -> list[pb.GenerateResponse]:
-    """The response messages for one batch of events."""
-    rid = request.request_id
-    return [chunk_message(rid, e) if isinstance(e, Chunk) else complete_message(rid, e, request)
-            for e in coalesce(batch)]

@@ -11,9 +11,15 @@ from tokenloop.looper.stream import RequestFailed
 
 
 class ServiceError(Exception):
-    """An error the client gets as a gRPC status with this message (never a traceback)."""
+    """An error the client gets as a gRPC status with this message (never a traceback). A subclass names its status
+    in its header: `class Overloaded(ServiceError, code=grpc.StatusCode.RESOURCE_EXHAUSTED)`."""
 
     code = grpc.StatusCode.INTERNAL
+
+    def __init_subclass__(cls, code: grpc.StatusCode | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
 
     def __init__(self, message: str, trailers: tuple[tuple[str, str], ...] = ()):
         super().__init__(message)
@@ -21,72 +27,52 @@ class ServiceError(Exception):
         self.trailers = trailers
 
 
-class ValidationError(ServiceError):
+class ValidationError(ServiceError, code=grpc.StatusCode.INVALID_ARGUMENT):
     """Bad input: the message names the field and the rule. `rule` is a stable identifier."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, rule: str, message: str):
         super().__init__(message)
         self.rule = rule
 
 
-class Overloaded(ServiceError):
+class Overloaded(ServiceError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
     """Admission is full: the client should retry later (hint in `grpc-retry-pushback-ms`)."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class QueueTimeout(Overloaded):
     """Waited longer than --max-queue-wait for a slot: retry later, here or elsewhere (same pushback hint)."""
 
 
-class Cancelled(ServiceError):
+class Cancelled(ServiceError, code=grpc.StatusCode.CANCELLED):
     """Aborted (the Abort RPC) before it ran."""
 
-    code = grpc.StatusCode.CANCELLED
 
-
-class Unavailable(ServiceError):
+class Unavailable(ServiceError, code=grpc.StatusCode.UNAVAILABLE):
     """Loading, draining, or the executor died."""
 
-    code = grpc.StatusCode.UNAVAILABLE
 
-
-class AlreadyExists(ServiceError):
+class AlreadyExists(ServiceError, code=grpc.StatusCode.ALREADY_EXISTS):
     """A request with this id is already in flight."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
 
-
-class NotFound(ServiceError):
+class NotFound(ServiceError, code=grpc.StatusCode.NOT_FOUND):
     """A LoRA adapter name or task id that is not loaded."""
 
-    code = grpc.StatusCode.NOT_FOUND
 
-
-class InUse(ServiceError):
+class InUse(ServiceError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """Unloading a LoRA adapter that requests are using."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class Unimplemented(ServiceError):
+class Unimplemented(ServiceError, code=grpc.StatusCode.UNIMPLEMENTED):
     """An RPC or ability this server or its executor does not provide (e.g. LoRA adapters, KV-cache events)."""
 
-    code = grpc.StatusCode.UNIMPLEMENTED
 
-
-class OutOfRange(ServiceError):
+class OutOfRange(ServiceError, code=grpc.StatusCode.OUT_OF_RANGE):
     """SubscribeKvEvents: a start_sequence_number outside the kept history."""
 
-    code = grpc.StatusCode.OUT_OF_RANGE
 
-
-class DataLoss(ServiceError):
+class DataLoss(ServiceError, code=grpc.StatusCode.DATA_LOSS):
     """SubscribeKvEvents: the subscriber fell too far behind and was cut off."""
-
-    code = grpc.StatusCode.DATA_LOSS
 
 
 _KIND_TO_CODE = {

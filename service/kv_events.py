@@ -21,7 +21,14 @@ import logging
 
 from smg_grpc_proto.generated import common_pb2
 
-from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared, EventBatch, ResumeOutOfRange
+from tokenloop.core.kv_events import (
+    BlocksRemoved,
+    BlocksStored,
+    CacheCleared,
+    EventBatch,
+    ResumeOutOfRange,
+    lora_of_cache_key,
+)
 
 log = logging.getLogger("tokenloop.service")
 
@@ -45,9 +52,9 @@ def event_message(event_id: int, event) -> common_pb2.KvCacheEvent:
             stored.parent_block_hash = event.parent_hash
         stored.tier = common_pb2.KV_CACHE_TIER_DEVICE
         stored.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
-        key = event.blocks[0].extra_key if event.blocks else None
-        if key is not None and key.startswith("lora:"):  # engine/lora.py's cache key: lora:NAME:DIGEST
-            stored.lora_name = key.split(":")[1]
+        lora = lora_of_cache_key(event.blocks[0].extra_key) if event.blocks else ""
+        if lora:
+            stored.lora_name = lora
     elif isinstance(event, BlocksRemoved):
         msg.removed.block_hashes.extend(event.block_hashes)
         msg.removed.tier = common_pb2.KV_CACHE_TIER_DEVICE

@@ -120,6 +120,9 @@ class RequestLogObserver:
         rec["prompt_tokens"] = len(valid.prompt_token_ids)
         rec["output_tokens"] = sum(len(c.token_ids) for c in completes)
         rec["finish_reason"] = ",".join(c.finish_reason.name.lower() for c in completes) or None
+        s = valid.sampling  # what the request ran with, its defaults applied (docs/router.md)
+        rec.update(temperature=round(s.temperature, 6), top_p=round(s.top_p, 6), seed=s.seed,
+                   max_new_tokens=valid.stopping.max_new_tokens)
         if completes:
             rec["queue_s"] = round(max(c.timing.queue_s for c in completes), 6)
             rec["ttft_s"] = round(min(c.timing.ttft_s for c in completes), 6)

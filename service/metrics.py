@@ -88,9 +88,11 @@ class RequestMetrics:
                                 ["code"], registry=registry)
 
     def on_request_end(self, valid: ValidRequest, completes: list[Complete], code: grpc.StatusCode | None) -> None:
-        """A Generate ended (code OK: every sequence completed; None: cut short)."""
+        """A Generate or Embed ended (code OK: every sequence completed; None: cut short)."""
         self.requests.labels(code=code.name if code is not None else "CANCELLED").inc()
         self.prompt_tokens.observe(len(valid.prompt_token_ids))
+        if valid.embed is not None:  # an Embed: no sequence generated, so no finish reason, TTFT or token counts
+            return
         for done in completes:
             t = done.timing
             self.queue_time.observe(t.queue_s)

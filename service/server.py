@@ -78,10 +78,15 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.app.health, self.grpc)
         names = [tokenloop_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        protocol = self.config.router_protocol  # smg's worker APIs (docs/router.md)
         try:
-            from .trtllm_service import add_trtllm_service  # router API (SMG)
-            names.append(add_trtllm_service(self.app, self.grpc))
-        except ImportError:
+            if protocol in ("both", "trtllm"):
+                from .trtllm_service import add_trtllm_service
+                names.append(add_trtllm_service(self.app, self.grpc))
+            if protocol in ("both", "vllm"):
+                from .vllm_service import add_vllm_service
+                names.append(add_vllm_service(self.app, self.grpc))
+        except ImportError:  # no smg-grpc-proto
             pass
         reflection.enable_server_reflection(names + [reflection.SERVICE_NAME], self.grpc)
 

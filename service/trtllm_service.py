@@ -12,8 +12,6 @@ import hashlib
 import io
 import json
 import logging
-import time
-import uuid
 import zipfile
 from pathlib import Path
 
@@ -22,34 +20,23 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tokenloop.core.kv_events import ResumeOutOfRange
-from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, RequestFailed
+from tokenloop.core.request import OutputParams, StoppingParams, ValidRequest
 
-from .convert import field_key, string_field, varint
 from .errors import (
-    AlreadyExists,
     DataLoss,
     OutOfRange,
-    ServiceError,
-    Unavailable,
     Unimplemented,
     abort_with,
-    status_of,
 )
+from .frontdoor import FrontDoor, add_with_raw_responses, unary
 from .kv_events import FellBehind, kv_event_stream
-from .logs import RequestRecord, logs_itself
-from .servicer import Delivery, add_with_raw_responses, deadline_of, metadata_value
 from .structured import structured_of_guided
+from .trtllm_convert import TrtllmWriter
 from .validation import MAX_TOP_LOGPROBS, _check
 
 log = logging.getLogger("tokenloop.service")
 SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
 GENERATE = f"/{SERVICE_NAME}/Generate"  # the RPC's gRPC path (the request log's `rpc`)
-# The finish reasons SMG maps to OpenAI's: a complete structure is a natural end, "stop" (as in TensorRT-LLM, where
-# the grammar ends the sequence with its end token).
-FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop",
-                  FinishReason.STOP_TOKEN: "stop", FinishReason.CANCELLED: "abort",
-                  FinishReason.STRUCTURE_COMPLETE: "stop"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json", "config.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
@@ -130,12 +117,7 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
     lim = validator.limits
     n = request.sampling_config.num_return_sequences or 1
     _check(n <= lim.max_n, "n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")
-    ids = tuple(request.tokenized.input_token_ids)
-    _check(len(ids) > 0, "empty_token_ids", "`tokenized.input_token_ids` must not be empty")
-    validator.check_prompt_length(len(ids))  # before looking at every id
-    bad = next((t for t in ids if t >= validator.vocab_size), None)
-    _check(bad is None, "token_id_out_of_range",
-           f"`tokenized.input_token_ids` must be < the vocabulary size {validator.vocab_size}; got {bad}")
+    ids = validator.prompt_ids(request.tokenized.input_token_ids, "tokenized.input_token_ids")
     o = request.output_config
     top = o.logprobs if o.HasField("logprobs") else 0
     _check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",
@@ -146,143 +128,6 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
         output=OutputParams(logprobs=o.HasField("logprobs"), top_logprobs=top), n=n, stream=request.streaming,
         deadline=deadline, structured=structured_of_guided(request, lim.max_grammar_bytes),
         lora=lora_name(request, lora_catalog))
-
-
-# Serialized pieces of GenerateResponse / GenerateStreamChunk (_Writer.encode)
-_REQUEST_ID_KEY = field_key(tpb.GenerateResponse, "request_id", 2)
-_CHUNK_KEY = field_key(tpb.GenerateResponse, "chunk", 2)
-_TOKEN_IDS_KEY = field_key(tpb.GenerateStreamChunk, "token_ids", 2)  # packed
-_SEQUENCE_INDEX_KEY = field_key(tpb.GenerateStreamChunk, "sequence_index", 0)
-_PROMPT_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "prompt_tokens", 0)
-_COMPLETION_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "completion_tokens", 0)
-_CACHED_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "cached_tokens", 0)
-_MAX_TOKEN_ID_FIELDS = 1 << 18  # token ids whose packed one-id field is kept (a vocabulary is usually smaller)
-_TOKEN_ID_FIELDS: dict[int, bytes] = {}  # token id -> the serialized `token_ids` field holding only it
-
-
-def _same(message):
-    return message
-
-
-def _serialize(message) -> bytes:
-    return message.SerializeToString()
-
-
-def _logprobs(items) -> list[tpb.TokenLogprob]:
-    return [tpb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                             top_logprobs=[tpb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
-            for lp in items or ()]
-
-
-class _Writer:
-    """Looper events of one request -> trtllm GenerateResponse messages.
-
-    Chunks of a sequence that arrived together go out as one message (a reader that fell behind gets
-    every ready token at once); with `interval` N > 1 they are held until N tokens are ready or the
-    sequence completes (`--stream-interval`).
-    """
-
-    def __init__(self, valid: ValidRequest, keep_stop_token: bool, perf: bool, arrival_wall: float,
-                 interval: int = 1):
-        self.valid, self.keep_stop_token = valid, keep_stop_token
-        self.perf, self.arrival_wall, self.interval = perf, arrival_wall, max(1, interval)
-        self.num_sent: dict[int, int] = {}
-        self.held: dict[int, list[Chunk]] = {}  # sequence index -> chunks not yet sent
-        self._prefix: bytes | None = None  # the serialized request_id field (encode)
-        self._middle: dict[int, bytes] = {}  # sequence index -> its chunks' serialized index and prompt_tokens
-
-    def _strip(self, done: Complete) -> bool:
-        """Whether the last output token is a stop / EOS token TensorRT-LLM leaves out of output ids."""
-        if self.keep_stop_token or not done.token_ids:
-            return False
-        if done.finish_reason == FinishReason.STOP_TOKEN:
-            return done.token_ids[-1] == done.matched_stop_token
-        return done.finish_reason == FinishReason.EOS  # the executor's EOS rule ended it on this token
-
-    def messages(self, batch: list) -> list[tpb.GenerateResponse]:
-        """The messages for one batch of events."""
-        return self._out(batch, self._chunk, _same)
-
-    def encode(self, batch: list) -> list[bytes]:
-        """The same messages serialized, byte for byte what protobuf writes (Generate is registered without a
-        response serializer). A chunk of one token without logprobs, the commonest message, is put together from
-        bytes kept per token id and per sequence; anything else goes through protobuf."""
-        return self._out(batch, self._chunk_bytes, _serialize)
-
-    def _out(self, batch: list, chunk, finish) -> list:
-        out = []
-        for event in batch:
-            if isinstance(event, Chunk):
-                self.held.setdefault(event.index, []).append(event)
-                continue
-            strip = self._strip(event)
-            chunks = self.held.pop(event.index, [])
-            if chunks:  # the final token arrives with the complete: drop it here too
-                out += chunk(event.index, chunks, strip)
-            out.append(finish(self._complete(event, strip)))
-        for index in [i for i, cs in self.held.items() if sum(len(c.token_ids) for c in cs) >= self.interval]:
-            out += chunk(index, self.held.pop(index), False)
-        return out
-
-    def _chunk_bytes(self, index: int, chunks: list[Chunk], drop_last: bool) -> list[bytes]:
-        first = chunks[0]
-        if len(chunks) > 1 or len(first.token_ids) != 1 or first.logprobs or drop_last:
-            return [m.SerializeToString() for m in self._chunk(index, chunks, drop_last)]
-        sent = self.num_sent[index] = self.num_sent.get(index, 0) + 1
-        middle = self._middle.get(index)
-        if middle is None:  # sequence_index and prompt_tokens: fixed for the sequence (0 is left out, as proto3 does)
-            prompt = len(self.valid.prompt_token_ids)
-            middle = self._middle[index] = ((_SEQUENCE_INDEX_KEY + varint(index) if index else b"")
-                                            + (_PROMPT_TOKENS_KEY + varint(prompt) if prompt else b""))
-        token_id = first.token_ids[0]
-        ids = _TOKEN_ID_FIELDS.get(token_id)
-        if ids is None:
-            packed = varint(token_id)
-            ids = _TOKEN_IDS_KEY + varint(len(packed)) + packed
-            if len(_TOKEN_ID_FIELDS) < _MAX_TOKEN_ID_FIELDS:
-                _TOKEN_ID_FIELDS[token_id] = ids
-        body = ids + middle + _COMPLETION_TOKENS_KEY + varint(sent)
-        if first.cached_prompt_tokens:  # 0 is left out, as proto3 does
-            body += _CACHED_TOKENS_KEY + varint(first.cached_prompt_tokens)
-        if self._prefix is None:
-            self._prefix = string_field(_REQUEST_ID_KEY, self.valid.request_id)
-        return [self._prefix + _CHUNK_KEY + varint(len(body)) + body]
-
-    def _chunk(self, index: int, chunks: list[Chunk], drop_last: bool = False) -> list[tpb.GenerateResponse]:
-        ids = [t for c in chunks for t in c.token_ids]
-        lps = [lp for c in chunks for lp in c.logprobs or ()]
-        if drop_last:
-            ids = ids[:-1]
-        if not ids:
-            return []
-        sent = self.num_sent[index] = self.num_sent.get(index, 0) + len(ids)
-        msg = tpb.GenerateResponse(request_id=self.valid.request_id)  # set field by field: cheaper in upb
-        out = msg.chunk
-        out.token_ids.extend(ids)
-        out.sequence_index = index
-        out.prompt_tokens = len(self.valid.prompt_token_ids)
-        out.completion_tokens = sent
-        out.cached_tokens = chunks[-1].cached_prompt_tokens  # like prompt_tokens, on every chunk
-        if lps:
-            out.logprobs.extend(_logprobs(lps[:len(ids)]))
-        return [msg]
-
-    def _complete(self, done: Complete, strip: bool) -> tpb.GenerateResponse:
-        ids = done.token_ids[:-1] if strip else done.token_ids
-        msg = tpb.GenerateComplete(
-            output_token_ids=ids, sequence_index=done.index, finish_reason=FINISH_REASONS[done.finish_reason],
-            prompt_tokens=done.prompt_tokens, completion_tokens=len(ids), cached_tokens=done.cached_prompt_tokens,
-            logprobs=_logprobs((done.logprobs or [])[:len(ids)]))
-        if done.matched_stop_str is not None:
-            msg.matched_stop_str = done.matched_stop_str
-        elif done.matched_stop_token is not None:
-            msg.matched_token_id = done.matched_stop_token
-        if self.perf:
-            t = done.timing
-            msg.perf_metrics.CopyFrom(tpb.PerfMetrics(
-                arrival_time=self.arrival_wall, first_scheduled_time=self.arrival_wall + t.queue_s,
-                first_token_time=self.arrival_wall + t.ttft_s, last_token_time=self.arrival_wall + t.total_s))
-        return tpb.GenerateResponse(request_id=self.valid.request_id, complete=msg)
 
 
 def tokenizer_bundle(model_dir: str | Path) -> bytes:
@@ -303,64 +148,34 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
     def __init__(self, app):
         self.app = app  # service.app.App
         self._bundle: bytes | None = None
+        self.Generate = FrontDoor(app).handler(GENERATE, self._validate, self._writer,
+                                               grammar_field="guided_decoding.guide")
 
-    @logs_itself  # keeps its own request-log record: no interceptor generator around it (see service.logs)
-    async def Generate(self, request, context):
-        async with RequestRecord(GENERATE, request, context):
-            app, arrival, arrival_wall = self.app, time.monotonic(), time.time()
-            rid = request.request_id or metadata_value(context, "x-request-id") or uuid.uuid4().hex
-            try:
-                app.require_ready()
-                async with app.admission.slot(rid, getattr(app.config, "max_queue_wait", 0.0), context.peer()) as slot:
-                    valid = to_valid_request(app.validator, request, rid, deadline_of(context), app.loras)
-                    valid = await app.grammars.admit(valid, "guided_decoding.guide")  # compiled, or cached
-                    valid = await app.loras.admit(valid)  # `lora_config.task_id`: its adapter resident
-                    if app.looper.find(rid) is not None:
-                        raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
-                    writer = _Writer(valid, request.include_stop_token_in_output,
-                                     request.output_config.return_perf_metrics, arrival_wall,
-                                     getattr(app.config, "stream_interval", 1))
-                    slot.check_aborted()  # Abort while it waited: it never runs
-                    stream = app.looper.submit(valid, arrival)
-                    app.admission.submitted(slot)
-                    with Delivery(app, valid, stream, slot) as delivery:  # SMG dropping the stream cancels it
-                        watchdog = delivery.watchdog
-                        while (batch := await stream.next_batch()) is not None:
-                            watchdog.arm()
-                            for msg in writer.encode(batch):  # serialized: see add_trtllm_service
-                                yield msg  # a stalled reader blocks here: the watchdog pauses, then cancels us
-                                watchdog.sent += 1
-                            delivery.delivered(batch)
-                            if delivery.paused:  # it stalled past --slow-reader-grace and now reads again
-                                await delivery.resume()
-            except Exception as exc:  # ServiceError, RequestFailed, anything unexpected: one status, no traceback
-                if not isinstance(exc, (ServiceError, RequestFailed)):
-                    log.exception("trtllm Generate %s failed", rid)
-                app.observe_error(status_of(exc)[0])
-                await abort_with(context, exc)
+    async def _validate(self, request, request_id: str, deadline: float | None) -> ValidRequest:
+        return to_valid_request(self.app.validator, request, request_id, deadline, self.app.loras)
+
+    def _writer(self, valid: ValidRequest, request, arrival_wall: float) -> TrtllmWriter:
+        return TrtllmWriter(valid, request.include_stop_token_in_output, request.output_config.return_perf_metrics,
+                       arrival_wall, getattr(self.app.config, "stream_interval", 1))
 
     async def Embed(self, request, context):
         await abort_with(context, Unimplemented(
             "Embed is not available: this server runs a generative model (use Generate)"))
 
+    @unary()  # loading, draining, or the executor died: UNAVAILABLE
     async def HealthCheck(self, request, context):
-        if self.app.not_ready_reason:  # loading, draining, or the executor died
-            await abort_with(context, Unavailable(self.app.not_ready_reason))
-            return None
         return tpb.HealthCheckResponse(status="OK")
 
+    @unary(ready=False)
     async def Abort(self, request, context):
         looper, rid = self.app.looper, request.request_id
         found = self.app.admission.abort(rid) or (looper is not None and looper.abort(rid))
         return tpb.AbortResponse(success=found, message=f"request {request.request_id!r} "
                                  + ("aborted" if found else "not in flight (already finished, aborted or unknown)"))
 
+    @unary()
     async def GetModelInfo(self, request, context):
-        try:
-            self.app.require_ready()
-            return self.model_info()
-        except ServiceError as exc:
-            await abort_with(context, exc)
+        return self.model_info()
 
     def model_info(self) -> tpb.GetModelInfoResponse:
         app = self.app
@@ -374,6 +189,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             num_layers=int(cfg.get("num_hidden_layers", 0)), num_heads=int(cfg.get("num_attention_heads", 0)),
             supported_features=features)
 
+    @unary(ready=False)
     async def GetServerInfo(self, request, context):
         opts = self.app.config.executor_options
         tp, pp = int(opts.get("tensor_parallel_size") or 1), int(opts.get("pipeline_parallel_size") or 1)
@@ -381,6 +197,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             version=_version(), backend="tensorrt" if self.app.config.backend == "trtllm" else "pytorch",
             tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1, world_size=tp * pp)
 
+    @unary(ready=False)
     async def GetTokenizer(self, request, context):
         if self._bundle is None:
             self._bundle = await asyncio.to_thread(tokenizer_bundle, self.app.config.model)
@@ -394,24 +211,20 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             last = start + step >= len(data)
             yield common_pb2.GetTokenizerChunk(data=data[start:start + step], sha256=digest if last else "")
 
+    @unary()
     async def SubscribeKvEvents(self, request, context):
         app = self.app
-        if app.not_ready_reason:
-            await abort_with(context, Unavailable(app.not_ready_reason))
-            return
         hub = app.capabilities.kv_events
         if hub is None:
-            await abort_with(context, Unimplemented(
-                "SubscribeKvEvents is not available: this executor publishes no KV-cache events "
-                "(routers fall back to load-based routing)"))
-            return
+            raise Unimplemented("SubscribeKvEvents is not available: this executor publishes no KV-cache events "
+                                "(routers fall back to load-based routing)")
         try:
             async for msg in kv_event_stream(app, hub, request, app.config.kv_events_heartbeat, context.peer()):
                 yield msg
         except ResumeOutOfRange as exc:
-            await abort_with(context, OutOfRange(str(exc)))
+            raise OutOfRange(str(exc)) from exc
         except FellBehind as exc:
-            await abort_with(context, DataLoss(str(exc)))
+            raise DataLoss(str(exc)) from exc
 
 
 def _read_config(model_dir: str) -> dict:
@@ -430,7 +243,7 @@ def _version() -> str:
 
 
 def add_trtllm_service(app, grpc_server) -> str:
-    """Register trtllm.TrtllmService on `grpc_server`, Generate yielding serialized messages (`_Writer.encode`);
+    """Register trtllm.TrtllmService on `grpc_server`, Generate yielding serialized messages (`TrtllmWriter.encode`);
     returns its full name (for reflection)."""
     add_with_raw_responses(tpb_grpc.add_TrtllmServiceServicer_to_server, TrtllmServicer(app), grpc_server, "Generate")
     return SERVICE_NAME

@@ -121,13 +121,7 @@ class Validator:
             chat = self.render_chat(request.chat)
             text = chat.text
         else:
-            ids = tuple(request.token_ids.ids)
-            _check(len(ids) > 0, "empty_token_ids", "`token_ids.ids` must not be empty")
-            self.check_prompt_length(len(ids))  # before looking at every id
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            _check(bad is None, "token_id_out_of_range",
-                   f"`token_ids.ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
-            return ids, ""
+            return self.prompt_ids(request.token_ids.ids, "token_ids.ids"), ""
         self.check_text_length(text, which)
         add_bos = self.tokenizer.add_bos
         if chat is None or chat.pieces is None:
@@ -151,6 +145,15 @@ class Validator:
                                   f"{what} has {len(text)} characters, more than a prompt of at most {limit} tokens "
                                   f"can hold ({limit * per_token}: no token of this tokenizer stands for more than "
                                   f"{per_token})")
+
+    def prompt_ids(self, token_ids, field: str) -> tuple[int, ...]:
+        """A prompt given as token ids (`field` names them): not empty, within the prompt limit, in the vocabulary."""
+        ids = tuple(token_ids)
+        _check(len(ids) > 0, "empty_token_ids", f"`{field}` must not be empty")
+        self.check_prompt_length(len(ids))  # before looking at every id
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        _check(bad is None, "token_id_out_of_range", f"`{field}` must be < the vocabulary size {self.vocab_size}; got {bad}")
+        return ids
 
     def check_prompt_length(self, num: int) -> None:
         """The prompt limit, for a prompt of `num` tokens (either API)."""

@@ -28,6 +28,7 @@ Rules (README.md "Docs that run as written"):
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = ROOT / ".venv" / "bin"
 SHELL_LANGUAGES = ("bash", "sh", "shell", "console")
 PORTS = (50051, 50052, 50151, 9464, 30000)  # ports the docs use; own-server blocks get free ones instead
 VERBS = ("run", "covered-by", "skip")
@@ -79,6 +81,18 @@ class RunSpec:
     errexit: bool = True
     timeout: float = 300.0
     expect: list[str] = field(default_factory=list)
+
+
+def environment(address: str, port_for_50051: int) -> dict[str, str]:
+    """A new shell's environment after `make setup` and `make model`: no virtualenv active, `.venv/bin` not on PATH
+    (even when the tests run from an activated one), so a block that names a tool without its path fails."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "CONDA_PREFIX")}
+    venvs = {str(VENV_BIN), os.path.join(os.environ.get("VIRTUAL_ENV", str(ROOT / ".venv")), "bin")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and os.path.realpath(p) not in {os.path.realpath(v) for v in venvs})
+    env.update(TOKENLOOP_ADDRESS=address, PORT=str(port_for_50051), PYTHONUNBUFFERED="1")
+    env.pop("TOKENLOOP_API_KEY", None)
+    return env
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:

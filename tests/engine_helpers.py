@@ -1,11 +1,17 @@
-"""Helpers shared by the engine tests: build requests, run an Engine until every sequence ends."""
+"""Helpers shared by the engine tests: build requests, run an Engine until every sequence ends, make a BlockManager
+compute tokens as if the model ran them, and transformers' greedy reference."""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from tokenloop.core.executor import Step
 from tokenloop.core.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
+
+if TYPE_CHECKING:
+    from tokenloop.engine.block_manager import BlockManager
+    from tokenloop.engine.sequence import Sequence
 
 
 def greedy_request(prompt, max_new_tokens: int = 64, **stopping) -> ValidRequest:
@@ -56,3 +62,21 @@ def tokens(steps: list[Step]) -> list[int]:
 def final(steps: list[Step]) -> Step:
     assert steps[-1].is_final and all(not s.is_final for s in steps[:-1])
     return steps[-1]
+
+
+def hf_greedy(model, prompt: list[int], num_new: int = 64) -> list[int]:
+    """transformers' greedy continuation of `prompt`, EOS ignored."""
+    import torch
+
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
+                             min_new_tokens=num_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def compute(bm: BlockManager, s: Sequence, n: int) -> None:
+    """Pretend the model ran `n` more tokens of `s`."""
+    assert bm.append_slots(s, n)
+    s.num_computed_tokens += n
+    bm.commit_full_blocks(s)

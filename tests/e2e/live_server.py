@@ -1,7 +1,9 @@
-"""One real `tokenloop serve` process with the default model, shared by the client e2e tests.
+"""Real `tokenloop serve` processes with the default model, for the e2e tests.
 
-Started on first use and stopped when the test session ends. Set TOKENLOOP_E2E_ADDRESS=HOST:PORT
-to point these tests at a server that is already running instead.
+`live_address()`: one server shared by the client e2e tests, started on first use and stopped when the test
+session ends (set TOKENLOOP_E2E_ADDRESS=HOST:PORT to point these tests at a server that is already running
+instead). `Proc`: a server of a test's own, with extra flags and environment; `gen`, `outcome` and
+`first_message_then_rest` drive it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
+
+from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -27,13 +34,13 @@ _server: LiveServer | None = None
 class LiveServer:
     """A `tokenloop serve` child process; `address` is HOST:PORT once it logged "ready"."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self._ready = threading.Event()
         cmd = [*_tokenloop_command(), "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), "--shutdown-grace", "5"]
+               "--port", str(self.port), "--shutdown-grace", "5", *extra_args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1)
         threading.Thread(target=self._read_log, daemon=True).start()
@@ -54,14 +61,18 @@ class LiveServer:
                 raise RuntimeError(f"tokenloop serve did not become ready (exit {self.proc.returncode}):\n{tail}")
 
     def stop(self) -> None:
-        """SIGTERM, then kill if it does not exit."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
+
+
+def stop_process(proc: subprocess.Popen | None, grace: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `grace` s (nothing if it is not running)."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _tokenloop_command() -> list[str]:
@@ -92,3 +103,73 @@ def live_address() -> str:
     elif _server.proc.poll() is not None:
         raise RuntimeError("the shared tokenloop server has exited:\n" + "".join(_server.lines[-30:]))
     return _server.address
+
+
+class Proc:
+    """`tokenloop serve` with extra flags and environment; `lines` is its log."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        self.port = _free_port()
+        cmd = [*_tokenloop_command(), "serve", "--model", str(DEFAULT_MODEL), "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + 300
+        while not self.ready.wait(0.2):
+            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines[-20:])
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = tokenloop_pb2_grpc.TextGenerationStub(self.channel)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "tokenloop ready" in line:
+                self.ready.set()
+
+    def wait(self, timeout=120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.channel.close()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def gen(text="Count from one to ten:", max_new=8, **kw):
+    return pb.GenerateRequest(text=text, stream=True,
+                              stopping=pb.StoppingCriteria(max_new_tokens=max_new, ignore_eos=True), **kw)
+
+
+def outcome(stub, request, metadata=None):
+    """(status code, messages) of one Generate, read to the end."""
+    msgs = []
+    try:
+        for m in stub.Generate(request, metadata=metadata, timeout=120):
+            msgs.append(m)
+        return grpc.StatusCode.OK, msgs
+    except grpc.RpcError as err:
+        return err.code(), msgs + [err.details()]
+
+
+def first_message_then_rest(stub, request):
+    """Start a stream, return once its first message arrived, with a future of (code, all messages)."""
+    started = threading.Event()
+
+    def read():
+        msgs = []
+        try:
+            for m in stub.Generate(request, timeout=300):
+                msgs.append(m)
+                started.set()
+            return grpc.StatusCode.OK, msgs
+        except grpc.RpcError as err:
+            started.set()
+            return err.code(), msgs + [err.details()]
+    future = ThreadPoolExecutor(1).submit(read)
+    assert started.wait(120)
+    return future

@@ -8,60 +8,20 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 import subprocess
 
 import pytest
 
-from tests.e2e.live_server import ROOT, live_address
+from tests.e2e.live_server import live_address
+from tests.e2e.tools import curl, messages
 
 pytestmark = pytest.mark.e2e
 
-BUF_VERSION = "1.75.0"
-BUF_PREFIX = ROOT / ".cache" / "buf"
-GRPC = ("--protocol", "grpc", "--http2-prior-knowledge")
-
-
-@pytest.fixture(scope="module")
-def buf() -> str:
-    """The buf binary: on PATH, in .cache/buf, or installed there from npm now."""
-    found = shutil.which("buf")
-    local = BUF_PREFIX / "node_modules" / ".bin" / "buf"
-    if found:
-        return found
-    if not local.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            pytest.skip("neither buf nor npm is installed")
-        done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(BUF_PREFIX),
-                               f"@bufbuild/buf@{BUF_VERSION}"], check=False, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0 or not local.exists():
-            pytest.skip(f"could not install @bufbuild/buf from npm: {done.stderr[-500:]}")
-    return str(local)
 
 
 @pytest.fixture(scope="module")
 def url() -> str:
     return f"http://{live_address()}"
-
-
-def curl(buf: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
-    """Run `buf curl` in an empty directory (no proto files anywhere near)."""
-    return subprocess.run([buf, "curl", *GRPC, *args], cwd=tmp_path, check=False, capture_output=True, text=True,
-                          timeout=300)
-
-
-def messages(stdout: str) -> list[dict]:
-    """buf curl prints one JSON document per response message."""
-    decoder, out, pos = json.JSONDecoder(), [], 0
-    text = stdout.strip()
-    while pos < len(text):
-        obj, end = decoder.raw_decode(text, pos)
-        out.append(obj)
-        pos = end
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-    return out
 
 
 def test_list_services_and_methods(buf, url, tmp_path):

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.e2e.live_server import ROOT, live_address
+from tests.e2e.tools import cli, cli_command
 
 pytestmark = pytest.mark.e2e
 
@@ -21,21 +20,6 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def address() -> str:
     return live_address()
-
-
-def cli_command() -> list[str]:
-    """tokenloop-cli: the console script when installed, else the module from the source tree."""
-    script = Path(sys.executable).parent / "tokenloop-cli"
-    if script.exists():
-        return [str(script)]
-    code = "import sys; sys.path.insert(0, 'clients/python'); from tokenloop_client.cli import main; sys.exit(main())"
-    return [sys.executable, "-c", code]
-
-
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run tokenloop-cli to the end."""
-    return subprocess.run([*cli_command(), *args], cwd=ROOT, check=False, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_generate_prints_the_answer_and_streams_the_same_text(address):

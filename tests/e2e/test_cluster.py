@@ -8,6 +8,8 @@ it is used again, and the router, resuming its KV-event stream with a sequence n
 answered OUT_OF_RANGE and drops what it knew of that worker's cache. smg's own metrics (its Prometheus port) show
 it applying our events to the positional index cache_aware routes on, and its debug log shows each repeat of a
 system prompt routed by an overlap found in that index. Engine threads are limited to one per worker so three fit on two cores.
+It runs once per smg worker protocol: vLLM (`vllm.grpc.engine.VllmEngine`, what smg detects on a worker serving both,
+the default) and TensorRT-LLM (`--router-protocol trtllm`); smg is given no `runtime_type` either way.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port, _tokenloop_command
-from tests.e2e.test_smg_router import smg_binary
+from tests.e2e.gateway import smg_binary
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port, _tokenloop_command, stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +40,8 @@ WORDS = ("river valley engine signal harbor lantern orbit meadow copper glacier 
 class Worker:
     """A `tokenloop serve` child with /metrics and one engine thread; restartable on the same ports."""
 
-    def __init__(self, log_dir: Path, index: int):
+    def __init__(self, log_dir: Path, index: int, protocol: str = "both"):
+        self.protocol = protocol  # --router-protocol
         self.port, self.metrics_port = _free_port(), _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_dir / f"worker{index}.log"
@@ -47,7 +50,7 @@ class Worker:
     def start(self) -> None:
         cmd = [*_tokenloop_command(), "serve", "--model", str(DEFAULT_MODEL), "--host", "127.0.0.1",
                "--port", str(self.port), "--metrics-port", str(self.metrics_port), "--num-threads", "1",
-               "--shutdown-grace", "2", "--kv-events-heartbeat", "0.5"]
+               "--shutdown-grace", "2", "--kv-events-heartbeat", "0.5", "--router-protocol", self.protocol]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT)
 
     def ready(self) -> bool:
@@ -70,13 +73,7 @@ class Worker:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 class Router:
@@ -133,13 +130,7 @@ class Router:
              " to answer a chat")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 def wait(predicate, timeout: float, what: str):
@@ -186,28 +177,31 @@ def run_groups(router: Router, workers: list[Worker], seed: int) -> tuple[list[l
     return served, hits / queried
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@pytest.fixture(scope="module", params=["vllm", "trtllm"])
+def cluster(request, tmp_path_factory):
+    """(workers, log directory, the protocol smg must detect): workers serving both protocols (smg detects vLLM) or
+    only TrtllmService."""
     if not (DEFAULT_MODEL / "config.json").is_file():
         pytest.skip("the default model is not prepared: run `make model`")
     smg_binary()
-    logs = tmp_path_factory.mktemp("cluster")
-    workers = [Worker(logs, i) for i in range(3)]
+    logs = tmp_path_factory.mktemp(f"cluster-{request.param}")
+    workers = [Worker(logs, i, "both" if request.param == "vllm" else "trtllm") for i in range(3)]
     try:
         for w in workers:
             w.start()
         wait(lambda: all(w.ready() for w in workers), 300, "three workers")
-        yield workers, logs
+        yield workers, logs, request.param
     finally:
         for w in workers:
             w.stop()
 
 
 def test_cache_aware_routing_beats_round_robin_and_survives_a_killed_worker(cluster):
-    workers, logs = cluster
+    workers, logs, protocol = cluster
     router = Router(workers, "cache_aware", logs / "smg-cache-aware.log", log_level="debug")
     try:
         wait(lambda: len(router.healthy()) == 3, 120, "the router to see three healthy workers")
+        assert {w["runtime_type"] for w in router.get("/workers")["workers"]} == {protocol}
         router.wait_serving()
         wait(lambda: all("KV-event subscriber" in w.log_path.read_text(errors="replace") for w in workers), 30,
              "the router to subscribe to every worker's KV events")

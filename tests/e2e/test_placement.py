@@ -13,8 +13,7 @@ import subprocess
 import grpc
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port, _tokenloop_command
-from tests.e2e.test_lifecycle import Proc, gen, outcome
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, Proc, _free_port, _tokenloop_command, gen, outcome
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()

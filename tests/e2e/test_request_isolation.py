@@ -16,8 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e.live_server import DEFAULT_MODEL
-from tests.e2e.test_lifecycle import Proc, outcome
+from tests.e2e.live_server import DEFAULT_MODEL, Proc, outcome
 from tokenloop.core.tokenizer import ModelCard
 from tokenloop.v1 import tokenloop_pb2 as pb
 

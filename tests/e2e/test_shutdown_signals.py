@@ -16,8 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL
-from tests.e2e.test_lifecycle import Proc, first_message_then_rest, gen, outcome
+from tests.e2e.live_server import DEFAULT_MODEL, Proc, first_message_then_rest, gen, outcome
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(),

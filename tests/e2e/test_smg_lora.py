@@ -1,8 +1,9 @@
 """LoRA behind the real Shepherd Model Gateway, on the session's shared `tokenloop serve` (default model).
 
 What exists in smg 1.13.0: its OpenAI front never fills `lora_config` (every TensorRT-LLM request builder in
-lightseekorg/smg grpc_client/src/trtllm_service.rs sets `lora_config: None`), so a chat completion through it
-runs the base model even while adapters are loaded; `trtllm.TrtllmService.Generate` with `lora_config.task_id`
+lightseekorg/smg grpc_client/src/trtllm_service.rs sets `lora_config: None`; the vLLM protocol it detects on a worker
+that serves both has no LoRA field at all), so a chat completion through it runs the base model even while adapters
+are loaded; `trtllm.TrtllmService.Generate` with `lora_config.task_id`
 (what a router that fills it sends) runs the adapter. The test shows both on one worker, and what smg answers
 when the OpenAI `model` names the adapter.
 """
@@ -16,8 +17,8 @@ import pytest
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
+from tests.e2e.gateway import Router, post, smg_binary
 from tests.e2e.live_server import DEFAULT_MODEL, live_address
-from tests.e2e.test_smg_router import Router, post, smg_binary
 from tests.lora_helpers import write_adapter
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc

@@ -1,120 +1,42 @@
 """The real Shepherd Model Gateway (PyPI `smg`, pinned) in front of a real `tokenloop serve` on the default model.
 
-SMG speaks OpenAI HTTP to clients and `trtllm.TrtllmService` gRPC to tokenloop: it applies the chat
-template, sends token ids, detokenizes what comes back, aborts requests whose HTTP client left, and
-probes the worker's health. The tests run in file order; the last one stops tokenloop.
+SMG speaks OpenAI HTTP to clients and gRPC to tokenloop, on each of smg's worker protocols tokenloop serves:
+`vllm.grpc.engine.VllmEngine` (what smg detects when the worker serves both, the default) and
+`trtllm.TrtllmService` (`--router-protocol trtllm`). It applies the chat template, sends token ids, detokenizes
+what comes back, aborts requests whose HTTP client left, and probes the worker's health. The tests run in file
+order, once per protocol; the last one stops tokenloop.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import shutil
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
+import re
 
 import grpc
 import pytest
+from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, LiveServer, _free_port
+from tests.e2e.gateway import Router, generate_records, poll, post, worker_and_router
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, LiveServer
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.e2e
 
-SMG_VERSION = "1.13.0"
 QUESTION = "What is the capital of France?"
-READY_TIMEOUT_S = 90.0
+DEFAULT_MAX_NEW_TOKENS = 24  # the worker's --default-max-new-tokens
 
 
-def smg_binary() -> str:
-    """The `smg` console script next to this Python, on PATH, or installed now from PyPI (pinned)."""
-    local = Path(sys.executable).parent / "smg"
-    if local.exists():
-        return str(local)
-    if shutil.which("smg"):
-        return shutil.which("smg")
-    done = subprocess.run([sys.executable, "-m", "pip", "install", f"smg=={SMG_VERSION}"], check=False,
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 or not local.exists():
-        pytest.skip(f"could not install smg=={SMG_VERSION} from PyPI: {done.stderr[-500:]}")
-    return str(local)
-
-
-class Router:
-    """An `smg launch` child process in front of one gRPC worker."""
-
-    def __init__(self, worker: str, log_path: Path):
-        self.port = _free_port()
-        self.base = f"127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = log_path.open("w")
-        self.proc = subprocess.Popen(
-            [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", f"grpc://{worker}", "--model-path", str(DEFAULT_MODEL),
-             "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-             "--health-success-threshold", "1", "--log-level", "info"],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
-
-    def get(self, path: str) -> tuple[int, dict]:
-        try:
-            with urllib.request.urlopen(f"http://{self.base}{path}", timeout=10) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as err:
-            return err.code, {}
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if self.get("/readiness")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"smg did not become ready (exit {self.proc.returncode}):\n{self.log_tail()}")
-
-    def workers(self) -> list[dict]:
-        return self.get("/workers")[1].get("workers", [])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """(tokenloop LiveServer, Router) on loopback; both stopped at the end of the module."""
-    if not (DEFAULT_MODEL / "config.json").is_file():
-        pytest.skip("the default model is not prepared: run `make model`")
-    smg_binary()
-    worker = LiveServer(DEFAULT_MODEL)
-    router = None
-    try:
-        worker.wait_ready()
-        router = Router(worker.address, tmp_path_factory.mktemp("smg") / "smg.log")
-        router.wait_ready()
-        yield worker, router
-    finally:
-        if router is not None:
-            router.stop()
-        worker.stop()
+@pytest.fixture(scope="module", params=["vllm", "trtllm"])
+def stack(request, tmp_path_factory):
+    """(tokenloop LiveServer, Router) on loopback, the worker serving both protocols (smg detects vLLM) or only
+    TrtllmService; both stopped at the end of the module."""
+    flags = ("--log-format", "json", "--default-max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS))
+    yield from worker_and_router(tmp_path_factory, request.param,
+                                 flags + (() if request.param == "vllm" else ("--router-protocol", "trtllm")))
 
 
 def chat_body(stream: bool, **extra) -> bytes:
@@ -122,32 +44,17 @@ def chat_body(stream: bool, **extra) -> bytes:
                        "temperature": 0, "max_tokens": 24, "stream": stream, **extra}).encode()
 
 
-def post(router: Router, body: bytes) -> http.client.HTTPResponse:
-    conn = http.client.HTTPConnection(router.base, timeout=120)
-    conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
-    return conn.getresponse()
-
-
 def load(worker: LiveServer) -> pb.Load:
     with grpc.insecure_channel(worker.address) as channel:
         return pb_grpc.TextGenerationStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
 
 
-def poll(predicate, timeout: float = 20.0, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(step)
-
-
-def test_router_lists_the_worker_as_a_trtllm_worker(stack):
+def test_router_lists_the_worker_with_the_protocol_it_detected(stack):
     worker, router = stack
     status, models = router.get("/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [DEFAULT_MODEL.name]
     (w,) = router.workers()
-    assert w["runtime_type"] == "trtllm" and w["is_healthy"] and w["url"] == f"grpc://{worker.address}"
+    assert w["runtime_type"] == worker.protocol and w["is_healthy"] and w["url"] == f"grpc://{worker.address}"
 
 
 def test_non_streaming_chat_completion_through_the_router(stack):
@@ -183,6 +90,84 @@ def test_stop_strings_and_refused_fields_through_the_router(stack):
     body = resp.read().decode()
     assert resp.status >= 400 and "min_p" in body, body  # refused by name, not ignored (test_smg_structured.py:
     # response_format, once refused here, is served)
+
+
+def protocol_table() -> dict[str, dict[str, str]]:
+    """docs/router.md's table of what each protocol gets: row label -> {"trtllm": cell, "vllm": cell}."""
+    lines = (ROOT / "docs" / "router.md").read_text().split("<!-- protocol-table -->", 1)[1].strip().splitlines()
+    assert lines[0].split(" | ")[1:] == ["reaches a `trtllm.TrtllmService` worker",
+                                         "reaches a `vllm.grpc.engine.VllmEngine` worker |"], lines[0]
+    out = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        label, trtllm, vllm = (cell.strip() for cell in line.strip().strip("|").split(" | "))
+        out[label] = {"trtllm": trtllm, "vllm": vllm}
+    return out
+
+
+def received(worker: LiveServer, router: Router, path: str, **body) -> dict:
+    """Send one OpenAI request through the router; the worker's request-log record of the Generate it caused."""
+    before = len(generate_records(worker))
+    conn = http.client.HTTPConnection(router.base, timeout=120)
+    conn.request("POST", path, body=json.dumps({"model": DEFAULT_MODEL.name, **body}).encode(),
+                 headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()[-500:]
+    resp.read()
+    records = poll(lambda: generate_records(worker)[before:], timeout=10)  # the log is read on a thread
+    assert len(records) == 1, records
+    return records[0]
+
+
+def numbers(cell: str) -> list[float]:
+    return [float(n) for n in re.findall(r"\d+(?:\.\d+)?", cell)]
+
+
+def test_what_reaches_the_worker_matches_the_protocol_table_in_router_md(stack):
+    """Each row of docs/router.md's protocol table, for this stack's protocol, against what the worker ran."""
+    worker, router = stack
+    table = {label: cells[worker.protocol] for label, cells in protocol_table().items()}
+    gen = json.loads((DEFAULT_MODEL / "generation_config.json").read_text())
+    chat = {"messages": [{"role": "user", "content": QUESTION}], "stop": ["."]}  # a short answer either way
+
+    rec = received(worker, router, "/v1/chat/completions", **chat)
+    cell = table["chat, no `temperature`, no `max_tokens`"]
+    expected = [gen["temperature"], gen["top_p"], DEFAULT_MAX_NEW_TOKENS] if "unset" in cell else numbers(cell)
+    assert [rec["temperature"], rec["top_p"], rec["max_new_tokens"]] == pytest.approx(expected), (cell, rec)
+
+    rec = received(worker, router, "/v1/completions", prompt="The capital of France is", stop=["."])
+    cell = table["completions, no `max_tokens`"]
+    assert rec["max_new_tokens"] == (DEFAULT_MAX_NEW_TOKENS if "unset" in cell else numbers(cell)[0]), (cell, rec)
+
+    rec = received(worker, router, "/v1/chat/completions", **chat, max_tokens=4, seed=777)
+    cell = table["chat with `seed`"]
+    assert cell in ("seed **dropped**", "seed forwarded") and (rec["seed"] == 777) == (cell == "seed forwarded")
+
+    cell = table["model defaults"]
+    if worker.protocol == "vllm":
+        with grpc.insecure_channel(worker.address) as channel:
+            info = vpb_grpc.VllmEngineStub(channel).GetModelInfo(vpb.GetModelInfoRequest(), timeout=10)
+        assert f"`{info.default_sampling_params_json}`" in cell and json.loads(info.default_sampling_params_json) == {
+            "temperature": gen["temperature"], "top_p": gen["top_p"]}
+    else:
+        assert cell.startswith("none") and not any(
+            "default" in f.name for f in tpb.GetModelInfoResponse.DESCRIPTOR.fields)
+
+    cell = table["`/v1/embeddings`"]
+    conn = http.client.HTTPConnection(router.base, timeout=120)
+    conn.request("POST", "/v1/embeddings", body=json.dumps({"model": DEFAULT_MODEL.name, "input": QUESTION}).encode(),
+                 headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    if cell == "`Embed` called":
+        assert resp.status == 200 and len(json.loads(raw)["data"][0]["embedding"]) > 0, raw[-500:]
+    else:
+        assert cell.startswith("HTTP 501") and resp.status == 501, (resp.status, raw[-500:])
+
+    cell = table["`logit_bias`, `min_tokens`, LoRA"]
+    rec = received(worker, router, "/v1/chat/completions", **chat, max_tokens=4, logit_bias={"5": 5.0})
+    assert cell.startswith("dropped") and rec["status"] == "OK"  # not refused: it never reached the worker
 
 
 def test_client_disconnect_at_the_router_ends_the_request_in_tokenloop(stack):

@@ -1,7 +1,8 @@
 """OpenAI `response_format` through the real Shepherd Model Gateway to a real `tokenloop serve` on the default model.
 
-SMG turns `response_format` (json_schema, json_object) into `trtllm.TrtllmService` `guided_decoding` (JSON_SCHEMA,
-with {"type": "object"} for json_object); tokenloop compiles it and the engine masks every step, so the
+SMG detects the worker as vLLM (it serves both of smg's protocols) and turns `response_format` (json_schema,
+json_object) into `vllm.grpc.engine.VllmEngine` `sampling_params.json_schema` / `json_object` (on TrtllmService,
+`guided_decoding`); tokenloop compiles it and the engine masks every step, so the
 chat completion's content is JSON that validates, streamed or not. The router fronts the session's shared server
 (tests/e2e/live_server.py); `tokenloop-cli --json-schema` and the `buf curl` call in docs/structured-output.md run against that
 server too.
@@ -15,10 +16,9 @@ import re
 import jsonschema
 import pytest
 
+from tests.e2e.gateway import Router, post, smg_binary
 from tests.e2e.live_server import DEFAULT_MODEL, ROOT, live_address
-from tests.e2e.test_buf_curl import buf, curl, messages  # noqa: F401 - `buf` is a fixture
-from tests.e2e.test_cli import cli
-from tests.e2e.test_smg_router import Router, post, smg_binary
+from tests.e2e.tools import cli, curl, messages
 
 pytestmark = pytest.mark.e2e
 

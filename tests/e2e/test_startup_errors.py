@@ -12,12 +12,14 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 
 import pytest
 
-from tests.e2e.live_server import _tokenloop_command
-from tests.integration.test_security import issue, make_ca, pem
+from tests.e2e.live_server import ROOT, _tokenloop_command
 from tests.tiny_model import make_tiny_model
+from tests.tls_helpers import issue, make_ca, pem
+from tokenloop.trtllm import MISSING_TRTLLM
 
 pytestmark = pytest.mark.e2e
 
@@ -157,3 +159,14 @@ def test_lora_flags_are_checked_before_anything_loads(tiny, tmp_path):
     assert_refused(serve("--model", str(tiny), "--backend", "trtllm", "--lora", f"a={tmp_path}"),
                    f"--lora a={tmp_path}: not a PEFT adapter (no adapter_config.json)")
     assert_refused(serve("--model", str(tiny), "--lora", "a"), "--lora 'a': expected NAME=DIR")
+
+
+def test_serve_without_tensorrt_llm_exits_with_the_sentence(tokenizer_dir):
+    """`tokenloop serve --backend trtllm` as a process: start-up stops with the one sentence."""
+    code = ("import sys; sys.modules['tensorrt_llm'] = None  # not installed, even where it is\n"
+            "from tokenloop.service.cli import main\n"
+            f"sys.exit(main(['serve', '--backend', 'trtllm', '--model', {str(tokenizer_dir)!r}, '--port', '0']))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode != 0
+    assert MISSING_TRTLLM in out.stderr + out.stdout

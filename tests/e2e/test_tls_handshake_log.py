@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.live_server import _free_port, _tokenloop_command
-from tests.integration.test_security import issue, make_ca, pem
 from tests.tiny_model import make_tiny_model
+from tests.tls_helpers import issue, make_ca, pem
 
 pytestmark = pytest.mark.e2e
 

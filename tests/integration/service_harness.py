@@ -1,10 +1,18 @@
-"""An in-process tokenloop server on an ephemeral loopback port, for integration tests."""
+"""An in-process tokenloop server on an ephemeral loopback port, for integration tests.
+
+`serving` yields a tokenloop.v1 stub, `trtllm` a trtllm.TrtllmService stub; `gen`, `read_all` and `wait_for` build
+and read the router API's calls.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from contextlib import asynccontextmanager
 
 import grpc
+from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
+from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tests.scripted_executor import ScriptedExecutor
 from tokenloop.service.config import ServerConfig
@@ -24,3 +32,32 @@ async def serving(model_dir, executor=None, **config):
     finally:
         await channel.close()
         await server.stop(grace=1.0)
+
+
+@asynccontextmanager
+async def trtllm(model_dir, executor=None, **config):
+    """(server, TrtllmService stub, executor) on a running server."""
+    async with serving(model_dir, executor, **config) as (server, _stub, ex):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            yield server, tpb_grpc.TrtllmServiceStub(channel), ex
+
+
+def gen(ids, max_tokens=8, streaming=True, **kw) -> tpb.GenerateRequest:
+    return tpb.GenerateRequest(tokenized=tpb.TokenizedInput(input_token_ids=ids), max_tokens=max_tokens,
+                               streaming=streaming, **kw)
+
+
+async def read_all(call) -> list:
+    out = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        out.append(msg)
+    return out
+
+
+async def wait_for(predicate, timeout=10.0) -> bool:
+    """Poll `predicate` every 10 ms until it holds or `timeout` s passed; what it last returned."""
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()

@@ -13,24 +13,14 @@ import random
 import pytest
 import torch
 
-from tests.engine_helpers import greedy_request, run_all, tokens
+from tests.engine_helpers import greedy_request, hf_greedy, run_all, tokens
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 
 transformers = pytest.importorskip("transformers")
 
-NUM_NEW = 64
 CASES = [("llama", True), ("qwen2", False), ("mistral", False)]
-
-
-def hf_greedy(model, prompt: list[int], num_new: int = NUM_NEW) -> list[int]:
-    """transformers' greedy continuation of `prompt`, EOS ignored."""
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new,
-                             min_new_tokens=num_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def mixed_prompts(num: int, vocab_size: int, seed: int = 7) -> list[list[int]]:

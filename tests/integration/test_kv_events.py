@@ -15,8 +15,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tests.conftest import run
-from tests.integration.service_harness import serving
-from tests.integration.test_trtllm_service import gen, read_all, wait_for
+from tests.integration.service_harness import gen, read_all, serving, wait_for
 from tests.scripted_executor import ScriptedExecutor
 from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEventHub, StoredBlock
 

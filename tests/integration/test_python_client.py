@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -28,6 +27,7 @@ except ImportError:  # not pip-installed: use the source tree
     sys.path.insert(0, str(ROOT / "clients" / "python"))
     import tokenloop_client
 
+from tests.integration.client_fakes import FlakyServicer
 from tokenloop_client import AsyncClient, Client, FinishReason, RetryPolicy
 from tokenloop_client._gen import tokenloop_pb2 as pb
 from tokenloop_client._gen import tokenloop_pb2_grpc as pb_grpc
@@ -229,63 +229,6 @@ def test_async_errors_are_typed(address):
 
 
 # -- fakes: retries, API key, TLS ------------------------------------------------------------------
-
-class FlakyServicer(pb_grpc.TextGenerationServicer):
-    """Fails the first `num_failures` Generate calls with `code`, optionally after one chunk."""
-
-    def __init__(self, num_failures: int, code=grpc.StatusCode.UNAVAILABLE, after_first_chunk=False):
-        self.num_failures = num_failures
-        self.code = code
-        self.after_first_chunk = after_first_chunk
-        self.num_calls = 0
-        self.num_load_calls = 0
-        self.metadata: list[dict] = []
-        self.requests: list[pb.GenerateRequest] = []
-
-    def Generate(self, request, context):
-        self.num_calls += 1
-        self.requests.append(request)
-        self.metadata.append(dict(context.invocation_metadata()))
-        if self.num_calls <= self.num_failures:
-            if self.after_first_chunk:
-                yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.Chunk(text="Hel"))
-            context.abort(self.code, "injected failure")
-        yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.Chunk(text="Hel"))
-        yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.Chunk(text="lo"))
-        yield pb.GenerateResponse(request_id=request.request_id, complete=pb.Complete(
-            text="Hello", finish_reason=pb.EOS, usage=pb.Usage(prompt_tokens=1, completion_tokens=2)))
-
-    def GetLoad(self, request, context):
-        self.num_load_calls += 1
-        if self.num_load_calls <= self.num_failures:
-            context.abort(self.code, "injected failure")
-        return pb.Load(num_running=7)
-
-
-def _fake_server(servicer, credentials=None) -> tuple[grpc.Server, str]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_TextGenerationServicer_to_server(servicer, server)
-    if credentials is None:
-        port = server.add_insecure_port("127.0.0.1:0")
-    else:
-        port = server.add_secure_port("127.0.0.1:0", credentials)
-    server.start()
-    return server, f"127.0.0.1:{port}"
-
-
-@pytest.fixture
-def fake():
-    servers = []
-
-    def start(servicer, credentials=None):
-        server, addr = _fake_server(servicer, credentials)
-        servers.append(server)
-        return addr
-
-    yield start
-    for server in servers:
-        server.stop(None)
-
 
 def test_unavailable_before_the_first_token_is_retried(fake):
     servicer = FlakyServicer(num_failures=2)

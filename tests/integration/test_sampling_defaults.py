@@ -16,7 +16,7 @@ import pytest
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 
 from tests.conftest import run
-from tests.integration.test_trtllm_service import gen, read_all, trtllm
+from tests.integration.service_harness import gen, read_all, trtllm
 from tokenloop.core.tokenizer import ModelCard
 from tokenloop.engine.convert_gguf import SAMPLING_DEFAULTS, main, write_sampling_defaults
 from tokenloop.v1 import tokenloop_pb2 as pb

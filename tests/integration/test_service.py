@@ -202,6 +202,18 @@ def test_health_and_reflection(tokenizer_dir):
     run(body())
 
 
+def test_health_list_answers_every_service(tokenizer_dir):
+    async def body():
+        async with serving(tokenizer_dir) as (server, _, _):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                listed = await health_pb2_grpc.HealthStub(ch).List(health_pb2.HealthListRequest())
+                serving_ = health_pb2.HealthCheckResponse.SERVING
+                assert {name: s.status for name, s in listed.statuses.items()} == {
+                    "": serving_, "tokenloop.v1.TextGeneration": serving_, "trtllm.TrtllmService": serving_,
+                    "vllm.grpc.engine.VllmEngine": serving_}
+    run(body())
+
+
 def test_drain_finishes_in_flight_then_refuses(tokenizer_dir):
     async def body():
         ex = ScriptedExecutor(tick=0.01)

@@ -13,7 +13,7 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tests.conftest import run
-from tests.integration.service_harness import serving
+from tests.integration.service_harness import read_all, serving, wait_for
 from tests.scripted_executor import ScriptedExecutor
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine.config import EngineConfig
@@ -40,21 +40,6 @@ def engine(checkpoint) -> Engine:
 def gen(max_new=8, text=HELLO, **kw) -> pb.GenerateRequest:
     return pb.GenerateRequest(text=text, stream=True, sampling=pb.SamplingParams(temperature=0.0),
                               stopping=pb.StoppingCriteria(max_new_tokens=max_new, ignore_eos=True), **kw)
-
-
-async def read_all(call) -> list:
-    out = []
-    while (msg := await call.read()) is not grpc.aio.EOF:
-        out.append(msg)
-    return out
-
-
-async def wait_for(predicate, timeout=10.0) -> bool:
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
 
 
 def output_ids(msgs) -> list[int]:

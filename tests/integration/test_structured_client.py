@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.integration.test_python_client import FlakyServicer, fake  # noqa: F401 - `fake` is a fixture
+from tests.integration.client_fakes import FlakyServicer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

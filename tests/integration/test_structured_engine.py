@@ -186,7 +186,7 @@ def test_mixed_batch_of_16_and_free_greedy_rows_equal_transformers(checkpoint, c
     """16 requests at once: 8 free greedy, 2 free sampled, 6 constrained. The free greedy ones are token-for-token
     transformers' greedy output (float64 on both sides, as test_engine_vs_hf's batch), the constrained ones valid."""
     transformers = pytest.importorskip("transformers")
-    from tests.integration.test_engine_vs_hf import hf_greedy
+    from tests.engine_helpers import hf_greedy
 
     free = [greedy_request([11 + i, 40 + 3 * i, 7, 99 - i], 48) for i in range(8)]
     sampled = [sampled_request([30 + i, 12], seed=i, max_new_tokens=48) for i in range(2)]

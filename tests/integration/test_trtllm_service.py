@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import zipfile
-from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -16,38 +14,10 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tests.conftest import run
-from tests.integration.service_harness import serving
+from tests.integration.service_harness import gen, read_all, serving, trtllm, wait_for
 from tests.scripted_executor import ScriptedExecutor
 
 HELLO = "Hello world, hello gRPC streams."
-
-
-@asynccontextmanager
-async def trtllm(model_dir, executor=None, **config):
-    """(server, TrtllmService stub, executor) on a running server."""
-    async with serving(model_dir, executor, **config) as (server, _stub, ex):
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            yield server, tpb_grpc.TrtllmServiceStub(channel), ex
-
-
-def gen(ids, max_tokens=8, streaming=True, **kw) -> tpb.GenerateRequest:
-    return tpb.GenerateRequest(tokenized=tpb.TokenizedInput(input_token_ids=ids), max_tokens=max_tokens,
-                               streaming=streaming, **kw)
-
-
-async def read_all(call) -> list:
-    out = []
-    while (msg := await call.read()) is not grpc.aio.EOF:
-        out.append(msg)
-    return out
-
-
-async def wait_for(predicate, timeout=5.0) -> bool:
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
 
 
 @pytest.fixture
@@ -264,7 +234,7 @@ def test_reflection_lists_the_trtllm_service(tokenizer_dir):
 def test_writer_coalesces_a_backlog_and_strips_the_eos_token_once():
     from tokenloop.core.request import FinishReason, ValidRequest
     from tokenloop.looper.stream import Chunk, Complete, Timing
-    from tokenloop.service.trtllm_service import _Writer
+    from tokenloop.service.trtllm_convert import TrtllmWriter as _Writer
 
     valid = ValidRequest(request_id="w", prompt_token_ids=(5, 6), stream=True)
     writer = _Writer(valid, keep_stop_token=False, perf=True, arrival_wall=1000.0)
@@ -280,7 +250,7 @@ def test_writer_coalesces_a_backlog_and_strips_the_eos_token_once():
 def test_writer_holds_chunks_until_the_stream_interval():
     from tokenloop.core.request import FinishReason, ValidRequest
     from tokenloop.looper.stream import Chunk, Complete, Timing
-    from tokenloop.service.trtllm_service import _Writer
+    from tokenloop.service.trtllm_convert import TrtllmWriter as _Writer
 
     writer = _Writer(ValidRequest(request_id="w", prompt_token_ids=(5,), stream=True), False, False, 0.0, interval=3)
     assert writer.messages([Chunk(0, "a", [1]), Chunk(0, "b", [2])]) == []
@@ -299,8 +269,8 @@ def test_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
     ids, prompts of 1 and 300 tokens, and a full table of token ids."""
     from tokenloop.core.request import FinishReason, ValidRequest
     from tokenloop.looper.stream import Chunk, Complete, Timing, TokenLogprob
-    from tokenloop.service import trtllm_service
-    from tokenloop.service.trtllm_service import _Writer
+    from tokenloop.service import trtllm_convert
+    from tokenloop.service.trtllm_convert import TrtllmWriter as _Writer
 
     lp = [TokenLogprob(7, -0.25, [(7, -0.25), (8, -2.0)])]
     ids = [1, 127, 128, 16383, 16384, 2 ** 21, 2 ** 31]
@@ -321,11 +291,11 @@ def test_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
                     wire = b.encode(batch)
                     assert all(type(m) is bytes for m in wire)
                     assert wire == [m.SerializeToString() for m in a.messages(batch)], (rid, kw, keep)
-    monkeypatch.setattr(trtllm_service, "_MAX_TOKEN_ID_FIELDS", len(trtllm_service._TOKEN_ID_FIELDS))
+    monkeypatch.setattr(trtllm_convert, "_MAX_TOKEN_ID_FIELDS", len(trtllm_convert._TOKEN_ID_FIELDS))
     a, b = (_Writer(ValidRequest(request_id="w", prompt_token_ids=(5,), stream=True), False, False, 0.0)
             for _ in range(2))
     assert b.encode([Chunk(0, "z", [777777])]) == [m.SerializeToString() for m in a.messages([Chunk(0, "z", [777777])])]
-    assert 777777 not in trtllm_service._TOKEN_ID_FIELDS
+    assert 777777 not in trtllm_convert._TOKEN_ID_FIELDS
 
 
 def test_stalled_reader_is_aborted_and_freed(tokenizer_dir, ids):
@@ -372,3 +342,45 @@ def test_generate_logs_one_request_end_line_and_echoes_the_request_id(tokenizer_
     assert ok[0]["output_tokens"] == 3 and ok[0]["finish_reason"] == "length"
     bad = [line for line in lines if line["request_id"] == "bad-1"]
     assert len(bad) == 1 and bad[0]["status"] == "INVALID_ARGUMENT", lines
+
+
+def test_a_bug_in_either_apis_mapping_is_internal_and_the_server_keeps_serving(tokenizer_dir, ids, monkeypatch):
+    """One error policy (service.frontdoor) for both APIs: an unexpected exception in a servicer's mapping, before
+    submit (validation) or mid-stream (the writer), ends that call INTERNAL naming only its type; its request is
+    cancelled, its slot comes back, and both APIs go on serving."""
+    from tokenloop.service import trtllm_service
+    from tokenloop.service.convert import StreamWriter
+    from tokenloop.service.trtllm_convert import TrtllmWriter
+    from tokenloop.v1 import tokenloop_pb2 as pb
+    from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a mapping bug with /secret/path")
+
+    async def body():
+        async with serving(tokenizer_dir, ScriptedExecutor(tick=0.01)) as (server, stub, ex):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                rt = tpb_grpc.TrtllmServiceStub(channel)
+                v1 = pb_grpc.TextGenerationStub(channel)
+                v1_req = pb.GenerateRequest(text=HELLO, stream=True, stopping=pb.StoppingCriteria(max_new_tokens=20))
+                calls = {"trtllm": lambda: read_all(rt.Generate(gen(ids, max_tokens=20))),
+                         "v1": lambda: read_all(v1.Generate(v1_req))}
+                for where in ("validate", "writer"):
+                    with monkeypatch.context() as m:
+                        if where == "validate":
+                            m.setattr(trtllm_service, "to_valid_request", bug)
+                            m.setattr(server.app.validator, "generate", bug)
+                        else:
+                            m.setattr(TrtllmWriter, "encode_complete", bug)
+                            m.setattr(StreamWriter, "encode_complete", bug)
+                        for name, call in calls.items():
+                            with pytest.raises(grpc.aio.AioRpcError) as err:
+                                await call()
+                            assert err.value.code() == grpc.StatusCode.INTERNAL, (where, name)
+                            assert err.value.details() == "internal error (RuntimeError)", (where, name)
+                    for name, call in calls.items():  # the server serves on, on both APIs
+                        msgs = await call()
+                        assert msgs[-1].HasField("complete"), (where, name)
+                assert await wait_for(lambda: server.app.load().num_running == 0)
+                assert server.app.admission.num_active == 0
+    run(body())

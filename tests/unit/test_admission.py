@@ -232,7 +232,7 @@ async def _hold(cm, entered: asyncio.Event):
 
 
 def test_stall_watchdog_gives_back_after_the_grace_then_cancels_after_the_timeout():
-    from tokenloop.service.servicer import StallWatchdog
+    from tokenloop.service.delivery import StallWatchdog
 
     async def body():
         slow, progressed = [], []
@@ -258,7 +258,7 @@ def test_stall_watchdog_gives_back_after_the_grace_then_cancels_after_the_timeou
 
 
 def test_stall_watchdog_without_a_grace_only_cancels():
-    from tokenloop.service.servicer import StallWatchdog
+    from tokenloop.service.delivery import StallWatchdog
 
     async def body():
         slow = []

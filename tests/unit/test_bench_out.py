@@ -12,7 +12,7 @@ from bench.results import write
 from tests.conftest import ROOT
 
 SCRIPTS = ["engine_bench.py", "service_overhead.py", "engine_gil.py", "prompt_stall.py", "idle_cpu.py", "soak.py",
-           "grammar_libs.py", "int8_kernels.py", "int4_kernels.py", "slow_readers.py", "grammar_bounds.py"]
+           "grammar_libs.py", "kernels.py", "slow_readers.py", "grammar_bounds.py", "bandwidth.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -42,5 +42,104 @@ def test_write_stamps_the_date_and_machine(tmp_path, capsys):
 def test_one_current_result_file_per_benchmark():
     files = sorted(p.name for p in (ROOT / "bench").glob("results-*"))
     assert files == ["results-clients.json", "results-clients.png", "results-engine-gil.json", "results-engine.json",
-                     "results-grammar-bounds.json", "results-grammar-libs.json", "results-int4-kernels.json", "results-int8-kernels.json", "results-lora.json", "results-overhead.json",
+                     "results-grammar-bounds.json", "results-grammar-libs.json", "results-kernels.json", "results-lora.json", "results-overhead.json",
                      "results-prompt-stall.json", "results-shared-prefix.json", "results-structured.json"]
+
+
+# /proc/cpuinfo's first processor on the two kinds of VM the project runs on (abridged: the fields cpu_record reads)
+ZEN4_VM = """processor	: 0
+vendor_id	: AuthenticAMD
+cpu family	: 25
+model		: 17
+model name	: AMD EPYC
+stepping	: 1
+flags		: fpu sse4_2 avx f16c bmi2 avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512vbmi avx512_vnni
+
+processor	: 1
+vendor_id	: AuthenticAMD
+model name	: a second processor is not read
+"""
+XEON_VM = """processor	: 0
+vendor_id	: GenuineIntel
+cpu family	: 6
+model		: 143
+model name	: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags		: avx avx2 fma f16c avx_vnni avx512f avx512bw avx512vl avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+"""
+
+
+def test_cpu_record_names_the_model_family_and_isa_flags():
+    from bench.results import cpu_record, describe
+    amd = cpu_record(ZEN4_VM)
+    assert (amd["cpu"], amd["cpu_vendor"], amd["cpu_family"], amd["cpu_model"], amd["cpu_stepping"]) == (
+        "AMD EPYC", "AuthenticAMD", 25, 17, 1)
+    assert amd["isa"] == ["sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl",
+                          "avx512_vnni", "avx512_bf16", "avx512vbmi"]  # in ISA_FLAGS' order; fpu is not one of them
+    assert describe(amd).startswith("AMD EPYC (family 25 model 17; sse4_2 avx avx2")
+    intel = cpu_record(XEON_VM)
+    assert intel["cpu_family"] == 6 and intel["cpu_model"] == 143 and intel["cpu_stepping"] is None
+    assert {"avx_vnni", "amx_tile", "amx_int8", "amx_bf16"} <= set(intel["isa"]) and "avx512vbmi" not in intel["isa"]
+    bare = cpu_record("")
+    assert bare["cpu"] and bare["isa"] == [] and bare["cpu_family"] is None
+    assert "no flags recorded" in describe(bare)
+
+
+def test_write_records_this_machines_cpu(tmp_path):
+    from bench.results import cpu_record
+    out = tmp_path / "r.json"
+    write(str(out), {"a": 1})
+    data = json.loads(out.read_text())
+    assert {k: data[k] for k in cpu_record()} == cpu_record()  # the keys and values of this machine's record
+
+
+def _file_writes(tree) -> list[str]:
+    """The calls in a module that write a file other than through bench.results.write."""
+    import ast
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        positional = node.args[0:1] if isinstance(node.func, ast.Attribute) else node.args[1:2]  # Path.open / open
+        mode = [a.value for a in positional if isinstance(a, ast.Constant)] + [
+            k.value.value for k in node.keywords if k.arg == "mode" and isinstance(k.value, ast.Constant)]
+        if name in ("write_text", "write_bytes", "dump") or (name == "open" and any(set(str(m)) & set("wax") for m in mode)):
+            found.append(f"{name} at line {node.lineno}")
+    return found
+
+
+# files a bench writes that are not its figures: soak's Markdown table (its first line is machine()'s record,
+# through describe()), service_overhead's per-run emission log, hygiene_probe's and llama_server's server logs
+NOT_FIGURES = {"soak.py": 1, "service_overhead.py": 1, "hygiene_probe.py": 1, "llama_server.py": 1}
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name != "results.py"))
+def test_every_benchmark_writes_its_figures_through_results_write(script):
+    """Every --out goes through bench.results.write, which stamps the CPU record: no bench writes JSON itself."""
+    import ast
+    source = (ROOT / "bench" / script).read_text()
+    assert len(_file_writes(ast.parse(source))) == NOT_FIGURES.get(script, 0), _file_writes(ast.parse(source))
+    if '"--out"' in source or "add_out_argument" in source:
+        assert "from bench.results import" in source and ("write(args.out" in source or script == "soak.py")
+    if script == "soak.py":
+        assert "describe(where)" in source
+
+
+def test_the_bandwidth_bench_out_carries_the_machine_record(tmp_path):
+    """One bench run for real with --out (the cheapest, on a small model's shapes): its JSON has the CPU record
+    beside its figures."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                                   "num_key_value_heads": 2, "vocab_size": 256,
+                                                   "num_hidden_layers": 2}))
+    out = tmp_path / "bw.json"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "bandwidth.py"), "--model", str(model), "--mb", "16",
+                          "--rounds", "1", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["cpu"] and data["cpu_family"] is not None and "isa" in data and data["date"].endswith("Z")
+    figures = data["bandwidth"]
+    assert figures["limit_bytes_per_s"] == max(figures["methods"].values()) > 0
+    assert figures["weight_bytes_per_token"]["int4"] < figures["weight_bytes_per_token"]["int8"] \
+        < figures["weight_bytes_per_token"]["fp32"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.engine_helpers import compute
 from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared
 from tokenloop.engine.block_manager import BlockManager, block_hash
 from tokenloop.engine.sequence import Sequence
@@ -11,13 +12,6 @@ from tokenloop.engine.sequence import Sequence
 
 def seq(tokens) -> Sequence:
     return Sequence(executor_id=1, seq_index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens))
-
-
-def compute(bm: BlockManager, s: Sequence, n: int) -> None:
-    """Pretend the model ran `n` more tokens of `s`."""
-    assert bm.append_slots(s, n)
-    s.num_computed_tokens += n
-    bm.commit_full_blocks(s)
 
 
 def test_append_slots_allocates_whole_blocks_and_free_returns_them():

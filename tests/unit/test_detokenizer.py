@@ -2,8 +2,9 @@
 
 import pytest
 
+from bench.null_executor import sample_token_ids
 from tokenloop.core.tokenizer import Tokenizer
-from tokenloop.looper.detokenizer import IncrementalDetokenizer, StopMatcher
+from tokenloop.looper.detokenizer import IncrementalDetokenizer, StopMatcher, is_byte_level, token_texts
 
 TEXTS = [
     "Emoji time: 😀 🚀 👩‍💻 🎉 and more 😀😀.",
@@ -111,3 +112,32 @@ def test_stop_in_one_delta_cuts_the_rest():
 
 def test_no_stops_passes_through():
     assert StopMatcher(()).push("abc") == ("abc", None)
+
+
+def test_byte_level_fast_path_matches_the_offset_algorithm(tokenizer, metaspace_dir):
+    assert is_byte_level(tokenizer)
+    assert not is_byte_level(Tokenizer.from_dir(metaspace_dir))
+    ids = sample_token_ids(tokenizer)
+    fast = IncrementalDetokenizer(tokenizer, [1, 2])
+    slow = IncrementalDetokenizer(tokenizer, [1, 2])
+    slow._fast = False
+    for i in range(0, len(ids), 2):
+        assert fast.push(ids[i:i + 2]) == slow.push(ids[i:i + 2])
+    assert fast.flush() == slow.flush()
+
+
+def test_token_table_fast_path_matches_the_offset_algorithm(tokenizer):
+    """One token per push (the common step) is served from the per-tokenizer table of whole-character tokens;
+    emoji and CJK split across byte-level tokens still go through decoding and match the offset algorithm."""
+    ids = sample_token_ids(tokenizer)
+    slow = IncrementalDetokenizer(tokenizer, [1, 2])
+    slow._fast, slow._texts = False, None
+    expected = [slow.push([t]) for t in ids] + [slow.flush()]
+    table = token_texts(tokenizer, True)
+    for _ in range(2):  # the first pass fills the table, the second reads it
+        fast = IncrementalDetokenizer(tokenizer, [1, 2])
+        assert [fast.push([t]) for t in ids] + [fast.flush()] == expected
+    assert table and all("\ufffd" not in text for text in table.values())
+    partial = {t for t in ids if "\ufffd" in tokenizer.decode([t])}
+    assert partial and not partial & table.keys()  # tokens of part of an emoji or CJK character are never kept
+    assert token_texts(tokenizer, False) is not table  # skip_special_tokens=False keeps its own texts

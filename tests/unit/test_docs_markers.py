@@ -94,7 +94,7 @@ def test_bare_tools_are_found_in_command_position(text, bare):
 
 
 def test_blocks_run_without_the_virtualenv_on_path(monkeypatch):
-    from tests.e2e.test_docs_commands import VENV_BIN, environment
+    from tests.docs_check import VENV_BIN, environment
     monkeypatch.setenv("PATH", f"{VENV_BIN}:/usr/bin:/bin")
     monkeypatch.setenv("VIRTUAL_ENV", str(VENV_BIN.parent))
     env = environment("127.0.0.1:1", 1)

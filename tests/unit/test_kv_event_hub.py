@@ -83,3 +83,13 @@ def test_a_failing_notify_drops_that_subscriber_not_the_publisher():
     ok = hub.subscribe(lambda: None)
     hub.publish([CacheCleared()])
     assert hub.num_subscribers == 1 and len(ok.queue) == 1
+
+
+def test_the_lora_cache_key_is_made_and_read_in_one_place():
+    """core.kv_events makes an adapter's block key (the engine's `LoraWeights.cache_key`) and reads its name back
+    (the service's `lora_name`): a name with a colon survives, any other key names no adapter."""
+    from tokenloop.core.kv_events import lora_cache_key, lora_of_cache_key
+
+    assert lora_of_cache_key(lora_cache_key("sql", "ab12")) == "sql"
+    assert lora_of_cache_key(lora_cache_key("team:sql", "ab12")) == "team:sql"
+    assert lora_of_cache_key(None) == lora_of_cache_key("salt:x") == ""

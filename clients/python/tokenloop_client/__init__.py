@@ -22,6 +22,7 @@ from .types import (
     ChatMessage,
     Completion,
     Delta,
+    EmbedResult,
     FinishReason,
     GenerateResult,
     Load,
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient", "AsyncTextStream", "CancelledError", "ChatMessage", "Client", "Completion",
-    "DeadlineExceededError", "Delta", "FinishReason", "GenerateResult", "IncompleteOutputError", "InternalError",
+    "DeadlineExceededError", "Delta", "EmbedResult", "FinishReason", "GenerateResult", "IncompleteOutputError", "InternalError",
     "InvalidArgumentError", "Load", "LoraAdapter", "ModelInfo", "NotFoundError", "ParameterError", "PermissionDeniedError",
     "ResourceExhaustedError", "RetryPolicy", "TextStream", "Timing", "TokenLogprob", "TokenizeResult",
     "TokenloopError", "TopLogprob", "UnauthenticatedError", "UnavailableError", "UnimplementedError",

@@ -149,6 +149,34 @@ def build_tokenize(text: str | None, messages: Iterable | None) -> pb.TokenizeRe
     return pb.TokenizeRequest(chat=to_chat(messages))
 
 
+POOLINGS = ("last", "mean")
+
+
+def build_embed(text: str | None, token_ids: Sequence[int] | None, pooling: str | None, normalize: bool | None,
+                request_id: str | None) -> pb.EmbedRequest:
+    """An EmbedRequest from exactly one of text and token_ids; pooling "last" | "mean" | None (the server's)."""
+    if (text is None) == (token_ids is None):
+        raise ParameterError("text", "give exactly one of text, token_ids")
+    req = pb.EmbedRequest(request_id=request_id or uuid.uuid4().hex)
+    if request_id is not None:
+        _params.check_text("request_id", request_id)
+    if text is not None:
+        _params.check_text("text", text)
+        req.text = text
+    else:
+        _params.check_token_ids("token_ids", token_ids)
+        req.token_ids.ids.extend(token_ids)
+    if pooling is not None:
+        if pooling not in POOLINGS:
+            raise ParameterError("pooling", f"`pooling` must be one of {', '.join(POOLINGS)} or None; got {pooling!r}")
+        req.pooling = pb.Pooling.Value(pooling.upper())
+    if normalize is not None:
+        if not isinstance(normalize, bool):
+            raise ParameterError("normalize", f"`normalize` must be True, False or None; got {normalize!r}")
+        req.normalize = normalize
+    return req
+
+
 class ResultBuilder:
     """Collects Generate responses; turns chunks into Deltas and completes into a GenerateResult."""
 

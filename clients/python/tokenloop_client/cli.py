@@ -1,4 +1,4 @@
-"""`tokenloop-cli`: generate, chat, info, tokenize, health and bench against a tokenloop server."""
+"""`tokenloop-cli`: generate, chat, info, tokenize, embed, health and bench against a tokenloop server."""
 
 from __future__ import annotations
 
@@ -154,6 +154,19 @@ def cmd_tokenize(client: Client, args: argparse.Namespace) -> None:
         print(f"{token_id:>8}  {piece!r}")
 
 
+def cmd_embed(client: Client, args: argparse.Namespace) -> None:
+    """Print the embedding of a text ('-' reads stdin): one line of numbers, or the whole result as JSON."""
+    text = sys.stdin.read() if args.text == "-" else args.text
+    res = client.embed(text, pooling=args.pooling, normalize=args.normalize)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(res)))
+        return
+    print(" ".join(f"{x:.6g}" for x in res.embedding))
+    if not args.quiet:
+        print(f"[{len(res.embedding)} dimensions · {res.pooling} pooling{' · normalized' if res.normalized else ''} "
+              f"· {res.prompt_tokens} prompt tokens · id {res.request_id}]", file=sys.stderr)
+
+
 def cmd_health(client: Client, args: argparse.Namespace) -> None:
     """Print the grpc.health.v1 status; exit 1 unless SERVING. With --wait S, poll until SERVING for up to S s,
     with a progress line on stderr every few seconds."""
@@ -251,6 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--chat", action="store_true", help="render as a user message with the chat template")
     t.add_argument("--json", action="store_true")
 
+    e = sub.add_parser("embed", parents=parents, help="the embedding of a text ('-' reads stdin)")
+    e.add_argument("text")
+    e.add_argument("--pooling", choices=("last", "mean"), help="the last token's hidden state or the mean over the "
+                                                             "prompt (default: the server's)")
+    e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="scale to unit L2 norm (default: the server's)")
+    e.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    e.add_argument("--quiet", action="store_true", help="no summary line on stderr")
+
     h = sub.add_parser("health", parents=parents, help="grpc.health.v1 status (exit 1 unless SERVING)")
     h.add_argument("--service", default="", help="service name ('' = the whole server)")
     h.add_argument("--wait", type=float, default=0.0, metavar="S",
@@ -295,7 +317,7 @@ def cmd_lora(client: Client, args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "tokenize": cmd_tokenize,
-            "health": cmd_health, "lora": cmd_lora}
+            "embed": cmd_embed, "health": cmd_health, "lora": cmd_lora}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import time
 
 from . import bench, report
 from .aio import AsyncClient
+from .machine import cpu_record
 
 DEFAULT_DURATION_S = 20.0  # seconds per level when neither --num-requests nor --duration is given
 INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
@@ -106,7 +107,8 @@ def _output(args: argparse.Namespace, state: dict) -> None:
         print(report.table(results), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **state}, indent=2) + "\n")
+            f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **cpu_record(), **state},
+                               indent=2) + "\n")
         print(f"results written to {args.out}", file=sys.stderr)
     if args.plot and results:
         report.plot(results, args.plot, title=args.title or state["server"].get("model_id", ""))

@@ -19,7 +19,7 @@ from ._channel import (
 from ._gen import tokenloop_pb2 as pb
 from ._gen import tokenloop_pb2_grpc as pb_grpc
 from .errors import TokenloopError, from_retried
-from .types import Delta, GenerateResult, Load, LoraAdapter, ModelInfo, TokenizeResult
+from .types import Delta, EmbedResult, GenerateResult, Load, LoraAdapter, ModelInfo, TokenizeResult
 
 
 class TextStream:
@@ -159,6 +159,14 @@ class Client:
         """Token ids of a text, or of a chat rendered with the model's template."""
         res = self._unary(self._stub.Tokenize, _request.build_tokenize(text, messages))
         return TokenizeResult(tuple(res.token_ids), tuple(res.tokens), res.text)
+
+    def embed(self, text: str | None = None, *, token_ids: Sequence[int] | None = None,
+              pooling: str | None = None, normalize: bool | None = None,
+              request_id: str | None = None) -> EmbedResult:
+        """The embedding of a text or of token ids: the model's final hidden states pooled ("last" token or "mean";
+        None: the server's default) and scaled to unit length or not (None: the server's default)."""
+        req = _request.build_embed(text, token_ids, pooling, normalize, request_id)
+        return EmbedResult.from_pb(self._unary(self._stub.Embed, req))
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None) -> str:
         """Text of token ids."""

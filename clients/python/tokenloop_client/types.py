@@ -180,6 +180,24 @@ class TokenizeResult:
 
 
 @dataclass(frozen=True)
+class EmbedResult:
+    """One prompt's embedding: the vector (the model's hidden size long), the prompt's token count, and how it was
+    pooled ("last" or "mean") and whether it was scaled to unit L2 norm."""
+
+    request_id: str
+    embedding: tuple[float, ...]
+    prompt_tokens: int
+    pooling: str
+    normalized: bool
+
+    @classmethod
+    def from_pb(cls, msg: pb.EmbedResponse) -> EmbedResult:
+        """Build from a protobuf EmbedResponse."""
+        return cls(msg.request_id, tuple(msg.embedding), msg.prompt_tokens, pb.Pooling.Name(msg.pooling).lower(),
+                   msg.normalized)
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """The loaded model and the server's limits."""
 

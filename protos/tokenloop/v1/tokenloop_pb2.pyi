@@ -16,6 +16,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STOP_TOKEN: _ClassVar[FinishReason]
     CANCELLED: _ClassVar[FinishReason]
     STRUCTURE_COMPLETE: _ClassVar[FinishReason]
+
+class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_UNSPECIFIED: _ClassVar[Pooling]
+    LAST: _ClassVar[Pooling]
+    MEAN: _ClassVar[Pooling]
 FINISH_REASON_UNSPECIFIED: FinishReason
 LENGTH: FinishReason
 EOS: FinishReason
@@ -23,6 +29,9 @@ STOP_SEQUENCE: FinishReason
 STOP_TOKEN: FinishReason
 CANCELLED: FinishReason
 STRUCTURE_COMPLETE: FinishReason
+POOLING_UNSPECIFIED: Pooling
+LAST: Pooling
+MEAN: Pooling
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "stream", "sampling", "stopping", "output", "n", "json_schema", "json_object", "regex", "grammar", "structural_tag", "lora")
@@ -213,6 +222,34 @@ class Timing(_message.Message):
     ttft_s: float
     total_s: float
     def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "pooling", "normalize")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    pooling: Pooling
+    normalize: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "embedding", "prompt_tokens", "pooling", "normalized")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    pooling: Pooling
+    normalized: bool
+    def __init__(self, request_id: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalized: _Optional[bool] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")

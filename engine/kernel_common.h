@@ -1,0 +1,320 @@
+/* What int8_linear.c and int4_linear.c share: the packing constants, the code paths and how the CPU's flags pick
+ * them, and the per-row activation quantization of the VNNI paths. engine/kernels.py hashes every header with each
+ * source, so a change here rebuilds both.
+ *
+ * Code paths (the `path` argument of every product; kernels.py names them):
+ *   1 portable  plain C, any CPU and compiler;
+ *   2 avx2      AVX2 + FMA + F16C;
+ *   3 avx512    AVX-512 F/BW/VL (+ FMA, F16C): the same arithmetic per output as avx2, on 16 lanes;
+ *   4 vnni      AVX-512 VNNI (vpdpbusd): activations quantized to int8 per row and group of G columns (llama.cpp's
+ *               Q8_0 / Q8_1 activations), integer dot products per group, its own weight layout (kernels.py packs it).
+ * Each x86 path is compiled with a target attribute, so the library is built for baseline x86-64 and runs a path
+ * only where __builtin_cpu_supports says the CPU has it (a path it lacks returns -3).
+ */
+#ifndef TOKENLOOP_KERNEL_COMMON_H
+#define TOKENLOOP_KERNEL_COMMON_H
+
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
+
+#define PACK 32  /* output channels per packed block */
+#define BLOCK 16 /* channels widened together for the AVX2 tiled path */
+#define ROWS 6   /* rows of one register tile */
+
+enum { PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_VNNI = 4 };
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_X86 1
+#include <immintrin.h>
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+#else
+#define HAVE_X86 0
+#endif
+
+/* 1 when this CPU (and this build) can run `path` */
+static int path_supported(int path) {
+    if (path == PATH_PORTABLE) return 1;
+#if HAVE_X86
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl");
+    if (path == PATH_AVX2) return avx2;
+    if (path == PATH_AVX512) return avx512;
+    if (path == PATH_VNNI) return avx512 && __builtin_cpu_supports("avx512vnni");
+#endif
+    return 0;
+}
+
+/* the common checks of a product's arguments: 0 when fine */
+static int bad_args(int64_t M, int64_t K, int64_t G, int64_t N, int64_t n_begin, int64_t n_end) {
+    return M < 0 || K < 1 || G < 1 || K % G != 0 || n_begin < 0 || n_begin % PACK != 0 || n_end > N ||
+           n_begin > n_end;
+}
+
+/* write out[0..count-1] (channels n..) into y, only the channels below n_end */
+static inline void store_n(float *y, int64_t n, int64_t n_end, const float *out, int64_t count) {
+    if (n_end - n < count) count = n_end - n;
+    if (count > 0) memcpy(y + n, out, sizeof(float) * (size_t)count);
+}
+
+/* x [M, K] -> int8 per row and group of G columns, symmetric: sx[m, g] = max |x| / 127, xq = round(x / sx); with
+ * `bias` each value is stored + 128 as uint8 (the unsigned operand of vpdpbusd). One function for every row count,
+ * so a row's quantized values do not depend on the batch. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int bias, int8_t *xq, float *sx) {
+    const int64_t NG = K / G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < NG; g++) {
+            const float *v = x + m * K + g * G;
+            float amax = 0.0f;
+            for (int64_t k = 0; k < G; k++) amax = fmaxf(amax, fabsf(v[k]));
+            const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            sx[m * NG + g] = s;
+            int8_t *o = xq + m * K + g * G;
+            for (int64_t k = 0; k < G; k++) {
+                const int32_t q = (int32_t)lrintf(v[k] * inv);
+                o[k] = (int8_t)(bias ? (uint8_t)(q + 128) : q);
+            }
+        }
+}
+
+/* ---- the loops around a product's kernels, shared by both libraries and every SIMD path ----
+ *
+ * A path gives three steps over its own operands (`ctx`):
+ *   widen(ctx, b, h, wf)        channels [32b + h*width, + width) of block b as floats into wf [K, width]
+ *                               (NULL: the path multiplies its packed weights directly, vnni)
+ *   tile(ctx, m, wf, b, h, out) rows m .. m+5 against those channels; out [6, width]
+ *   rows(ctx, m, b, nb, out)    row m against blocks b .. b+nb-1 (nb <= nb_max), weights read on the fly;
+ *                               out [nb * 32]
+ * drive() runs six rows at a time over each widened part of a block while it sits in L1/L2, then the rows left
+ * over one by one, and writes only the channels below n_end. A path whose tile and rows steps do the same
+ * arithmetic per output keeps rows batch invariant. */
+typedef struct {
+    int width, nb_max;
+    void (*widen)(const void *ctx, int64_t b, int h, float *wf);
+    void (*tile)(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out);
+    void (*rows)(const void *ctx, int64_t m, int64_t b, int nb, float *out);
+} steps_t;
+
+/* the operands of a float32-activation product, for the steps: int8 weights (q, scale) or 4-bit ones (q, sm, and xs,
+ * the sums of each row's groups) */
+typedef struct {
+    const float *x, *xs;
+    const void *q;
+    const float *scale;
+    const uint16_t *sm;
+    int64_t K, G;
+} ctx_t;
+
+static int drive(const steps_t *s, const void *ctx, int64_t M, int64_t K, float *y, int64_t N, int64_t b_begin,
+                 int64_t b_end, int64_t n_end) {
+    const int64_t M6 = M / ROWS * ROWS;
+    if (M6 > 0) {
+        float *wf = s->widen ? malloc(sizeof(float) * (size_t)(K * s->width)) : NULL;
+        if (s->widen && !wf) return -2;
+        float t[ROWS * PACK];
+        for (int64_t b = b_begin; b < b_end; b++)
+            for (int h = 0; h < PACK / s->width; h++) {
+                const int64_t n = b * PACK + h * s->width;
+                if (n >= n_end) break;
+                if (s->widen) s->widen(ctx, b, h, wf);
+                for (int64_t m = 0; m < M6; m += ROWS) {
+                    s->tile(ctx, m, wf, b, h, t);
+                    for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, n, n_end, t + r * s->width, s->width);
+                }
+            }
+        free(wf);
+    }
+    float out[4 * PACK];
+    for (int64_t m = M6; m < M; m++)
+        for (int64_t b = b_begin; b < b_end;) {
+            const int nb = b_end - b < s->nb_max ? (int)(b_end - b) : s->nb_max;
+            s->rows(ctx, m, b, nb, out);
+            store_n(y + m * N, b * PACK, n_end, out, nb * PACK);
+            b += nb;
+        }
+    return 0;
+}
+
+#if HAVE_X86
+/* a[2r] (channels 0..15) and a[2r+1] (16..31) += the dot products of R rows of quantized activations x (stride K)
+ * with a block's C chunks of four columns at w, one vpdpbusd per 16 channels and row: int8 weights (128 signed bytes
+ * a chunk; x stored + 128, the unsigned operand) or, with `nibbles`, 4-bit ones (64 bytes a chunk, the low nibbles
+ * channels 0..15 and the high ones 16..31, the unsigned operand; x signed) */
+VNNI_FN INLINE void vnni_dots(const uint8_t *x, int64_t K, const uint8_t *w, int64_t C, const int R, const int nibbles,
+                              __m512i *a) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    const int64_t step = nibbles ? 2 * PACK : 4 * PACK;
+    for (int64_t j = 0; j < C; j++) {
+        const __m512i v = _mm512_loadu_si512(w + j * step);
+        const __m512i w0 = nibbles ? _mm512_and_si512(v, mask) : v;
+        const __m512i w1 = nibbles ? _mm512_and_si512(_mm512_srli_epi16(v, 4), mask) : _mm512_loadu_si512(w + j * step + 64);
+        for (int r = 0; r < R; r++) {
+            int32_t four;
+            memcpy(&four, x + r * K + 4 * j, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            a[2 * r] = nibbles ? _mm512_dpbusd_epi32(a[2 * r], w0, xb) : _mm512_dpbusd_epi32(a[2 * r], xb, w0);
+            a[2 * r + 1] = nibbles ? _mm512_dpbusd_epi32(a[2 * r + 1], w1, xb) : _mm512_dpbusd_epi32(a[2 * r + 1], xb, w1);
+        }
+    }
+}
+
+/* ---- the vnni kernel of both libraries: int8 activations, integer dot products per group ---- */
+
+/* the operands of a vnni product, int8 or 4-bit weights */
+typedef struct {
+    const uint8_t *xq;   /* activations quantized per row and group [M, K]: int8 + 128 (int8 weights), int8 (4-bit) */
+    const float *sx;     /* their scales [M, NG] */
+    const float *xs;     /* 4-bit: sx * the sums of xq per group [M, NG] (the minimums multiply them) */
+    const uint8_t *qv;   /* the weights packed four columns a lane: [N32, K/4, 32, 4] int8 or [N32, K/4, 16, 4] */
+    const int32_t *comp; /* int8: -128 * each channel's group sums of weights [N32, NG, 32] */
+    const float *scale;  /* int8: scales [N32, NG, 32] */
+    const uint16_t *sm;  /* 4-bit: half scales and minimums [N32, NG, 2, 32] */
+    int64_t K, G;
+} vnni_t;
+
+AVX512_FN static inline __m512 half16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* 16 bytes of a 4-bit block's column -> 16 int32 lanes: the low nibbles are channels 0..15, the high ones 16..31 */
+AVX512_FN static inline __m512i nibbles16(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* the avx512 rows step of both libraries: row m against blocks b .. b + NB - 1 (NB <= 4: eight FMA chains), the
+ * weights widened right before their FMAs (int8: 16 bytes a vector; 4-bit, `nibbles`: 16 bytes two vectors), per
+ * group a partial sum, then total += partial * scale (4-bit: + the row's group sum * minimum); out [NB * 32] */
+AVX512_FN INLINE void row_blocks512(const ctx_t *c, int64_t m, int64_t b, const int NB, const int nibbles, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    const float *x = c->x + m * K;
+    const __m512i mask = _mm512_set1_epi32(0x0f);
+    __m512 t[8], a[8];
+    for (int j = 0; j < 2 * NB; j++) t[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        for (int j = 0; j < 2 * NB; j++) a[j] = _mm512_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k++) {
+            const __m512 xv = _mm512_set1_ps(x[k]);
+            for (int j = 0; j < NB; j++) {
+                __m512 w0, w1;
+                if (nibbles) {
+                    const __m512i v = nibbles16((const uint8_t *)c->q + ((b + j) * K + k) * (PACK / 2));
+                    w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                } else {
+                    const int8_t *p = (const int8_t *)c->q + ((b + j) * K + k) * PACK;
+                    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+                    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+                }
+                a[2 * j] = _mm512_fmadd_ps(xv, w0, a[2 * j]);
+                a[2 * j + 1] = _mm512_fmadd_ps(xv, w1, a[2 * j + 1]);
+            }
+        }
+        for (int j = 0; j < NB; j++) {
+            const int64_t bg = (b + j) * NG + g;
+            if (nibbles) {
+                const uint16_t *s = c->sm + bg * 2 * PACK;
+                const __m512 xg = _mm512_set1_ps(c->xs[m * NG + g]);
+                t[2 * j] = _mm512_fmadd_ps(xg, half16(s + 32), _mm512_fmadd_ps(a[2 * j], half16(s), t[2 * j]));
+                t[2 * j + 1] = _mm512_fmadd_ps(xg, half16(s + 48), _mm512_fmadd_ps(a[2 * j + 1], half16(s + 16), t[2 * j + 1]));
+            } else {
+                t[2 * j] = _mm512_fmadd_ps(a[2 * j], _mm512_loadu_ps(c->scale + bg * PACK), t[2 * j]);
+                t[2 * j + 1] = _mm512_fmadd_ps(a[2 * j + 1], _mm512_loadu_ps(c->scale + bg * PACK + 16), t[2 * j + 1]);
+            }
+        }
+    }
+    for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
+}
+
+/* four blocks at a time, one at a time for the rest */
+AVX512_FN INLINE void rows512(const ctx_t *c, int64_t m, int64_t b, int nb, const int nibbles, float *out) {
+    if (nb == 4) {
+        row_blocks512(c, m, b, 4, nibbles, out);
+        return;
+    }
+    for (int j = 0; j < nb; j++) row_blocks512(c, m, b + j, 1, nibbles, out + j * PACK);
+}
+
+/* R rows (R <= 6, from row m) against block b; out [R, 32]. Per group: the exact integer dot products (int8: from
+ * comp, so the + 128 cancels), then total += float(dot) * (weight scale * sx), and for 4-bit weights total +=
+ * (sx * sum xq) * minimum: per output the same operations whatever R, so rows stay batch invariant. */
+VNNI_FN INLINE void vnni_rows(const vnni_t *c, int64_t m, int64_t b, const int R, const int nibbles, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4;
+    __m512 t[12];
+    __m512i a[12];
+    for (int i = 0; i < 2 * R; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        const int64_t bg = b * NG + g;
+        for (int r = 0; r < R; r++) {
+            a[2 * r] = nibbles ? _mm512_setzero_si512() : _mm512_loadu_si512(c->comp + bg * PACK);
+            a[2 * r + 1] = nibbles ? _mm512_setzero_si512() : _mm512_loadu_si512(c->comp + bg * PACK + 16);
+        }
+        vnni_dots(c->xq + m * K + g * G, K, c->qv + (b * (K / 4) + g * C) * (nibbles ? 2 : 4) * PACK, C, R, nibbles, a);
+        const uint16_t *s4 = nibbles ? c->sm + bg * 2 * PACK : NULL;
+        const __m512 s0 = nibbles ? half16(s4) : _mm512_loadu_ps(c->scale + bg * PACK);
+        const __m512 s1 = nibbles ? half16(s4 + 16) : _mm512_loadu_ps(c->scale + bg * PACK + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 sr = _mm512_set1_ps(c->sx[(m + r) * NG + g]);
+            t[2 * r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r]), _mm512_mul_ps(s0, sr), t[2 * r]);
+            t[2 * r + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[2 * r + 1]), _mm512_mul_ps(s1, sr), t[2 * r + 1]);
+            if (nibbles) {
+                const __m512 xg = _mm512_set1_ps(c->xs[(m + r) * NG + g]);
+                t[2 * r] = _mm512_fmadd_ps(xg, half16(s4 + 32), t[2 * r]);
+                t[2 * r + 1] = _mm512_fmadd_ps(xg, half16(s4 + 48), t[2 * r + 1]);
+            }
+        }
+    }
+    for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+/* the vnni steps of drive() (no widening: vpdpbusd multiplies the packed bytes), for int8 (nibbles 0) or 4-bit
+ * weights (1): six rows a tile, one row a block otherwise */
+#define DEFINE_VNNI_STEPS(nibbles)                                                                                  \
+    VNNI_FN static void tile_vnni(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {     \
+        (void)wf, (void)h;                                                                                          \
+        vnni_rows(ctx, m, b, ROWS, nibbles, out);                                                                   \
+    }                                                                                                               \
+    VNNI_FN static void rows_vnni(const void *ctx, int64_t m, int64_t b, int nb, float *out) {                     \
+        for (int j = 0; j < nb; j++) vnni_rows(ctx, m, b + j, 1, nibbles, out + j * PACK);                        \
+    }                                                                                                               \
+    static const steps_t VNNI_STEPS = {PACK, 4, NULL, tile_vnni, rows_vnni};
+
+/* a[2r], a[2r+1] += x[r, k] * wf[k, 0..15] over k0 <= k < k1 for six rows x (stride K): the float32 GEMM inner
+ * kernel of the avx2 tiles (12 partial sums, two weight vectors, one broadcast: 15 of 16 registers) */
+AVX2_FN INLINE void tile6_sums_avx2(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, __m256 *a) {
+    for (int64_t k = k0; k < k1; k++) {
+        const __m256 b0 = _mm256_loadu_ps(wf + k * BLOCK), b1 = _mm256_loadu_ps(wf + k * BLOCK + 8);
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+            a[2 * r] = _mm256_fmadd_ps(xv, b0, a[2 * r]);
+            a[2 * r + 1] = _mm256_fmadd_ps(xv, b1, a[2 * r + 1]);
+        }
+    }
+}
+
+/* the same on 16 lanes for the avx512 tiles: wf [K, 32] (a whole block) */
+AVX512_FN INLINE void tile6_sums_512(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, __m512 *a) {
+    for (int64_t k = k0; k < k1; k++) {
+        const __m512 b0 = _mm512_loadu_ps(wf + k * PACK), b1 = _mm512_loadu_ps(wf + k * PACK + 16);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+            a[2 * r] = _mm512_fmadd_ps(xv, b0, a[2 * r]);
+            a[2 * r + 1] = _mm512_fmadd_ps(xv, b1, a[2 * r + 1]);
+        }
+    }
+}
+#endif
+
+#endif

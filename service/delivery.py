@@ -1,0 +1,133 @@
+"""Delivery of one generation call's stream: the stall watchdog and the admission slot given back while its reader
+stalls (service.frontdoor runs it for every generation API)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from tokenloop.looper.stream import Complete
+
+log = logging.getLogger("tokenloop.service")
+
+
+class StallWatchdog:
+    """Acts when the handler's writes make no progress (a reader that stopped reading): after `grace` it calls
+    `on_slow` once per stall (the stream gives back its slot), after `timeout` it cancels the handler's task.
+
+    grpc.aio resumes a streaming handler only after its yielded message was accepted, so a reader
+    that stops reading (and HTTP/2 flow control filling up) parks the handler at `yield`; the
+    cancellation then runs its cleanup, which cancels the request and frees its KV blocks.
+    The handler marks a batch of writes with `arm()` / `disarm()` and counts each accepted message in
+    `sent` (an attribute increment: nothing else runs per message). One timer per stream, started by
+    an `arm()` and re-armed only while writing, looks every `period` (a quarter of the grace, else the timeout);
+    a look that finds `sent` where the previous one left it counts one still period, so a write that stopped is
+    seen a grace to a grace and a quarter after its last progress, and cut off once the still periods add up to
+    `timeout` (without a grace: one to two timeouts).
+    """
+
+    __slots__ = ("timeout", "grace", "period", "on_slow", "task", "timer", "loop", "writing", "sent", "seen",
+                 "still_s")
+
+    def __init__(self, timeout: float, grace: float = 0.0, on_slow: Callable[[], None] | None = None):
+        self.timeout = timeout  # 0: never cancel
+        use_grace = on_slow is not None and grace > 0 and (timeout == 0 or grace < timeout)
+        self.grace = grace if use_grace else 0.0
+        self.period = grace / 4 if use_grace else timeout
+        self.on_slow = on_slow if use_grace else None
+        self.task = asyncio.current_task()
+        self.loop = asyncio.get_running_loop()
+        self.timer = None
+        self.writing = False  # between arm() and disarm(): the handler is writing a batch
+        self.sent = 0  # messages grpc accepted (the handler counts them)
+        self.seen = 0  # `sent` when the timer last looked
+        self.still_s = 0.0  # seconds of looks in a row that found no progress
+
+    def arm(self) -> None:
+        self.writing = True
+        if self.timer is None and self.period > 0:
+            self.seen, self.still_s = self.sent, 0.0
+            self.period = self.grace / 4 or self.timeout
+            self.timer = self.loop.call_later(self.period, self._check)
+
+    def disarm(self) -> None:
+        self.writing = False
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _check(self) -> None:
+        self.timer = None
+        if not self.writing or self.task.done():
+            return  # waiting for tokens, not writing (the next arm() starts a timer), or the handler is gone
+        if self.sent != self.seen:  # progress since the last look: look again one period later
+            self.seen, self.still_s = self.sent, 0.0
+            self.period = self.grace / 4 or self.timeout
+        else:
+            slow = self.still_s < self.grace  # not yet a slow reader
+            self.still_s += self.period
+            if self.timeout > 0 and self.still_s >= self.timeout - 1e-9:
+                log.warning("a reader stopped reading for %.1fs: aborting its stream", self.timeout)
+                self.task.cancel()
+                return
+            if slow and self.still_s >= self.grace - 1e-9:
+                self.on_slow()
+                if self.timeout == 0:
+                    return  # nothing more to do for this stall: the next arm() looks again
+                self.period = self.grace  # till the timeout, look less often
+        self.timer = self.loop.call_later(self.period, self._check)
+
+
+class Delivery:
+    """One Generate call's delivery of its request stream, shared by both APIs' handlers: the stall watchdog, the
+    admission slot (given back while the reader stalls, taken again when it reads), the `Complete`s seen, and on
+    the way out (a return, an error, a cancellation at `yield`) the cancel of a request that did not finish and
+    `app.observe_end`. The per-message loop stays in each handler: a shared async generator would be one more
+    frame to resume for every message."""
+
+    __slots__ = ("app", "valid", "stream", "slot", "watchdog", "completes", "paused")
+
+    def __init__(self, app, valid, stream, slot=None):
+        self.app, self.valid, self.stream, self.slot = app, valid, stream, slot
+        self.watchdog = StallWatchdog(app.config.stall_timeout, getattr(app.config, "slow_reader_grace", 0.0),
+                                      self._slow if slot is not None else None)
+        self.completes: list[Complete] = []
+        self.paused = False  # the slot was given back; `resume()` before reading the stream again
+
+    def __enter__(self) -> Delivery:
+        return self
+
+    def delivered(self, batch: list) -> None:
+        """Every message of `batch` was written."""
+        self.watchdog.disarm()
+        self.completes += [e for e in batch if type(e) is Complete]
+
+    def _slow(self) -> None:
+        """The reader stopped reading: give the slot to another request, pausing this one's generation (an
+        executor that cannot pause keeps generating: the slot stays, as before --slow-reader-grace)."""
+        stream = self.stream
+        if self.paused or not (stream.ended or self.app.looper.can_pause):
+            return
+        self.paused = True
+        stream.pause()  # no-op once generation ended
+        self.slot.give_back()
+
+    async def resume(self) -> None:
+        """The reader reads again: take a slot (in line, within --max-queue-wait) and resume generation."""
+        if not (self.stream.ended or self.stream.cancelled):  # a cancelled one only delivers its end
+            await self.slot.take_again()
+            self.stream.resume()
+        self.paused = False
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.watchdog.close()
+        stream = self.stream
+        if not stream.finished:
+            stream.cancel()  # client gone, deadline, stalled reader, or server abort
+        self.app.observe_end(self.valid, self.completes, grpc.StatusCode.OK if stream.finished else None)
+        return False

@@ -1,0 +1,236 @@
+"""The front door: ONE admission pipeline that every generation API runs, and one error mapping for every unary RPC.
+
+A generation API (tokenloop.v1 `servicer.py`, trtllm `trtllm_service.py`, vLLM `vllm_service.py`) only maps its
+messages:
+
+    validate(request, request_id, deadline) -> Awaitable[ValidRequest]   its request -> the shared ValidRequest
+                                                                          (raises ValidationError naming ITS fields)
+    make_writer(valid, request, arrival_wall) -> writer   its SequenceWriter (service.convert): `encode(batch)`
+                                             yields the serialized messages of one batch of looper events
+                                             (`arrival_wall`: time.time() when the call arrived)
+
+and registers the handler the front door makes:
+
+    self.Generate = FrontDoor(app).handler(PATH, validate, make_writer, grammar_field="guided_decoding.guide")
+    add_with_raw_responses(add_XServicer_to_server, servicer, server, "Generate")  # Generate yields bytes
+
+For every call the front door runs, in this order: request log record (`RequestRecord`), request id (the request's
+`request_id`, else `x-request-id`, else a new one), ready check, admission slot (in line, --max-queue-wait),
+`validate` (the API's mapping), grammar (`app.grammars.admit`; `grammar_field` names the field in its errors), LoRA
+(`app.loras.admit`), duplicate id, Abort-while-waiting check, the writer, submit, then delivery: per batch of events
+the writer's messages are yielded, the stall watchdog counts them, a reader that stalls past --slow-reader-grace gives
+its slot back and takes it again when it reads. ONE error policy: `ServiceError` and the executor's `RequestFailed`
+end the call with their status (`errors.status_of`); anything else is a bug: logged once with its traceback, the
+client gets INTERNAL naming only the exception's type, and the server keeps serving. A cancellation (client gone,
+deadline, stalled reader) cancels the request on the way out. A non-streaming (unary) generation API calls
+`complete()` from its unary handler: same pipeline, the `Complete`s collected, one response built by `respond`.
+
+`handler()` returns the pipeline itself as the RPC's handler (a partial of `generate`), not a wrapper: a wrapping
+async generator would be one more frame to resume for every message (see service.logs.logs_itself).
+
+Unary RPCs (and server-streaming ones other than Generate) use `@unary()`: ready check where the RPC needs it,
+`ServiceError` -> its status, anything else -> logged, INTERNAL.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+import grpc
+
+from tokenloop.core.request import ValidRequest
+from tokenloop.looper.stream import Complete, RequestFailed
+
+from .delivery import Delivery
+from .errors import AlreadyExists, ServiceError, abort_with, status_of
+from .logs import RequestRecord
+
+log = logging.getLogger("tokenloop.service")
+
+Validate = Callable[[Any, str, "float | None"], Awaitable[ValidRequest]]
+
+
+class Writer(Protocol):
+    """What the front door needs of an API's sequence writer (service.convert.SequenceWriter is the base)."""
+
+    def encode(self, batch: list) -> Iterable[bytes]: ...
+
+
+MakeWriter = Callable[[ValidRequest, Any, float], Writer]
+
+
+def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return v
+    return ""
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return time.monotonic() + remaining if remaining is not None else None
+
+
+def add_with_raw_responses(add_to_server, servicer, server, method: str) -> None:
+    """Register `servicer` with its generated `add_..._to_server` function, except that `method` yields its
+    messages already serialized: its handler has no response serializer, so grpc sends those bytes as they are.
+    The generated function stays the one source of the method table; only that one handler is changed."""
+    class Capture:
+        registered = None
+
+        def add_generic_rpc_handlers(self, handlers):
+            pass
+
+        def add_registered_method_handlers(self, name, handlers):
+            self.registered = (name, handlers)
+
+    capture = Capture()
+    add_to_server(servicer, capture)
+    if capture.registered is None:
+        raise RuntimeError(f"{add_to_server.__name__} did not register its methods (generated code too old?)")
+    name, handlers = capture.registered
+    handlers = dict(handlers, **{method: handlers[method]._replace(response_serializer=None)})
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
+class FrontDoor:
+    """The admission pipeline of every generation API on one `App` (service.app.App)."""
+
+    __slots__ = ("app",)
+
+    def __init__(self, app):
+        self.app = app
+
+    def handler(self, rpc: str, validate: Validate, make_writer: MakeWriter, *,
+                grammar_field: str | None = None) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[bytes]]:
+        """The streaming Generate handler of one API: `generate` with the API's mapping bound (grpc and the request
+        log interceptor see an async generator function that keeps its own log record)."""
+        handler = functools.partial(self.generate, rpc=rpc, validate=validate, make_writer=make_writer,
+                                    grammar_field=grammar_field)
+        handler.logs_itself = True  # see service.logs.logs_itself
+        return handler
+
+    async def generate(self, request, context: grpc.aio.ServicerContext, *, rpc: str, validate: Validate,
+                       make_writer: MakeWriter, grammar_field: str | None = None) -> AsyncIterator[bytes]:
+        """One streaming generation call, start to end: yields the serialized messages the writer makes."""
+        async with RequestRecord(rpc, request, context):
+            rid = request_id_of(request, context)
+            try:
+                async with self._admitted(request, context, rid, validate, grammar_field, make_writer) as (
+                        writer, stream, delivery):
+                    watchdog = delivery.watchdog
+                    while (batch := await stream.next_batch()) is not None:
+                        watchdog.arm()
+                        for msg in writer.encode(batch):
+                            yield msg  # returns once grpc took the message: a stalled reader blocks here
+                            watchdog.sent += 1
+                        delivery.delivered(batch)
+                        if delivery.paused:  # it stalled past --slow-reader-grace and now reads again
+                            await delivery.resume()
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await self._fail(context, exc, rpc, rid)
+
+    async def complete(self, request, context: grpc.aio.ServicerContext, *, rpc: str, validate: Validate,
+                       respond: Callable[[ValidRequest, list[Complete]], Any], grammar_field: str | None = None):
+        """One non-streaming generation call (from a unary handler): the same pipeline, every sequence's `Complete`
+        collected (in sequence order), the response `respond(valid, completes)`."""
+        rid = request_id_of(request, context)
+        try:
+            async with self._admitted(request, context, rid, validate, grammar_field, None) as (valid, stream,
+                                                                                                 delivery):
+                while (batch := await stream.next_batch()) is not None:
+                    delivery.delivered(batch)
+                return respond(valid, sorted(delivery.completes, key=lambda c: c.index))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await self._fail(context, exc, rpc, rid)
+
+    @asynccontextmanager
+    async def _admitted(self, request, context, rid: str, validate: Validate, grammar_field: str | None,
+                        make_writer: MakeWriter | None):
+        """Ready check -> slot -> validate -> grammar -> LoRA -> duplicate id -> abort check -> writer -> submit;
+        yields (writer, or the ValidRequest without one; the stream; its Delivery)."""
+        app, arrival, arrival_wall = self.app, time.monotonic(), time.time()
+        app.require_ready()
+        async with app.admission.slot(rid, getattr(app.config, "max_queue_wait", 0.0), context.peer()) as slot:
+            valid = await validate(request, rid, deadline_of(context))
+            valid = await app.grammars.admit(valid, grammar_field)  # a grammar: compiled, or cached
+            valid = await app.loras.admit(valid)  # a LoRA adapter: resident (read again if swapped out)
+            if app.looper.find(rid) is not None:
+                raise AlreadyExists(f"`request_id` {rid!r} is already in flight")
+            slot.check_aborted()  # Abort while it waited: it never runs
+            writer = make_writer(valid, request, arrival_wall) if make_writer is not None else valid
+            stream = app.looper.submit(valid, arrival)
+            app.admission.submitted(slot)
+            with Delivery(app, valid, stream, slot) as delivery:  # on the way out: cancel what did not finish
+                yield writer, stream, delivery
+
+    async def _fail(self, context, exc: Exception, rpc: str, rid: str) -> None:
+        """The one error policy: a ServiceError or RequestFailed is the client's status; anything else a bug."""
+        if not isinstance(exc, (ServiceError, RequestFailed)):
+            log.error("%s %s failed", rpc, rid, exc_info=exc)
+        self.app.observe_error(status_of(exc)[0])
+        await abort_with(context, exc)
+
+
+def request_id_of(request, context: grpc.aio.ServicerContext) -> str:
+    """The client's request id: the request's `request_id`, else the `x-request-id` header, else a new one."""
+    return getattr(request, "request_id", "") or metadata_value(context, "x-request-id") or uuid.uuid4().hex
+
+
+class _Mapped:
+    """The error mapping of one unary or server-streaming RPC, around its body: the ready check (given the app), then a
+    ServiceError is the client's status; anything else is logged with its traceback, INTERNAL."""
+
+    __slots__ = ("context", "rpc", "app")
+
+    def __init__(self, context: grpc.aio.ServicerContext, rpc: str, app=None):
+        self.context, self.rpc, self.app = context, rpc, app
+
+    async def __aenter__(self) -> None:
+        if self.app is not None:
+            try:
+                self.app.require_ready()
+            except ServiceError as exc:  # __aexit__ does not see what __aenter__ raises
+                await abort_with(self.context, exc)
+                raise
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
+            if not isinstance(exc, ServiceError):
+                log.error("%s failed", self.rpc, exc_info=exc)
+            await abort_with(self.context, exc)  # raises AbortError (returns when the client is gone)
+            return True
+        return False
+
+
+async def _mapped_call(servicer, fn, ready: bool, request, context):
+    async with _Mapped(context, fn.__name__, servicer.app if ready else None):
+        return await fn(servicer, request, context)
+
+
+async def _mapped_stream(servicer, fn, ready: bool, request, context):
+    async with _Mapped(context, fn.__name__, servicer.app if ready else None):
+        async for msg in fn(servicer, request, context):
+            yield msg
+
+
+def unary(ready: bool = True):
+    """Decorates a unary handler `async def RPC(self, request, context)` of a servicer with `self.app` (or a
+    server-streaming one, an async generator, other than Generate): the ready check (`ready=True`), then the one
+    error mapping (`_Mapped`). grpc sees a coroutine (or async generator) function, as before."""
+    def wrap(fn):
+        run = _mapped_stream if inspect.isasyncgenfunction(fn) else _mapped_call
+        return functools.update_wrapper(functools.partialmethod(run, fn, ready), fn)
+    return wrap

@@ -1,0 +1,41 @@
+"""ServerConfig and the serve flags that fill it: flags reach the config, and a half-configured or out-of-range
+setting is refused with a message naming the flag (more flags: tests/unit/test_serve_help.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloop.service.cli import _parser, config_from_args
+from tokenloop.service.config import ServerConfig
+
+
+def test_security_and_limit_flags_reach_the_config():
+    args = _parser().parse_args([
+        "serve", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem", "--api-key-file", "keys",
+        "--log-format", "json", "--log-level", "DEBUG", "--max-stop-strings", "3", "--max-stop-string-length", "9",
+        "--max-prompt-tokens", "100", "--max-n", "2", "--max-new-tokens", "50", "--max-message-bytes", "4096",
+        "--otel-endpoint", "http://collector:4317"])
+    c = config_from_args(args)
+    assert (c.tls_cert, c.tls_key, c.tls_client_ca, c.api_key_file) == ("c.pem", "k.pem", "ca.pem", "keys")
+    assert (c.log_format, c.log_level, c.otel_endpoint) == ("json", "DEBUG", "http://collector:4317")
+    assert (c.max_stop_strings, c.max_stop_string_length, c.max_prompt_tokens, c.max_n, c.max_new_tokens,
+            c.max_message_bytes) == (3, 9, 100, 2, 50, 4096)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"tls_cert": "c.pem"}, "--tls-cert and --tls-key go together"),
+    ({"tls_client_ca": "ca.pem"}, "--tls-client-ca needs --tls-cert and --tls-key"),
+    ({"log_format": "xml"}, "--log-format must be 'text' or 'json'; got 'xml'")])
+def test_config_refuses_half_configured_security(kw, message):
+    with pytest.raises(ValueError) as err:
+        ServerConfig(**kw)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("field, message", [
+    ("max_stop_token_ids", "--max-stop-token-ids must be >= 0"),
+    ("max_detokenize_ids", "--max-detokenize-ids must be >= 0 (0: the model's context length)")])
+def test_config_checks_the_new_limits(field, message):
+    with pytest.raises(ValueError) as exc:
+        ServerConfig(**{field: -1})
+    assert str(exc.value) == message

@@ -1,0 +1,41 @@
+"""service/logs.py: JSON and text lines carry the request's fields, control characters are escaped (no forged
+lines), and a rate-limited line says how many it left out."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from tokenloop.service.logs import JsonFormatter, RateLimitedLog, TextFormatter, escape_controls
+
+
+def test_json_and_text_log_lines_carry_the_request_fields():
+    record = logging.LogRecord("tokenloop.requests", logging.INFO, __file__, 1, "request end", (), None)
+    record.request_id, record.status, record.output_tokens = "abc", "OK", 7
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "request end" and line["request_id"] == "abc" and line["output_tokens"] == 7
+    assert line["level"] == "INFO" and line["time"].endswith("Z")
+    assert TextFormatter().format(record).endswith("request end request_id=abc status=OK output_tokens=7")
+
+
+def test_control_characters_are_escaped_in_text_log_lines():
+    assert escape_controls("plain id-1") == "plain id-1"
+    assert escape_controls("a\nb\x1b[31mc\x00\u2028") == "a\\nb\\x1b[31mc\\x00\\u2028"
+    record = logging.LogRecord("tokenloop.requests", logging.INFO, __file__, 1, "request %s failed", ("x\ny",), None)
+    record.request_id = "evil\n2026-12-05 00:00:00 INFO forged: line\x1b[2J\x00"
+    record.peer = "ipv4:127.0.0.1:5 status=OK"
+    line = TextFormatter().format(record)
+    assert "\n" not in line and "\x1b" not in line and "\x00" not in line
+    assert line.endswith(' request x\\ny failed request_id="evil\\n2026-12-05 00:00:00 INFO forged: line\\x1b[2J\\x00"'
+                         ' peer="ipv4:127.0.0.1:5 status=OK"')
+
+
+def test_rate_limited_log_says_how_many_it_left_out(caplog):
+    now = [100.0]
+    limited = RateLimitedLog(logging.getLogger("tokenloop.test"), interval=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="tokenloop.test"):
+        assert limited.warning("refused %s", "a")
+        assert [limited.warning("refused %s", "b") for _ in range(40)] == [False] * 40
+        now[0] += 10.5
+        assert limited.warning("refused %s", "c")
+    assert [r.getMessage() for r in caplog.records] == ["refused a", "refused c (and 40 more like it in the last 10s)"]
