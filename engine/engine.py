@@ -101,7 +101,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="tokenloop-engine", daemon=True)
         log.info("engine: %s, weights %s, activations %s, %d KV blocks of %d tokens, matmul %s, decode attention %s, "
                  "layer ops %s", self.model_config.architecture, self.dtype, self.config.dtype, num_blocks,
-                 self.config.block_size, self.model.matmul.describe(), "native" if self.model.paged is not None else "torch",
+                 self.config.block_size, self.model.matmul.describe(), f"native ({self.model.paged.isa})" if self.model.paged is not None else "torch",
                  "native" if self.model.ops is not None else "torch")
         if start:
             self._thread.start()

@@ -106,15 +106,39 @@ def build(source: Path = SOURCE) -> Path:
 
 
 class PagedAttention:
-    """ctypes binding of paged_attention.c."""
+    """ctypes binding of paged_attention.c. `isa` is the code path it runs: the fastest this CPU has
+    (paged_best_path) unless one is named; PATHS lists them all, `supported()` those this CPU runs."""
 
-    def __init__(self, path: Path):
+    PATHS = {"portable": 1, "avx2": 2, "avx512": 3}
+
+    def __init__(self, path: Path, isa: str | None = None):
         self.path = path
-        lib = ctypes.CDLL(str(path))
-        self._decode = lib.paged_decode_f32
+        self._lib = lib = ctypes.CDLL(str(path))
+        lib.paged_path_supported.argtypes = [ctypes.c_int]
+        lib.paged_path_supported.restype = ctypes.c_int
+        lib.paged_best_path.restype = ctypes.c_int
+        self._decode = lib.paged_decode_f32_path
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._decode.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+        self._decode.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
+                                 ctypes.c_float]
         self._decode.restype = ctypes.c_int
+        if isa is None:
+            isa = next(name for name, code in self.PATHS.items() if code == lib.paged_best_path())
+        if not self.supports(isa):
+            raise ValueError(f"paged attention path {isa!r} is not available on this CPU (supported: "
+                             f"{', '.join(self.supported())})")
+        self.isa = isa
+        self._code = self.PATHS[isa]
+
+    def supports(self, isa: str) -> bool:
+        return isa in self.PATHS and bool(self._lib.paged_path_supported(self.PATHS[isa]))
+
+    def supported(self) -> list[str]:
+        return [name for name in self.PATHS if self.supports(name)]
+
+    def with_isa(self, isa: str) -> PagedAttention:
+        """The same library running another code path (tests and benchmarks force each one with it)."""
+        return PagedAttention(self.path, isa)
 
     def decode(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                tables: torch.Tensor, lens: torch.Tensor, begin: int, end: int, block_size: int,
@@ -123,11 +147,11 @@ class PagedAttention:
         begin..end-1 only). k_cache, v_cache: [slots, K, E] of one layer; tables [B, NB], lens [B] int64.
         Releases the GIL while it runs (ctypes does), so two threads can split one batch."""
         num_heads, head_dim = q.shape[1], q.shape[2]
-        rc = self._decode(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                          tables.shape[1], lens.data_ptr(), begin, end, num_heads, k_cache.shape[1], head_dim,
-                          block_size, scale)
+        rc = self._decode(self._code, q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          tables.data_ptr(), tables.shape[1], lens.data_ptr(), begin, end, num_heads,
+                          k_cache.shape[1], head_dim, block_size, scale)
         if rc != 0:
-            raise RuntimeError(f"paged_decode_f32 failed (code {rc})")
+            raise RuntimeError(f"paged_decode_f32 ({self.isa}) failed (code {rc})")
 
 
 def _function(lib, name: str, argtypes: list):

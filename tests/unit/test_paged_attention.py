@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,10 +28,23 @@ def reference(q, k_cache, v_cache, tables, lens, block_size):
     return out
 
 
-@needs_kernel
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 80), (12, 4, 128)])
+def kernel_path(isa: str):
+    """The kernel forced onto code path `isa`; skipped, with the reason, where this CPU cannot run it."""
+    if paged is None:
+        pytest.skip("no C compiler here: the torch path serves")
+    if not paged.supports(isa):
+        pytest.skip(f"this CPU lacks the {isa} path of paged_attention.c (it runs: {', '.join(paged.supported())})")
+    return paged.with_isa(isa)
+
+
+# head_dim 64, 32, 80, 128 take the x86 paths whole; 72 (8k, not 16k) runs AVX-512's request on AVX2, 20 (not 8k)
+# runs every path's request on the portable loops
+@pytest.mark.parametrize("isa", list(kernels.PagedAttention.PATHS))
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim",
+                         [(9, 3, 64), (4, 4, 32), (8, 1, 80), (12, 4, 128), (10, 2, 72), (6, 3, 20), (9, 1, 48)])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_kernel_matches_sdpa_over_the_gathered_context(num_heads, num_kv_heads, head_dim, block_size):
+def test_kernel_matches_sdpa_over_the_gathered_context(isa, num_heads, num_kv_heads, head_dim, block_size):
+    kernel = kernel_path(isa)
     gen = torch.Generator().manual_seed(num_heads * 1000 + head_dim + block_size)
     lens = torch.tensor([1, 2, block_size, block_size + 1, 37, 300, 511], dtype=torch.long)
     num_seqs, num_blocks = 7, sum((n + block_size - 1) // block_size for n in lens.tolist()) + 16
@@ -45,8 +61,23 @@ def test_kernel_matches_sdpa_over_the_gathered_context(num_heads, num_kv_heads, 
         used += nb
     q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
     out = torch.full_like(q, float("nan"))
-    paged.decode(q, out, k_cache, v_cache, tables, lens, 0, num_seqs, block_size, head_dim ** -0.5)
+    kernel.decode(q, out, k_cache, v_cache, tables, lens, 0, num_seqs, block_size, head_dim ** -0.5)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, block_size), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_the_fastest_path_this_cpu_runs_is_the_default_and_a_missing_one_is_refused():
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    expected = "avx512" if " avx512f" in flags else "avx2" if " avx2" in flags and " fma" in flags else "portable"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        expected = "portable"
+    assert paged.isa == expected and paged.supported()[-1] == expected
+    assert "portable" in paged.supported()
+    for isa in set(kernels.PagedAttention.PATHS) - set(paged.supported()):
+        with pytest.raises(ValueError, match=f"{isa}.*not available"):
+            paged.with_isa(isa)
+    with pytest.raises(ValueError, match="not available"):
+        paged.with_isa("neon")
 
 
 @needs_kernel

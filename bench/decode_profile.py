@@ -1,0 +1,262 @@
+"""Where a many-stream fp32 decode step spends its time: the engine against transformers' static batch, one run.
+
+Both systems decode the same `--batch` sequences of `--prompt`-token prompts for `--new` tokens (the *uniform*
+scenario of engine_bench.py: 32 x 64 + 128), greedy, in this process, one after the other:
+
+- the engine: `Engine(start=False)` driven step by step on this thread (no gRPC; the same `step()` the engine thread
+  runs). Its decode steps are timed whole and by section: the layers' matrix products (per weight: qkv, o, gate_up,
+  down), the lm_head, decode attention, the C layer operations (RMSNorm, rope + cache write, SiLU * up), building
+  the batch (runner.prepare), sampling, and the rest (Python per step: scheduler, postprocess, glue).
+- transformers: generate()'s greedy loop by hand (the model's forward over its DynamicCache, argmax, append),
+  the threads engine_bench.py gives it; its decode steps are timed whole, and 8 in the middle go through
+  torch.profiler: operators grouped the same way (aten::mm / addmm: the lm_head by its output width, the rest as
+  the layers' products; SDPA; aten::cat, which the DynamicCache and rope use; other aten operators as layer ops),
+  scaled to the unprofiled steps' time; "python/rest" is the wall time the operators do not explain.
+
+    .venv/bin/python bench/decode_profile.py                   # ~2 min on a 2-vCPU VM
+    .venv/bin/python bench/decode_profile.py --skip-transformers --repeat 3
+    .venv/bin/python bench/decode_profile.py --products        # the fp32 product routes at 32 rows, wall ms
+
+Prints a table per system (ms per decode step, share of the step) and the tokens/s of the decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from tokenloop.core.request import SamplingParams, StoppingParams, ValidRequest  # noqa: E402
+from tokenloop.engine import engine as engine_module  # noqa: E402
+from tokenloop.engine import runner  # noqa: E402
+from tokenloop.engine.config import EngineConfig  # noqa: E402
+from tokenloop.engine.engine import Engine  # noqa: E402
+
+SECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "attention", "layer ops", "prepare", "sampling", "python/rest")
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]
+
+
+class Timer:
+    """Accumulates perf_counter seconds per section while `active`."""
+
+    def __init__(self):
+        self.total = collections.Counter()
+        self.active = False
+
+    def wrap(self, fn, section):
+        def timed(*args, **kwargs):
+            if not self.active:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[section(*args) if callable(section) else section] += time.perf_counter() - start
+        return timed
+
+
+def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: EngineConfig) -> dict:
+    engine = Engine(model_dir, config, start=False)
+    model, timer = engine.model, Timer()
+    names = {}
+    for w in model.layers:
+        names.update({id(w.qkv): "qkv", id(w.o): "o", id(w.gate_up): "gate_up", id(w.down): "down"})
+    names[id(model.lm_head)] = "lm_head"
+    matmul = model.matmul
+    matmul.linear = timer.wrap(matmul.linear, lambda x, w, *rest: names.get(id(w), "other linear"))
+    model._attention = timer.wrap(model._attention, "attention")
+    if model.ops is not None:
+        for op in ("add_rms_norm", "rope_store", "silu_mul"):
+            setattr(model.ops, op, timer.wrap(getattr(model.ops, op), "layer ops"))
+    prepare, sample = runner.prepare, engine_module.sample_batch
+    runner.prepare = timer.wrap(prepare, "prepare")
+    engine_module.sample_batch = timer.wrap(sample, "sampling")
+    try:
+        vocab = engine.model_config.vocab_size
+        for p in prompts(batch, prompt, vocab):
+            engine.enqueue(ValidRequest(request_id="p", prompt_token_ids=tuple(p),
+                                        sampling=SamplingParams(temperature=0.0),
+                                        stopping=StoppingParams(max_new_tokens=new, ignore_eos=True)))
+        engine._admit(engine._new)
+        engine._new = []
+        running = engine.scheduler.running
+        while not running or any(s.num_computed_tokens < prompt for s in running):  # the prefill steps
+            engine.step()
+        steps, wall = 0, 0.0
+        timer.active = True
+        while engine.scheduler.has_work():
+            start = time.perf_counter()
+            engine.step()
+            wall += time.perf_counter() - start
+            steps += 1
+        timer.active = False
+        engine._outputs.clear()
+    finally:
+        runner.prepare, engine_module.sample_batch = prepare, sample
+        engine.shutdown()
+    per_step = {k: v / steps for k, v in timer.total.items()}
+    per_step["python/rest"] = wall / steps - sum(per_step.values())
+    return {"system": "tokenloop fp32", "ms": {k: 1e3 * v for k, v in per_step.items()}, "step_ms": 1e3 * wall / steps,
+            "tok_s": batch * steps / wall, "matmul": engine.model.matmul.describe()}
+
+
+def _op_section(name: str, shapes: list, vocab: int) -> str:
+    """transformers' operators by what they serve (q and o have the same shape here: one row for the layers)."""
+    if name in ("aten::mm", "aten::addmm"):
+        weight = shapes[1] if name == "aten::mm" else shapes[2]
+        return "lm_head" if weight and weight[-1] == vocab else "layer products"
+    if "scaled_dot_product" in name:
+        return "attention"
+    if name == "aten::cat":
+        return "kv cache / rope cat"
+    if name.startswith("aten::"):
+        return "layer ops"
+    return ""
+
+
+def profile_transformers(model_dir: str, batch: int, prompt: int, new: int, num_threads: int,
+                         profiled: int = 8) -> dict:
+    """generate()'s greedy loop by hand (forward with the DynamicCache, argmax, append): the decode steps are timed
+    whole; `profiled` of them, in the middle of the run, go through torch.profiler for the breakdown (profiling all
+    of them holds every event in memory: gigabytes)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, DynamicCache
+    torch.set_num_threads(num_threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts(batch, prompt, model.config.vocab_size))
+    mask = torch.ones_like(ids)
+    cache = DynamicCache()
+    totals, wall, profiled_wall = collections.Counter(), 0.0, 0.0
+    middle = range((new - profiled) // 2, (new - profiled) // 2 + profiled)
+    prof, profiled_start = None, 0.0
+    with torch.inference_mode():
+        logits = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+        for step in range(new - 1):
+            start = time.perf_counter()
+            if step == middle.start:
+                prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+                prof.__enter__()
+                profiled_start = start
+            token = logits.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            logits = model(token, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+            if step == middle.stop - 1:
+                profiled_wall = time.perf_counter() - profiled_start
+                prof.__exit__(None, None, None)
+                for event in prof.key_averages(group_by_input_shape=True):
+                    section = _op_section(event.key, event.input_shapes or [], model.config.vocab_size)
+                    if section:
+                        totals[section] += event.self_cpu_time_total / 1e6
+            elif step not in middle:
+                wall += time.perf_counter() - start
+    steps = new - 1 - profiled
+    per_step = {k: v / profiled for k, v in totals.items()}
+    per_step["python/rest"] = profiled_wall / profiled - sum(per_step.values())
+    scale = (wall / steps) / (profiled_wall / profiled)  # the breakdown is of profiled steps: scaled to the rest
+    return {"system": "transformers", "ms": {k: 1e3 * v * scale for k, v in per_step.items()},
+            "step_ms": 1e3 * wall / steps, "tok_s": batch * steps / wall}
+
+
+def product_routes(model_dir: str, rows: int, rounds: int = 7) -> dict[str, float]:
+    """ms for the 30 layers' products (qkv, o, gate_up, down) of `rows` tokens on each fp32 route, interleaved rounds,
+    best of each: the engine's torch (one thread, its torch thread count), transformers' torch (two OpenMP threads),
+    numpy2 (OpenBLAS halves on two threads), torch halves on two threads (MKL per half, the helper thread)."""
+    import torch.nn.functional as F
+
+    from tokenloop.engine.loader import ModelConfig, load_weights
+    from tokenloop.engine.matmul import Backend, MatmulPolicy, _Helper, set_blas_threads
+
+    set_blas_threads(1)
+    config = ModelConfig.from_dir(model_dir)
+    weights = load_weights(model_dir, config, torch.float32, "fp32")
+    mats = [weights[f"layers.{i}.{n}"] for i in range(config.num_layers) for n in ("qkv", "o", "gate_up", "down")]
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in mats}
+    helper = _Helper()
+    policy = MatmulPolicy({1: Backend.NUMPY2}, helper)
+
+    def torch_threads(n):
+        def run():
+            torch.set_num_threads(n)
+            for w in mats:
+                F.linear(xs[w.shape[1]], w)
+            torch.set_num_threads(1)
+        return run
+
+    def numpy2():
+        for w in mats:
+            policy.linear(xs[w.shape[1]], w, Backend.NUMPY2)
+
+    def torch_halves():
+        for w in mats:
+            x, half = xs[w.shape[1]], w.shape[0] // 2
+            out = torch.empty(rows, w.shape[0])
+
+            def part(lo, hi, x=x, w=w, out=out):
+                def run():
+                    with torch.inference_mode():
+                        torch.mm(x, w[lo:hi].t(), out=out[:, lo:hi])
+                return run
+            helper.split(part(0, half), part(half, w.shape[0]))
+
+    routes = {"torch, 1 thread": torch_threads(1), "torch, 2 OpenMP threads": torch_threads(2),
+              "numpy2": numpy2, "torch halves, 2 threads": torch_halves}
+    best = dict.fromkeys(routes, float("inf"))
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, run in routes.items():
+                run()
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return {name: 1e3 * t for name, t in best.items()}
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['system']}: {result['step_ms']:.1f} ms per decode step, {result['tok_s']:.1f} tok/s"
+             + (f" (matmul {result['matmul']})" if "matmul" in result else "")]
+    for section, ms in sorted(result["ms"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {section:<20} {ms:8.2f} ms  {100 * ms / result['step_ms']:5.1f} %")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1, help="transformers' torch threads")
+    parser.add_argument("--repeat", type=int, default=1, help="engine runs (interleaved with transformers)")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--matmul-backend", default="auto")
+    parser.add_argument("--products", action="store_true", help="only time the fp32 product routes at --batch rows")
+    args = parser.parse_args(argv)
+    print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg())
+    if args.products:
+        for name, ms in product_routes(args.model, args.batch).items():
+            print(f"  {name:<26} {ms:8.1f} ms for the 30 layers' products at {args.batch} rows (best of 7)")
+        return 0
+    for _ in range(args.repeat):
+        config = EngineConfig(matmul_backend=args.matmul_backend)
+        print(table(profile_engine(args.model, args.batch, args.prompt, args.new, config)), flush=True)
+        if not args.skip_transformers:
+            print(table(profile_transformers(args.model, args.batch, args.prompt, args.new, args.num_threads)),
+                  flush=True)
+    print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
