@@ -62,7 +62,7 @@ def native2(model_dir: Path, mb: int, rounds: int) -> float | None:
     (None where the C kernels do not build)."""
     import torch
 
-    from bench.kernels import shapes
+    from bench.quant_kernels import shapes
     from tokenloop.engine.matmul import Backend, MatmulPolicy
 
     policy = MatmulPolicy.fixed(Backend.NATIVE2)
@@ -83,7 +83,7 @@ def weight_bytes_per_token(model_dir: Path) -> dict[str, int]:
     """Bytes of weights one decode step reads, per weights mode (the layers' products and the lm_head)."""
     import torch
 
-    from bench.kernels import nbytes, shapes
+    from bench.quant_kernels import nbytes, shapes
     from tokenloop.engine.quant import quantize, quantize4
 
     layer_shapes, (vocab, hidden), num_layers = shapes(model_dir)

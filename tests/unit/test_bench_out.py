@@ -12,7 +12,7 @@ from bench.results import write
 from tests.conftest import ROOT
 
 SCRIPTS = ["engine_bench.py", "service_overhead.py", "engine_gil.py", "prompt_stall.py", "idle_cpu.py", "soak.py",
-           "grammar_libs.py", "kernels.py", "slow_readers.py", "grammar_bounds.py", "bandwidth.py"]
+           "grammar_libs.py", "quant_kernels.py", "slow_readers.py", "grammar_bounds.py", "bandwidth.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -42,8 +42,8 @@ def test_write_stamps_the_date_and_machine(tmp_path, capsys):
 def test_one_current_result_file_per_benchmark():
     files = sorted(p.name for p in (ROOT / "bench").glob("results-*"))
     assert files == ["results-clients.json", "results-clients.png", "results-engine-gil.json", "results-engine.json",
-                     "results-grammar-bounds.json", "results-grammar-libs.json", "results-kernels.json", "results-lora.json", "results-overhead.json",
-                     "results-prompt-stall.json", "results-shared-prefix.json", "results-structured.json"]
+                     "results-grammar-bounds.json", "results-grammar-libs.json", "results-lora.json", "results-overhead.json",
+                     "results-prompt-stall.json", "results-quant-kernels.json", "results-shared-prefix.json", "results-structured.json"]
 
 
 # /proc/cpuinfo's first processor on the two kinds of VM the project runs on (abridged: the fields cpu_record reads)
@@ -143,3 +143,12 @@ def test_the_bandwidth_bench_out_carries_the_machine_record(tmp_path):
     assert figures["limit_bytes_per_s"] == max(figures["methods"].values()) > 0
     assert figures["weight_bytes_per_token"]["int4"] < figures["weight_bytes_per_token"]["int8"] \
         < figures["weight_bytes_per_token"]["fp32"]
+
+
+def test_no_bench_script_shadows_an_installed_package():
+    """A bench script runs with bench/ first on sys.path, so a script named like an installed package (kernels.py:
+    the Hugging Face `kernels` package that transformers imports) breaks every import of that package in the run."""
+    from importlib.metadata import packages_distributions
+    installed = set(packages_distributions())
+    clashes = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem in installed)
+    assert not clashes, f"bench scripts named like installed packages: {clashes}"

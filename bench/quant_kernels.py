@@ -1,7 +1,7 @@
 """Quantized-weight matrix products on this model's shapes: every route the engine's calibration chooses from (the C
 kernels' code paths this CPU runs and torch's kernels), for int8 and int4 weights, against float32.
 
-    .venv/bin/python bench/kernels.py [--weights int8,int4] [--tokens 1,8,32] [--rounds 3] [--out FILE]
+    .venv/bin/python bench/quant_kernels.py [--weights int8,int4] [--tokens 1,8,32] [--rounds 3] [--out FILE]
 
 For each tokens-per-step, the products of all decoder layers (qkv, o, gate_up, down with the model's shapes, a
 separate random weight per layer so they stream from memory as in a real step) and the lm_head, the best of
@@ -19,7 +19,7 @@ one candidate's runs only):
                         VNNI), the weights requantized per channel; one torch thread, and two ("2t")
 
 int4's lm_head is int8 (--weights int4 quantizes the layers to 4 bits), so the lm_head is timed for int8 only. Then,
-for one token: bytes of weights read per step and GB/s. Recorded figures: bench/results-kernels.json, with the CPU
+for one token: bytes of weights read per step and GB/s. Recorded figures: bench/results-quant-kernels.json, with the CPU
 model and its ISA flags.
 """
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,8,32")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers to time (default: the model's)")
     parser.add_argument("--rounds", type=int, default=3)
-    add_out_argument(parser, "results-kernels.json")
+    add_out_argument(parser, "results-quant-kernels.json")
     args = parser.parse_args(argv)
     modes = [m for m in args.weights.split(",") if m]
     if not set(modes) <= {"int8", "int4"}:
