@@ -217,7 +217,6 @@ AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int6
     (void)h;
     for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_ps();
         tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
         const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK;
         const __m512 d0 = half16(s), d1 = half16(s + 16), m0 = half16(s + 32), m1 = half16(s + 48);

@@ -161,7 +161,6 @@ AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int6
     (void)h;
     for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_ps();
         tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
         const float *s = c->scale + (b * NG + g) * PACK; /* a[i]: row i / 2, channels 16 * (i % 2) .. */
         const __m512 sv[2] = {_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16)};

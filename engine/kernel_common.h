@@ -304,8 +304,9 @@ AVX2_FN INLINE void tile6_sums_avx2(const float *x, const float *wf, int64_t K, 
     }
 }
 
-/* the same on 16 lanes for the avx512 tiles: wf [K, 32] (a whole block) */
+/* the same on 16 lanes for the avx512 tiles: wf [K, 32] (a whole block); a[12] is set, not added to */
 AVX512_FN INLINE void tile6_sums_512(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, __m512 *a) {
+    for (int i = 0; i < 2 * ROWS; i++) a[i] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k++) {
         const __m512 b0 = _mm512_loadu_ps(wf + k * PACK), b1 = _mm512_loadu_ps(wf + k * PACK + 16);
         for (int r = 0; r < ROWS; r++) {
