@@ -95,13 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default=d.log_level, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log verbosity")
     s.add_argument("--log-format", default=d.log_format, choices=("text", "json"),
                    help="json: one JSON object per line, including one line per finished request")
-    s.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="most stop strings in one request")
-    s.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
-                   help="longest stop string, in characters")
-    s.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
-                   help="most stop_token_ids one request may list (either API)")
-    s.add_argument("--max-detokenize-ids", type=int, default=d.max_detokenize_ids,
-                   help="most token ids one Detokenize call may send (0: the model's context length)")
+    for name, what in (("max_stop_strings", "most stop strings in one request"),
+                       ("max_stop_string_length", "longest stop string, in characters"),
+                       ("max_stop_token_ids", "most stop_token_ids one request may list (every API)"),
+                       ("max_detokenize_ids", "most token ids one Detokenize call may send (0: the model's context)")):
+        s.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help=what)
     s.add_argument("--allow-special-tokens-in-chat", action="store_true",
                    help="encode special-token text in chat message content as the special tokens (default: as text, "
                         "so that a user cannot open a system turn)")
