@@ -60,20 +60,6 @@ def pooling_of(value: int, enum) -> str | None:
     return names[value]
 
 
-def check_prompt_ids(app, prompt_ids: Sequence[int], field: str) -> tuple[int, ...]:
-    """The prompt rules of Generate for an embedding's token ids: not empty, within the prompt limit, in the
-    vocabulary; errors name `field`."""
-    ids = tuple(prompt_ids)
-    if not ids:
-        raise ValidationError("empty_prompt", f"`{field}` must not be empty")
-    app.validator.check_prompt_length(len(ids))
-    vocab = app.validator.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ValidationError("token_id_out_of_range", f"`{field}` must be in 0..{vocab - 1}; got {bad}")
-    return ids
-
-
 @dataclass(frozen=True, slots=True)
 class EmbedCall:
     """What the front door's `validate` and `respond` get for one embedding (its `request` argument)."""
@@ -104,7 +90,7 @@ async def embed(app, context: grpc.aio.ServicerContext, request_id: str, prompt_
 
 async def _validate(app, call: EmbedCall, request_id: str, deadline: float | None) -> ValidRequest:
     """The front door's mapping of an embedding (in its admission slot): the prompt's rules, then the request."""
-    ids = check_prompt_ids(app, call.prompt_ids, call.field)
+    ids = app.validator.prompt_ids(call.prompt_ids, call.field)  # Generate's rules for a token-id prompt
     return ValidRequest(request_id=app.validator.request_id(request_id), prompt_token_ids=ids,
                         sampling=SamplingParams(temperature=0.0), stopping=StoppingParams(max_new_tokens=0),
                         deadline=deadline, embed=call.params)

@@ -118,7 +118,7 @@ def test_server_defaults_and_the_helpers_both_apis_call(checkpoint, hf):
             named = await stub.Embed(pb.EmbedRequest(text=TEXT, pooling=pb.LAST, normalize=True))
             assert list(named.embedding) == pytest.approx(expected(hf, ids, "last", True), abs=1e-4)
             with pytest.raises(embedding.ValidationError, match=r"`tokenized.input_ids` must not be empty"):
-                embedding.check_prompt_ids(app, [], "tokenized.input_ids")  # the caller's field in the message
+                app.validator.prompt_ids([], "tokenized.input_ids")  # the caller's field in the message
             cached = engine.stats().kv_blocks_cached
             assert cached > 0  # the last-pooled one filled the prefix cache (a mean-pooled one too)
             assert await embedding.flush_cache(app) == cached
