@@ -11,7 +11,7 @@ import functools
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
@@ -22,6 +22,14 @@ from tokenizers import Tokenizer as HFTokenizer
 
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+_INT_SETTINGS = ("top_k", "max_new_tokens")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _as_list(value) -> list[int]:
@@ -51,6 +59,9 @@ class ModelCard:
     default_temperature: float | None
     default_top_p: float | None
     default_top_k: int | None
+    # generation_config.json's numeric settings that are set, under its own names: max_new_tokens, and the sampling
+    # ones (temperature, top_p, top_k, min_p, repetition_penalty) only with do_sample true, as transformers reads them
+    generation: dict = field(default_factory=dict)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelCard:
@@ -72,6 +83,8 @@ class ModelCard:
             default_temperature=gen.get("temperature") if sampling else None,
             default_top_p=gen.get("top_p") if sampling else None,
             default_top_k=gen.get("top_k") if sampling else None,
+            generation={key: int(value) if key in _INT_SETTINGS else float(value) for key in _SETTINGS
+                        if (sampling or key == "max_new_tokens") and _is_number(value := gen.get(key))},
         )
 
 

@@ -16,13 +16,13 @@ import json
 import logging
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from tokenloop.core.request import OutputParams, StoppingParams, StructuredOutput, ValidRequest
+from tokenloop.core.tokenizer import ModelCard
 from tokenloop.looper.stream import Chunk, Complete
 from tokenloop.v1 import tokenloop_pb2 as pb
 
@@ -67,23 +67,11 @@ def _check_supported(request) -> None:
         _refuse("sampling_params.prompt_logprobs", "prompt log probabilities are not computed by this executor")
 
 
-def generation_defaults(model_dir: str | Path) -> dict:
-    """The sampling defaults of the model's generation_config.json, under vLLM's names (what vLLM's servicer reports
-    as `default_sampling_params_json`): temperature, top_p, top_k, min_p, repetition_penalty and max_tokens where set.
-    Sampling settings count only with `do_sample` true, as transformers reads them (and core.tokenizer.ModelCard)."""
-    try:
-        gen = json.loads((Path(model_dir) / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for key, name in GENERATION_DEFAULTS.items():
-        value = gen.get(key)
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if name != "max_tokens" and not gen.get("do_sample", False):
-            continue
-        out[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
-    return out
+def generation_defaults(card: ModelCard) -> dict:
+    """The model's generation_config.json defaults (core.tokenizer.ModelCard.generation) under vLLM's names, as
+    vLLM's servicer reports them in `default_sampling_params_json`: temperature, top_p, top_k, min_p,
+    repetition_penalty and max_tokens where set."""
+    return {GENERATION_DEFAULTS[key]: value for key, value in card.generation.items()}
 
 
 def _sampling_message(s, defaults: dict) -> pb.SamplingParams:
@@ -272,7 +260,7 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
 
     def defaults(self) -> dict:
         if self._defaults is None:
-            self._defaults = generation_defaults(self.app.config.model)
+            self._defaults = generation_defaults(self.app.card)
         return self._defaults
 
     async def _validate(self, request, request_id: str, deadline: float | None) -> ValidRequest:

@@ -141,11 +141,11 @@ def test_generation_defaults_reads_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.05,
          "max_new_tokens": 300, "eos_token_id": 2}))
-    assert generation_defaults(tmp_path) == {"temperature": 0.2, "top_p": 0.9, "top_k": 50,
+    assert generation_defaults(ModelCard.from_dir(tmp_path)) == {"temperature": 0.2, "top_p": 0.9, "top_k": 50,
                                              "repetition_penalty": 1.05, "max_tokens": 300}
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "max_new_tokens": 30}))
-    assert generation_defaults(tmp_path) == {"max_tokens": 30}  # greedy by config (no do_sample): no sampling ones
-    assert generation_defaults(tmp_path / "missing") == {}
+    assert generation_defaults(ModelCard.from_dir(tmp_path)) == {"max_tokens": 30}  # greedy by config (no do_sample): no sampling ones
+    assert generation_defaults(ModelCard.from_dir(tmp_path / "missing")) == {}
 
 
 def _events(valid_request):
