@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="engine runs (interleaved with transformers)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--matmul-backend", default="auto")
+    parser.add_argument("--weights", default="fp32", choices=("fp32", "int8", "int4"))
     parser.add_argument("--products", action="store_true", help="only time the fp32 product routes at --batch rows")
     args = parser.parse_args(argv)
     print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg())
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<26} {ms:8.1f} ms for the 30 layers' products at {args.batch} rows (best of 7)")
         return 0
     for _ in range(args.repeat):
-        config = EngineConfig(matmul_backend=args.matmul_backend)
+        config = EngineConfig(matmul_backend=args.matmul_backend, weights=args.weights)
         print(table(profile_engine(args.model, args.batch, args.prompt, args.new, config)), flush=True)
         if not args.skip_transformers:
             print(table(profile_transformers(args.model, args.batch, args.prompt, args.new, args.num_threads)),
