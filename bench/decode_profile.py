@@ -168,12 +168,14 @@ def profile_transformers(model_dir: str, batch: int, prompt: int, new: int, num_
             "step_ms": 1e3 * wall / steps, "tok_s": batch * steps / wall}
 
 
-def product_routes(model_dir: str, rows: int, rounds: int = 7) -> dict[str, float]:
-    """ms for the 30 layers' products (qkv, o, gate_up, down) of `rows` tokens on each fp32 route, interleaved rounds,
-    best of each: the engine's torch (one thread, its torch thread count), transformers' torch (two OpenMP threads),
-    numpy2 (OpenBLAS halves on two threads), torch halves on two threads (MKL per half, the helper thread)."""
+def product_routes(model_dir: str, rows: int, rounds: int = 7) -> tuple[dict[str, float], int]:
+    """(ms, flops): ms for the 30 layers' products (qkv, o, gate_up, down) of `rows` tokens on each fp32 route,
+    interleaved rounds, best of each: the engine's torch (one thread, its torch thread count), transformers' torch (two OpenMP threads),
+    numpy2 (OpenBLAS halves on two threads), torch halves on two threads (MKL per half, the helper thread), and the
+    engine's float32 C kernel (f32_linear.c, Backend.F32C2: halves on its own worker thread; and on one thread)."""
     import torch.nn.functional as F
 
+    from tokenloop.engine.kernels import load_f32
     from tokenloop.engine.loader import ModelConfig, load_weights
     from tokenloop.engine.matmul import Backend, MatmulPolicy, _Helper, set_blas_threads
 
@@ -183,6 +185,7 @@ def product_routes(model_dir: str, rows: int, rounds: int = 7) -> dict[str, floa
     mats = [weights[f"layers.{i}.{n}"] for i in range(config.num_layers) for n in ("qkv", "o", "gate_up", "down")]
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in mats}
     helper = _Helper()
+    f32 = load_f32()
     policy = MatmulPolicy({1: Backend.NUMPY2}, helper)
 
     def torch_threads(n):
@@ -209,8 +212,18 @@ def product_routes(model_dir: str, rows: int, rounds: int = 7) -> dict[str, floa
                 return run
             helper.split(part(0, half), part(half, w.shape[0]))
 
+    def f32c(threads):
+        def run():
+            for w in mats:
+                out = torch.empty(rows, w.shape[0])
+                (f32.linear2 if threads == 2 else f32.linear)(xs[w.shape[1]], w, out)
+        return run
+
     routes = {"torch, 1 thread": torch_threads(1), "torch, 2 OpenMP threads": torch_threads(2),
               "numpy2": numpy2, "torch halves, 2 threads": torch_halves}
+    if f32 is not None:
+        routes[f"f32c2 ({f32.isa}), 2 threads"] = f32c(2)
+        routes[f"f32c ({f32.isa}), 1 thread"] = f32c(1)
     best = dict.fromkeys(routes, float("inf"))
     torch.set_num_threads(1)
     with torch.inference_mode():
@@ -220,7 +233,7 @@ def product_routes(model_dir: str, rows: int, rounds: int = 7) -> dict[str, floa
                 start = time.perf_counter()
                 run()
                 best[name] = min(best[name], time.perf_counter() - start)
-    return {name: 1e3 * t for name, t in best.items()}
+    return {name: 1e3 * t for name, t in best.items()}, 2 * rows * sum(w.numel() for w in mats)
 
 
 def table(result: dict) -> str:
@@ -246,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg())
     if args.products:
-        for name, ms in product_routes(args.model, args.batch).items():
-            print(f"  {name:<26} {ms:8.1f} ms for the 30 layers' products at {args.batch} rows (best of 7)")
+        times, flops = product_routes(args.model, args.batch)
+        for name, ms in times.items():
+            print(f"  {name:<26} {ms:8.1f} ms for the 30 layers' products at {args.batch} rows (best of 7), "
+                  f"{flops / ms / 1e6:.1f} GFLOP/s")
         return 0
     for _ in range(args.repeat):
         config = EngineConfig(matmul_backend=args.matmul_backend, weights=args.weights)

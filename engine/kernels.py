@@ -71,7 +71,7 @@ def compiler() -> str | None:
 
 
 def compile_flags_for(source: Path) -> tuple[str, ...]:
-    dispatched = source.name in (INT8_SOURCE.name, INT4_SOURCE.name) and platform.machine() in ("x86_64", "AMD64")
+    dispatched = source.name in (INT8_SOURCE.name, INT4_SOURCE.name, "f32_linear.c") and platform.machine() in ("x86_64", "AMD64")
     return DISPATCHED_FLAGS if dispatched else COMPILE_FLAGS
 
 
@@ -379,3 +379,73 @@ def load_int4() -> Int4Linear | None:
 def load_int8() -> Int8Linear | None:
     """The compiled int8 matrix-product kernel, or None (logged once) when it cannot be built here."""
     return _load(INT8_SOURCE, Int8Linear, "int8 linear")
+
+
+F32_SOURCE = Path(__file__).with_name("f32_linear.c")
+
+
+class F32Linear:
+    """ctypes binding of f32_linear.c: y = x @ w.T for float32 weights w [N, K] read in place and x [M, K] of a
+    batch of rows (register tiles of channels by rows, x transposed once per call), on one code path (`isa`): the
+    fastest this CPU runs unless one is named. avx2 and avx512 give the same bits, and a row's result does not depend
+    on its batch or on the thread split."""
+
+    PATHS = {"portable": 1, "avx2": 2, "avx512": 3}
+
+    def __init__(self, path: Path, isa: str | None = None):
+        self.path = path
+        self._lib = lib = ctypes.CDLL(str(path))
+        self._supported = _function(lib, "f32_path_supported", [ctypes.c_int])
+        spin = lib.f32_set_spin_us
+        spin.argtypes = [ctypes.c_int64]
+        spin(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._gemm = _function(lib, "f32_gemm", [c_int, ptr, i64, i64, ptr, ptr, i64, i64, i64])
+        self._gemm2 = _function(lib, "f32_gemm_2t", [c_int, ptr, i64, i64, ptr, ptr, i64, i64])
+        isa = isa or self.supported()[-1]
+        if not self.supports(isa):
+            raise ValueError(f"f32 kernel path {isa!r} is not available on this CPU (supported: "
+                             f"{', '.join(self.supported())})")
+        self.isa, self._code = isa, self.PATHS[isa]
+
+    def supports(self, isa: str) -> bool:
+        return isa in self.PATHS and bool(self._supported(self.PATHS[isa]))
+
+    def supported(self) -> list[str]:
+        return [name for name in self.PATHS if self.supports(name)]
+
+    def with_isa(self, isa: str) -> F32Linear:
+        """The same library running another code path (tests and benchmarks force each one with it)."""
+        return F32Linear(self.path, isa)
+
+    @staticmethod
+    def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        if not (x.dtype == w.dtype == out.dtype == torch.float32 and x.is_contiguous() and w.is_contiguous()
+                and out.is_contiguous() and x.shape[1] == w.shape[1] and out.shape == (x.shape[0], w.shape[0])):
+            raise ValueError(f"f32 product needs contiguous float32 x [M, K], w [N, K], out [M, N]; got "
+                             f"{tuple(x.shape)}, {tuple(w.shape)}, {tuple(out.shape)}")
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, begin: int = 0,
+               end: int | None = None) -> None:
+        """out[:, begin:end] = (x @ w.T)[:, begin:end] on this thread (releases the GIL, as ctypes does)."""
+        self._check(x, w, out)
+        end = w.shape[0] if end is None else end
+        rc = self._gemm(self._code, x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), out.data_ptr(), w.shape[0],
+                        begin, end)
+        if rc != 0:
+            raise RuntimeError(f"f32_gemm ({self.isa}) failed (code {rc})")
+
+    def linear2(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x @ w.T on two threads: the caller's and the library's worker (kernel_worker.h), each half of the
+        output channels; x is transposed once, here."""
+        self._check(x, w, out)
+        rc = self._gemm2(self._code, x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), out.data_ptr(), w.shape[0],
+                         w.shape[0] // 2)
+        if rc != 0:
+            raise RuntimeError(f"f32_gemm_2t ({self.isa}) failed (code {rc})")
+
+
+def load_f32() -> F32Linear | None:
+    """The compiled float32 GEMM kernel (f32_linear.c) on the fastest path this CPU runs, or None (logged once) when
+    it cannot be built here."""
+    return _load(F32_SOURCE, F32Linear, "f32 linear")

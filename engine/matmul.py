@@ -15,6 +15,13 @@ step. A step of one token reads every weight once, so it runs at memory bandwidt
 cannot reach alone; handing half of each of the ~120 products of a step to a Python thread costs
 ~35 us each (a queue, then the GIL), more than half of what a product takes. Timed over every
 layer's weights, not one: one matrix sits in the cache and hides what memory costs.
+
+`f32c2`, for steps of a batch (16 to hundreds of rows: 32 decoding streams): f32_linear.c's float32 GEMM on two
+threads (its own worker, as native2). A register tile of 12 channels by 32 rows (AVX-512; 6 by 16 on AVX2) over x
+transposed once per product reads each weight once for the whole batch and runs near the FMA peak, where MKL and
+OpenBLAS reach ~40 % of it on these narrow shapes (K = 576). torch on two OpenMP threads is measured beside it in
+`bench/decode_profile.py --products` and is not a candidate: it is slower there, and its barriers are what the
+engine avoids (above).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .kernels import Int4Linear, Int8Linear, cache_dir, cpu_id, name_this_thread
+from .kernels import F32Linear, Int4Linear, Int8Linear, cache_dir, cpu_id, load_f32, name_this_thread
 from .quant import Q4Weight, QWeight
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,7 @@ class Backend(enum.Enum):
     NUMPY = "numpy"
     NUMPY2 = "numpy2"  # numpy, output features split over two threads
     NATIVE2 = "native2"  # the native float32 kernel on two threads (a few tokens per step; int8_linear.c)
+    F32C2 = "f32c2"  # the native float32 GEMM on two threads (a batch of rows per step; f32_linear.c)
 
 
 NATIVE_MAX_TOKENS = 16  # native2 is a candidate up to this bucket (past it BLAS's blocking wins)
@@ -225,8 +233,9 @@ class MatmulPolicy:
     def __init__(self, buckets: dict[int, Backend], helper: _Helper | None = None, int8: Int8Linear | None = None,
                  int8_split: dict[int, bool] | None = None, native: Int8Linear | None = None,
                  int4: Int4Linear | None = None, qroutes: dict[int, tuple[QuantRoute, bool]] | None = None,
-                 timings: dict[int, dict[str, float]] | None = None, chosen: str = ""):
+                 timings: dict[int, dict[str, float]] | None = None, chosen: str = "", f32: F32Linear | None = None):
         self.buckets = buckets
+        self.f32 = f32  # the native float32 GEMM, for Backend.F32C2 (None: torch serves)
         self.int8 = int8  # the native int8 kernel for QWeight products; None: torch (dequantize, then F.linear)
         self.int4 = int4  # the native 4-bit kernel for Q4Weight products; None: torch (dequantize, then F.linear)
         self.native = native or int8  # the native kernels' library, for Backend.NATIVE2 (None: numpy serves)
@@ -248,24 +257,30 @@ class MatmulPolicy:
 
     @classmethod
     def fixed(cls, backend: Backend) -> MatmulPolicy:
-        native = None
+        native = f32 = None
         if backend is Backend.NATIVE2:
             from .kernels import load_int8
             native = load_int8()
-        return cls({b: backend for b in BUCKETS}, native=native)
+        if backend is Backend.F32C2:
+            f32 = load_f32()
+        return cls({b: backend for b in BUCKETS}, native=native, f32=f32)
 
     @classmethod
-    def calibrate(cls, weights: torch.Tensor | list[torch.Tensor], native: Int8Linear | None = None) -> MatmulPolicy:
+    def calibrate(cls, weights: torch.Tensor | list[torch.Tensor], native: Int8Linear | None = None,
+                  f32: F32Linear | None = None) -> MatmulPolicy:
         """Time each backend for every bucket (numpy and native only for float32/float64; native2 only for float32
-        and up to NATIVE_MAX_TOKENS). `weights`: [N, D] matrices of one shape, e.g. every layer's gate_up; buckets
-        up to COLD_TOKENS are timed over all of them (a step streams them from memory), larger ones on the first."""
+        and up to NATIVE_MAX_TOKENS; f32c2 for float32: `f32`, else the kernel load_f32 builds).
+        `weights`: [N, D] matrices of one shape, e.g. every layer's gate_up; buckets up to COLD_TOKENS are timed
+        over all of them (a step streams them from memory), larger ones on the first. Each backend wins only the
+        buckets where it measures fastest."""
         weights = weights if isinstance(weights, list) else [weights]
         weight = weights[0]
         if weight.dtype not in (torch.float32, torch.float64):
             return cls.fixed(Backend.TORCH)
         split = (os.cpu_count() or 1) >= 2
         native = native if split and weight.dtype == torch.float32 else None
-        probe = cls({b: Backend.NUMPY2 for b in BUCKETS}, native=native) if split else None
+        f32 = (f32 or load_f32()) if split and weight.dtype == torch.float32 else None
+        probe = cls({b: Backend.NUMPY2 for b in BUCKETS}, native=native, f32=f32) if split else None
         buckets = {}
         with torch.inference_mode():
             for b in BUCKETS:
@@ -280,8 +295,10 @@ class MatmulPolicy:
                     candidates[Backend.NUMPY2] = each(lambda w, x=x: probe.linear(x, w, Backend.NUMPY2))
                 if native is not None and b <= NATIVE_MAX_TOKENS:
                     candidates[Backend.NATIVE2] = each(lambda w, x=x: probe.linear(x, w, Backend.NATIVE2))
+                if f32 is not None:
+                    candidates[Backend.F32C2] = each(lambda w, x=x: probe.linear(x, w, Backend.F32C2))
                 buckets[b] = _fastest(candidates, rounds=3 if len(over) > 1 else 7)
-        return cls(buckets, probe._helper if probe is not None else None, native=native)
+        return cls(buckets, probe._helper if probe is not None else None, native=native, f32=f32)
 
     @classmethod
     def calibrate_int8(cls, weights: QWeight | list[QWeight], int8: Int8Linear | None) -> MatmulPolicy:
@@ -357,7 +374,13 @@ class MatmulPolicy:
             out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
             self.native.f32_linear2(x, w, out)
             return out
-        if backend is Backend.TORCH or backend is Backend.NATIVE2:  # NATIVE2 without the kernel: torch serves
+        if backend is Backend.F32C2 and self.f32 is not None and w.dtype == torch.float32 and w.is_contiguous():
+            x = x.contiguous()
+            if x.dtype is torch.float32:
+                out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+                self.f32.linear2(x, w, out)
+                return out
+        if backend in (Backend.TORCH, Backend.NATIVE2, Backend.F32C2):  # a native backend without its kernel
             return F.linear(x, w)
         x_np = x.contiguous().numpy()
         if backend is Backend.NUMPY2 and x.shape[0] >= MIN_SPLIT_TOKENS and self._helper is not None:

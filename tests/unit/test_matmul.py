@@ -32,3 +32,33 @@ def test_calibration_never_picks_numpy_for_bfloat16():
 def test_calibration_covers_every_bucket():
     policy = MatmulPolicy.calibrate(torch.randn(64, 32))
     assert set(policy.buckets) == set(BUCKETS)
+
+
+def test_calibration_times_the_native_gemm_and_uses_it_where_it_wins(monkeypatch):
+    """f32c2 is a candidate in every bucket of a float32 model; whatever wins a bucket is what linear() runs."""
+    from tokenloop.engine import kernels, matmul
+    f32 = kernels.load_f32()
+    if f32 is None:
+        pytest.skip("no C compiler here: torch multiplies instead")
+    timed = []
+    real = matmul._fastest
+
+    def fastest(candidates, rounds=7):
+        timed.append(set(candidates))
+        return Backend.F32C2 if Backend.F32C2 in candidates else real(candidates, rounds)
+    monkeypatch.setattr(matmul, "_fastest", fastest)
+    policy = MatmulPolicy.calibrate(torch.randn(64, 32))
+    if len(timed) == len(BUCKETS):  # two CPUs or more: the two-thread backends are candidates
+        assert all(Backend.F32C2 in c and Backend.TORCH in c and Backend.NUMPY2 in c for c in timed)
+        assert set(policy.buckets.values()) == {Backend.F32C2} and policy.f32 is f32
+        gen = torch.Generator().manual_seed(3)
+        x, w = torch.randn(33, 576, generator=gen), torch.randn(70, 576, generator=gen)
+        torch.testing.assert_close(policy.linear(x, w, policy.backend(33)), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_f32c2_leaves_other_dtypes_and_layouts_to_torch():
+    policy = MatmulPolicy.fixed(Backend.F32C2)
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(20, 48, generator=gen), torch.randn(30, 48, generator=gen)
+    for xs, ws in ((x, w.T.contiguous().T), (x.double(), w.double()), (x[:, ::2], w[:, ::2])):
+        torch.testing.assert_close(policy.linear(xs, ws, Backend.F32C2), xs @ ws.T, rtol=1e-5, atol=1e-5)

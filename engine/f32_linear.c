@@ -1,0 +1,264 @@
+/* y = x @ w.T for float32 weights w [N, K] (rows contiguous, as the model holds them) and float32 x [M, K]: the
+ * products of --weights fp32 steps of a batch of sequences (16 to a few hundred rows), where MKL and OpenBLAS reach
+ * ~40 % of this CPU's FMA peak on the model's narrow shapes (K = 576 or 1536).
+ *
+ *   x   [M, K]   float32 activations (rows contiguous)
+ *   w   [N, K]   float32 weights, read in place (no packed copy of any weight)
+ *   y   [M, N]   float32; only the channels n_begin .. n_end-1 are written, so threads can split them
+ *
+ * The product is computed as y.T = w @ x.T: x is transposed once per call into xt [T, K, W] (T = ceil(M / W) tiles
+ * of W rows, zero padded; 73 KB for 32 rows of 576 columns: it stays in L2), and a register tile of R channels by W
+ * rows accumulates, for each column k in order, w[n, k] (broadcast) times xt[t, k, 0..W-1] (W / lanes vectors).
+ * Each weight is thus read once from memory for the whole batch (up to W rows a tile; R channels' rows stay in L1/L2
+ * while the tiles of more rows pass over them), and the weights need no packing.
+ *
+ * Code paths (kernel_common.h's numbers; f32_path_supported says which this CPU runs):
+ *   1 portable  plain C;
+ *   2 avx2      AVX2 + FMA: tiles of R = 6 channels by 16 rows (12 accumulators, two x vectors, one broadcast);
+ *   3 avx512    AVX-512 F: tiles of R = 12 channels by 32 rows (24 accumulators, two x vectors, one broadcast).
+ * Every output is one FMA chain over k = 0 .. K-1 in order, whatever the path's tile, the row count, the tile a row
+ * falls in or the thread split: avx2 and avx512 give the same bits, and a row's result does not depend on its batch
+ * (portable C may round differently where the compiler does not fuse or reorders).
+ *
+ * Two threads: f32_gemm_2t transposes x once, then runs channels [0, mid) here and [mid, N) on this library's worker
+ * thread (kernel_worker.h).
+ *
+ * Built at run time by tokenloop/engine/kernels.py for baseline x86-64 (each path under its own target attribute,
+ * -ffast-math at compile time only). Returns 0, or < 0: -1 bad arguments, -2 no memory, -3 a path this CPU lacks.
+ */
+#include "kernel_common.h"
+
+#define W512 32 /* rows of an avx512 tile (two 16-lane vectors) */
+#define W256 16 /* rows of an avx2 tile (two 8-lane vectors); the portable path uses this packing too */
+#define R512 12 /* channels of an avx512 tile */
+#define R256 6  /* channels of an avx2 tile */
+
+static int tile_rows(int path) { return path == PATH_AVX512 ? W512 : W256; }
+
+/* x [M, K] -> xt [T, K, Wd] zero padded (T = ceil(M / Wd)); NULL on no memory */
+static float *transpose_x(const float *x, int64_t M, int64_t K, int Wd) {
+    const int64_t T = (M + Wd - 1) / Wd;
+    float *xt = aligned_alloc(64, (size_t)((T * K * Wd * sizeof(float) + 63) / 64 * 64));
+    if (!xt) return NULL;
+    for (int64_t t = 0; t < T; t++) {
+        float *o = xt + t * K * Wd;
+        const int64_t rows = M - t * Wd < Wd ? M - t * Wd : Wd;
+        if (rows < Wd) memset(o, 0, sizeof(float) * (size_t)(K * Wd));
+        for (int64_t r = 0; r < rows; r++) {
+            const float *v = x + (t * Wd + r) * K;
+            for (int64_t k = 0; k < K; k++) o[k * Wd + r] = v[k];
+        }
+    }
+    return xt;
+}
+
+/* out [R, Wd] (channel r's values for the tile's rows) -> y[m0 + l, n + r] for the tile's `rows` valid rows */
+static inline void store_tile(const float *out, int R, int Wd, int64_t rows, float *y, int64_t N, int64_t m0,
+                              int64_t n) {
+    for (int64_t l = 0; l < rows; l++) {
+        float *dst = y + (m0 + l) * N + n;
+        for (int r = 0; r < R; r++) dst[r] = out[r * Wd + l];
+    }
+}
+
+/* ---- portable C: the same order per output (one chain over k) ---- */
+
+static void gemm_portable(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
+                          int64_t n_begin, int64_t n_end) {
+    float out[W256];
+    for (int64_t n = n_begin; n < n_end; n++)
+        for (int64_t t = 0; t * W256 < M; t++) {
+            const float *xk = xt + t * K * W256;
+            for (int l = 0; l < W256; l++) out[l] = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                const float b = w[n * K + k];
+                for (int l = 0; l < W256; l++) out[l] = fmaf(b, xk[k * W256 + l], out[l]);
+            }
+            const int64_t rows = M - t * W256 < W256 ? M - t * W256 : W256;
+            store_tile(out, 1, W256, rows, y, N, t * W256, n);
+        }
+}
+
+#if HAVE_X86
+
+/* ---- AVX2 + FMA: R channels (R <= 6) by V * 8 rows (V = 1 or 2) ---- */
+
+AVX2_FN INLINE void tile_avx2(const float *xt, const float *w, int64_t K, const int R, const int V, float *out) {
+    __m256 a[2 * R256];
+    for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 x0 = _mm256_load_ps(xt + k * W256);
+        const __m256 x1 = V == 2 ? _mm256_load_ps(xt + k * W256 + 8) : x0;
+        for (int r = 0; r < R; r++) {
+            const __m256 b = _mm256_broadcast_ss(w + r * K + k);
+            a[2 * r] = _mm256_fmadd_ps(b, x0, a[2 * r]);
+            if (V == 2) a[2 * r + 1] = _mm256_fmadd_ps(b, x1, a[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out + r * W256, a[2 * r]);
+        if (V == 2) _mm256_storeu_ps(out + r * W256 + 8, a[2 * r + 1]);
+    }
+}
+
+/* channels n .. n+R-1 against every tile of xt */
+AVX2_FN INLINE void channels_avx2(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
+                                  int64_t n, const int R) {
+    float out[R256 * W256];
+    for (int64_t t = 0; t * W256 < M; t++) {
+        const int64_t rows = M - t * W256 < W256 ? M - t * W256 : W256;
+        if (rows > 8)
+            tile_avx2(xt + t * K * W256, w + n * K, K, R, 2, out);
+        else
+            tile_avx2(xt + t * K * W256, w + n * K, K, R, 1, out);
+        store_tile(out, R, W256, rows, y, N, t * W256, n);
+    }
+}
+
+AVX2_FN static void gemm_avx2(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
+                              int64_t n_begin, int64_t n_end) {
+    int64_t n = n_begin;
+    for (; n + R256 <= n_end; n += R256) channels_avx2(xt, M, K, w, y, N, n, R256);
+    switch (n_end - n) {
+    case 5: channels_avx2(xt, M, K, w, y, N, n, 5); break;
+    case 4: channels_avx2(xt, M, K, w, y, N, n, 4); break;
+    case 3: channels_avx2(xt, M, K, w, y, N, n, 3); break;
+    case 2: channels_avx2(xt, M, K, w, y, N, n, 2); break;
+    case 1: channels_avx2(xt, M, K, w, y, N, n, 1); break;
+    default: break;
+    }
+}
+
+/* ---- AVX-512 F: R channels (R <= 12) by V * 16 rows (V = 1 or 2) ---- */
+
+AVX512_FN INLINE void tile_512(const float *xt, const float *w, int64_t K, const int R, const int V, float *out) {
+    __m512 a[2 * R512];
+    for (int i = 0; i < 2 * R; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 x0 = _mm512_load_ps(xt + k * W512);
+        const __m512 x1 = V == 2 ? _mm512_load_ps(xt + k * W512 + 16) : x0;
+        for (int r = 0; r < R; r++) {
+            const __m512 b = _mm512_set1_ps(w[r * K + k]);
+            a[2 * r] = _mm512_fmadd_ps(b, x0, a[2 * r]);
+            if (V == 2) a[2 * r + 1] = _mm512_fmadd_ps(b, x1, a[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out + r * W512, a[2 * r]);
+        if (V == 2) _mm512_storeu_ps(out + r * W512 + 16, a[2 * r + 1]);
+    }
+}
+
+AVX512_FN INLINE void channels_512(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
+                                   int64_t n, const int R) {
+    float out[R512 * W512];
+    for (int64_t t = 0; t * W512 < M; t++) {
+        const int64_t rows = M - t * W512 < W512 ? M - t * W512 : W512;
+        if (rows > 16)
+            tile_512(xt + t * K * W512, w + n * K, K, R, 2, out);
+        else
+            tile_512(xt + t * K * W512, w + n * K, K, R, 1, out);
+        store_tile(out, R, W512, rows, y, N, t * W512, n);
+    }
+}
+
+AVX512_FN static void gemm_512(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
+                               int64_t n_begin, int64_t n_end) {
+    int64_t n = n_begin;
+    for (; n + R512 <= n_end; n += R512) channels_512(xt, M, K, w, y, N, n, R512);
+    switch (n_end - n) {
+    case 11: channels_512(xt, M, K, w, y, N, n, 11); break;
+    case 10: channels_512(xt, M, K, w, y, N, n, 10); break;
+    case 9: channels_512(xt, M, K, w, y, N, n, 9); break;
+    case 8: channels_512(xt, M, K, w, y, N, n, 8); break;
+    case 7: channels_512(xt, M, K, w, y, N, n, 7); break;
+    case 6: channels_512(xt, M, K, w, y, N, n, 6); break;
+    case 5: channels_512(xt, M, K, w, y, N, n, 5); break;
+    case 4: channels_512(xt, M, K, w, y, N, n, 4); break;
+    case 3: channels_512(xt, M, K, w, y, N, n, 3); break;
+    case 2: channels_512(xt, M, K, w, y, N, n, 2); break;
+    case 1: channels_512(xt, M, K, w, y, N, n, 1); break;
+    default: break;
+    }
+}
+
+#endif /* HAVE_X86 */
+
+/* the product on x transposed already (xt as transpose_x made it for `path`) */
+static int gemm_packed(int path, const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
+                       int64_t n_begin, int64_t n_end) {
+    if (M == 0 || n_begin == n_end) return 0;
+#if HAVE_X86
+    if (path == PATH_AVX512) {
+        gemm_512(xt, M, K, w, y, N, n_begin, n_end);
+        return 0;
+    }
+    if (path == PATH_AVX2) {
+        gemm_avx2(xt, M, K, w, y, N, n_begin, n_end);
+        return 0;
+    }
+#endif
+    gemm_portable(xt, M, K, w, y, N, n_begin, n_end);
+    return 0;
+}
+
+static int check(int path, int64_t M, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (M < 0 || K < 1 || N < 0 || n_begin < 0 || n_end > N || n_begin > n_end) return -1;
+    if (path != PATH_PORTABLE && path != PATH_AVX2 && path != PATH_AVX512) return -1;
+    return path_supported(path) ? 0 : -3;
+}
+
+/* ---- the exported products ---- */
+
+int f32_path_supported(int path) { return path <= PATH_AVX512 && path_supported(path); }
+
+/* y[:, n_begin:n_end] = x @ w.T[:, n_begin:n_end] on one thread */
+int f32_gemm(int path, const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t n_begin,
+             int64_t n_end) {
+    const int bad = check(path, M, K, N, n_begin, n_end);
+    if (bad) return bad;
+    if (M == 0 || n_begin == n_end) return 0;
+    float *xt = transpose_x(x, M, K, tile_rows(path));
+    if (!xt) return -2;
+    const int rc = gemm_packed(path, xt, M, K, w, y, N, n_begin, n_end);
+    free(xt);
+    return rc;
+}
+
+/* ---- one worker thread for f32_gemm_2t ---- */
+
+typedef struct {
+    int path;
+    const float *xt;
+    int64_t M, K;
+    const float *w;
+    float *y;
+    int64_t N, n_begin, n_end;
+    int rc;
+} job_t;
+
+static int run_job(const job_t *j) {
+    return gemm_packed(j->path, j->xt, j->M, j->K, j->w, j->y, j->N, j->n_begin, j->n_end);
+}
+
+#define WORKER_THREAD_NAME "tokenloop-f32"
+#include "kernel_worker.h"
+
+/* How long (microseconds) the worker spins for its next job before it sleeps. */
+void f32_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
+
+/* y = x @ w.T over all N channels on two threads: x transposed once, here; channels [0, mid) here, [mid, N) on the
+ * worker thread */
+int f32_gemm_2t(int path, const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t mid) {
+    const int bad = check(path, M, K, N, 0, N);
+    if (bad || mid < 0 || mid > N) return bad ? bad : -1;
+    if (M == 0 || N == 0) return 0;
+    float *xt = transpose_x(x, M, K, tile_rows(path));
+    if (!xt) return -2;
+    const job_t mine = {path, xt, M, K, w, y, N, 0, mid, 0};
+    job_t theirs = mine;
+    theirs.n_begin = mid, theirs.n_end = N;
+    const int rc = run_split(mine, theirs);
+    free(xt);
+    return rc;
+}
