@@ -81,124 +81,81 @@ static void gemm_portable(const float *xt, int64_t M, int64_t K, const float *w,
 
 #if HAVE_X86
 
-/* ---- AVX2 + FMA: R channels (R <= 6) by V * 8 rows (V = 1 or 2) ---- */
+/* The loops of one SIMD path, from its vector type and intrinsics (FN: its target attribute; LANES floats a vector;
+ * tiles of W = 2 * LANES rows and RMAX <= 12 channels):
+ *   tile_ISA      R channels (R <= RMAX) by V vectors of rows (V = 1 or 2): for each column k in order, the R weights
+ *                 w[n + r, k] broadcast, times xt's V vectors at k, into 2R accumulators; out [R, W]. Row r of w sits
+ *                 at p[r / 3] + (r % 3) * K: four pointers and two strides address all twelve, so the loop needs no
+ *                 more general registers than x86-64 has (with w + r * K the compiler spilled row offsets to the
+ *                 stack: -15 %); every 16 columns (a cache line a row) the `ahead` rows after the tile's are
+ *                 prefetched into L2, so the next tile's weights come from memory while this one multiplies (~10 %
+ *                 at 32 rows, weights streaming from memory).
+ *   channels_ISA  channels n .. n+R-1 against every tile of xt (the weights' R rows stay in L1/L2 meanwhile)
+ *   gemm_ISA      channels n_begin .. n_end-1: RMAX at a time, then 6 (when RMAX > 6), then the last 1 to 5 */
+#define DEFINE_GEMM(isa, FN, vec, LANES, RMAX, zero, load, set1, fma, store)                                        \
+    FN INLINE void tile_##isa(const float *xt, const float *w, int64_t K, const int R, const int V, int ahead,      \
+                              float *out) {                                                                         \
+        enum { W = 2 * LANES };                                                                                     \
+        vec a[2 * RMAX];                                                                                            \
+        for (int i = 0; i < 2 * R; i++) a[i] = zero();                                                              \
+        const float *p[4] = {w, w + (R > 3 ? 3 : 0) * K, w + (R > 6 ? 6 : 0) * K, w + (R > 9 ? 9 : 0) * K};         \
+        const int64_t K2 = 2 * K;                                                                                   \
+        for (int64_t k = 0; k < K; k++) {                                                                           \
+            if ((k & 15) == 0)                                                                                      \
+                for (int r = 0; r < ahead; r++) _mm_prefetch((const char *)(w + (R + r) * K + k), _MM_HINT_T1);     \
+            const vec x0 = load(xt + k * W);                                                                        \
+            const vec x1 = V == 2 ? load(xt + k * W + LANES) : x0;                                                  \
+            for (int r = 0; r < R; r++) {                                                                           \
+                const float *q = p[r / 3] + k;                                                                      \
+                const vec b = set1(r % 3 == 0 ? q[0] : r % 3 == 1 ? q[K] : q[K2]);                                  \
+                a[2 * r] = fma(b, x0, a[2 * r]);                                                                    \
+                if (V == 2) a[2 * r + 1] = fma(b, x1, a[2 * r + 1]);                                                \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int r = 0; r < R; r++) {                                                                               \
+            store(out + r * W, a[2 * r]);                                                                           \
+            if (V == 2) store(out + r * W + LANES, a[2 * r + 1]);                                                   \
+        }                                                                                                           \
+    }                                                                                                               \
+    FN INLINE void channels_##isa(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,      \
+                                  int64_t n, int64_t n_end, const int R) {                                          \
+        enum { W = 2 * LANES };                                                                                     \
+        float out[RMAX * W];                                                                                        \
+        const int ahead = n_end - n - R < R ? (int)(n_end - n - R) : R; /* the next tile's rows, to prefetch */     \
+        for (int64_t t = 0; t * W < M; t++) {                                                                       \
+            const int64_t rows = M - t * W < W ? M - t * W : W;                                                     \
+            if (rows > LANES) /* two calls: V a constant in each, so each loop is specialised */                  \
+                tile_##isa(xt + t * K * W, w + n * K, K, R, 2, ahead, out);                                         \
+            else                                                                                                    \
+                tile_##isa(xt + t * K * W, w + n * K, K, R, 1, ahead, out);                                         \
+            store_tile(out, R, W, rows, y, N, t * W, n);                                                            \
+        }                                                                                                           \
+    }                                                                                                               \
+    FN static void gemm_##isa(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,          \
+                              int64_t n_begin, int64_t n_end) {                                                     \
+        int64_t n = n_begin;                                                                                        \
+        for (; n + RMAX <= n_end; n += RMAX) channels_##isa(xt, M, K, w, y, N, n, n_end, RMAX);                    \
+        if (RMAX > 6 && n_end - n >= 6) {                                                                           \
+            channels_##isa(xt, M, K, w, y, N, n, n_end, 6);                                                         \
+            n += 6;                                                                                                 \
+        }                                                                                                           \
+        switch (n_end - n) {                                                                                        \
+        case 5: channels_##isa(xt, M, K, w, y, N, n, n_end, 5); break;                                              \
+        case 4: channels_##isa(xt, M, K, w, y, N, n, n_end, 4); break;                                              \
+        case 3: channels_##isa(xt, M, K, w, y, N, n, n_end, 3); break;                                              \
+        case 2: channels_##isa(xt, M, K, w, y, N, n, n_end, 2); break;                                              \
+        case 1: channels_##isa(xt, M, K, w, y, N, n, n_end, 1); break;                                              \
+        default: break;                                                                                             \
+        }                                                                                                           \
+    }
 
-AVX2_FN INLINE void tile_avx2(const float *xt, const float *w, int64_t K, const int R, const int V, int ahead,
-                              float *out) {
-    __m256 a[2 * R256];
-    for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_ps();
-    const float *p[2] = {w, w + (R > 3 ? 3 : 0) * K}; /* row r at p[r / 3] + (r % 3) * K, as tile_512 */
-    const int64_t K2 = 2 * K;
-    for (int64_t k = 0; k < K; k++) {
-        if ((k & 15) == 0)
-            for (int r = 0; r < ahead; r++) _mm_prefetch((const char *)(w + (R + r) * K + k), _MM_HINT_T1);
-        const __m256 x0 = _mm256_load_ps(xt + k * W256);
-        const __m256 x1 = V == 2 ? _mm256_load_ps(xt + k * W256 + 8) : x0;
-        for (int r = 0; r < R; r++) {
-            const float *q = p[r / 3] + k;
-            const __m256 b = _mm256_broadcast_ss(r % 3 == 0 ? q : r % 3 == 1 ? q + K : q + K2);
-            a[2 * r] = _mm256_fmadd_ps(b, x0, a[2 * r]);
-            if (V == 2) a[2 * r + 1] = _mm256_fmadd_ps(b, x1, a[2 * r + 1]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(out + r * W256, a[2 * r]);
-        if (V == 2) _mm256_storeu_ps(out + r * W256 + 8, a[2 * r + 1]);
-    }
-}
+/* AVX2 + FMA: 6 channels by 16 rows (12 accumulators, two x vectors, one broadcast: 15 of 16 registers) */
+DEFINE_GEMM(avx2, AVX2_FN, __m256, 8, R256, _mm256_setzero_ps, _mm256_load_ps, _mm256_set1_ps, _mm256_fmadd_ps,
+            _mm256_storeu_ps)
 
-/* channels n .. n+R-1 against every tile of xt */
-AVX2_FN INLINE void channels_avx2(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
-                                  int64_t n, int64_t n_end, const int R) {
-    float out[R256 * W256];
-    const int ahead = n_end - n - R < R ? (int)(n_end - n - R) : R; /* the next tile's rows, to prefetch */
-    for (int64_t t = 0; t * W256 < M; t++) {
-        const int64_t rows = M - t * W256 < W256 ? M - t * W256 : W256;
-        if (rows > 8)
-            tile_avx2(xt + t * K * W256, w + n * K, K, R, 2, ahead, out);
-        else
-            tile_avx2(xt + t * K * W256, w + n * K, K, R, 1, ahead, out);
-        store_tile(out, R, W256, rows, y, N, t * W256, n);
-    }
-}
-
-AVX2_FN static void gemm_avx2(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
-                              int64_t n_begin, int64_t n_end) {
-    int64_t n = n_begin;
-    for (; n + R256 <= n_end; n += R256) channels_avx2(xt, M, K, w, y, N, n, n_end, R256);
-    switch (n_end - n) {
-    case 5: channels_avx2(xt, M, K, w, y, N, n, n_end, 5); break;
-    case 4: channels_avx2(xt, M, K, w, y, N, n, n_end, 4); break;
-    case 3: channels_avx2(xt, M, K, w, y, N, n, n_end, 3); break;
-    case 2: channels_avx2(xt, M, K, w, y, N, n, n_end, 2); break;
-    case 1: channels_avx2(xt, M, K, w, y, N, n, n_end, 1); break;
-    default: break;
-    }
-}
-
-/* ---- AVX-512 F: R channels (R <= 12) by V * 16 rows (V = 1 or 2) ---- */
-
-AVX512_FN INLINE void tile_512(const float *xt, const float *w, int64_t K, const int R, const int V, int ahead,
-                               float *out) {
-    __m512 a[2 * R512];
-    for (int i = 0; i < 2 * R; i++) a[i] = _mm512_setzero_ps();
-    /* row r of w at p[r / 3] + (r % 3) * K: four pointers and two strides address all twelve, so the loop needs no
-     * more general registers than x86-64 has (with w + r * K the compiler spilled row offsets to the stack); every 16
-     * columns (a cache line a row) the `ahead` rows after the tile's are prefetched into L2, so the next tile's
-     * weights come from memory while this one multiplies (~10 % at 32 rows, weights streaming from memory) */
-    const float *p[4] = {w, w + (R > 3 ? 3 : 0) * K, w + (R > 6 ? 6 : 0) * K, w + (R > 9 ? 9 : 0) * K}; /* in bounds */
-    const int64_t K2 = 2 * K;
-    for (int64_t k = 0; k < K; k++) {
-        if ((k & 15) == 0)
-            for (int r = 0; r < ahead; r++) _mm_prefetch((const char *)(w + (R + r) * K + k), _MM_HINT_T1);
-        const __m512 x0 = _mm512_load_ps(xt + k * W512);
-        const __m512 x1 = V == 2 ? _mm512_load_ps(xt + k * W512 + 16) : x0;
-        for (int r = 0; r < R; r++) {
-            const float *q = p[r / 3] + k;
-            const __m512 b = _mm512_set1_ps(r % 3 == 0 ? q[0] : r % 3 == 1 ? q[K] : q[K2]);
-            a[2 * r] = _mm512_fmadd_ps(b, x0, a[2 * r]);
-            if (V == 2) a[2 * r + 1] = _mm512_fmadd_ps(b, x1, a[2 * r + 1]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(out + r * W512, a[2 * r]);
-        if (V == 2) _mm512_storeu_ps(out + r * W512 + 16, a[2 * r + 1]);
-    }
-}
-
-AVX512_FN INLINE void channels_512(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
-                                   int64_t n, int64_t n_end, const int R) {
-    float out[R512 * W512];
-    const int ahead = n_end - n - R < R ? (int)(n_end - n - R) : R; /* the next tile's rows, to prefetch */
-    for (int64_t t = 0; t * W512 < M; t++) {
-        const int64_t rows = M - t * W512 < W512 ? M - t * W512 : W512;
-        if (rows > 16)
-            tile_512(xt + t * K * W512, w + n * K, K, R, 2, ahead, out);
-        else
-            tile_512(xt + t * K * W512, w + n * K, K, R, 1, ahead, out);
-        store_tile(out, R, W512, rows, y, N, t * W512, n);
-    }
-}
-
-AVX512_FN static void gemm_512(const float *xt, int64_t M, int64_t K, const float *w, float *y, int64_t N,
-                               int64_t n_begin, int64_t n_end) {
-    int64_t n = n_begin;
-    for (; n + R512 <= n_end; n += R512) channels_512(xt, M, K, w, y, N, n, n_end, R512);
-    switch (n_end - n) {
-    case 11: channels_512(xt, M, K, w, y, N, n, n_end, 11); break;
-    case 10: channels_512(xt, M, K, w, y, N, n, n_end, 10); break;
-    case 9: channels_512(xt, M, K, w, y, N, n, n_end, 9); break;
-    case 8: channels_512(xt, M, K, w, y, N, n, n_end, 8); break;
-    case 7: channels_512(xt, M, K, w, y, N, n, n_end, 7); break;
-    case 6: channels_512(xt, M, K, w, y, N, n, n_end, 6); break;
-    case 5: channels_512(xt, M, K, w, y, N, n, n_end, 5); break;
-    case 4: channels_512(xt, M, K, w, y, N, n, n_end, 4); break;
-    case 3: channels_512(xt, M, K, w, y, N, n, n_end, 3); break;
-    case 2: channels_512(xt, M, K, w, y, N, n, n_end, 2); break;
-    case 1: channels_512(xt, M, K, w, y, N, n, n_end, 1); break;
-    default: break;
-    }
-}
+/* AVX-512 F: 12 channels by 32 rows (24 accumulators, two x vectors, one broadcast: 27 of 32 registers) */
+DEFINE_GEMM(512, AVX512_FN, __m512, 16, R512, _mm512_setzero_ps, _mm512_load_ps, _mm512_set1_ps, _mm512_fmadd_ps,
+            _mm512_storeu_ps)
 
 #endif /* HAVE_X86 */
 

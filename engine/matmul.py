@@ -18,8 +18,8 @@ layer's weights, not one: one matrix sits in the cache and hides what memory cos
 
 `f32c2`, for steps of a batch (16 to hundreds of rows: 32 decoding streams): f32_linear.c's float32 GEMM on two
 threads (its own worker, as native2). A register tile of 12 channels by 32 rows (AVX-512; 6 by 16 on AVX2) over x
-transposed once per product reads each weight once for the whole batch and runs near the FMA peak, where MKL and
-OpenBLAS reach ~40 % of it on these narrow shapes (K = 576). torch on two OpenMP threads is measured beside it in
+transposed once per product reads each weight once for the whole batch: ~185 GFLOP/s on the 2-vCPU Zen 4 VM at 32
+rows, where MKL and OpenBLAS reach ~40 % of the FMA peak on these narrow shapes (K = 576; docs/engine.md). torch on two OpenMP threads is measured beside it in
 `bench/decode_profile.py --products` and is not a candidate: it is slower there, and its barriers are what the
 engine avoids (above).
 """

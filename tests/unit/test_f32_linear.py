@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import platform
 import subprocess
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -105,20 +105,14 @@ def test_worker_thread_serves_concurrent_callers():
     x, w = operands(20, (200, 96), 5)
     want = torch.empty(20, 200)
     kernel.linear(x, w, want)
-    errors = []
 
-    def run():
-        for _ in range(200):
-            out = torch.empty(20, 200)
+    def mismatches(_) -> int:
+        outs = [torch.empty(20, 200) for _ in range(200)]
+        for out in outs:
             kernel.linear2(x, w, out)
-            if not torch.equal(out, want):
-                errors.append(out)
-    threads = [threading.Thread(target=run) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors and not any(t.is_alive() for t in threads)
+        return sum(not torch.equal(out, want) for out in outs)
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(mismatches, range(3), timeout=60)) == [0, 0, 0]
 
 
 @pytest.mark.skipif(kernels.compiler() is None or platform.machine() != "x86_64", reason="needs cc on x86-64")
