@@ -2,7 +2,8 @@
 code path this CPU runs, against a float64 product; each output one FMA chain over the columns in order, so a row gets
 the same bits alone and in any batch, split over threads or not, and avx2 == avx512.
 
-A path this CPU cannot run skips with the reason (pytest -rs prints it), never passes silently."""
+A path this CPU cannot run skips with the reason (pytest -rs prints it), never passes silently. The engine on it against
+transformers: tests/integration/test_f32_linear.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The engine's float32 products on f32_linear.c (Backend.F32C2, chosen by the calibration where it measures fastest:
 steps of a batch on this machine) give transformers' greedy tokens: a float32 batch of 16 mixed-length requests
-with every product of every step forced onto the C GEMM, each request against transformers' generate() alone."""
+with every product of every step forced onto the C GEMM, each request against transformers' generate() alone.
+The kernel itself (every path, bits alone and batched): tests/unit/test_f32_linear.py."""
 
 from __future__ import annotations
 
