@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .kernels import LayerOps, PagedAttention
+from .kernels import LayerOps, PagedAttention, QuantKernel, StepKernels
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
 
@@ -135,6 +135,13 @@ class Model:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        # every layer of a decode-only step in one C call (layer_ops.c, decode_step_f32): the per-weight pointers,
+        # built once here; None where the weights are not all quantized or the native ops / attention are missing
+        self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self.cos, self.sin, c.num_heads,
+                                    c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size) \
+            if self.ops is not None and self.paged is not None else None
+        self.fuse_decode = True  # False: decode steps take the per-operation path too (tests and benchmarks)
+        self._step_kernels: dict[tuple[object, bool], StepKernels | None] = {}  # by (QuantRoute, split)
 
     @classmethod
     def kv_bytes_per_token(cls, config: ModelConfig, dtype: torch.dtype) -> int:
@@ -179,9 +186,44 @@ class Model:
         x = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [S, D]
         return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
 
+    def fused_kernels(self, batch: ForwardBatch) -> StepKernels | None:
+        """What runs `batch` in one C call (layer_ops.c, decode_step_f32), or None when it takes the per-operation
+        path: a step with LoRA rows or a prefill row, weights that are not all quantized, or a route that is not
+        the engine's exact C kernels (torch routes, vnni)."""
+        if self.plan is None or not self.fuse_decode or batch.lora_segments or \
+                not all(g.max_q == 1 and g.lens is not None for g in batch.groups):
+            return None
+        route, split = self.matmul.route(batch.input_ids.shape[0])
+        key = (route, split)
+        if key not in self._step_kernels:
+            kernels = {0: route.int8, 1: route.int4}
+            usable = all(kernels[kind] is not None and kernels[kind].isa in QuantKernel.EXACT
+                         for kind in self.plan.kinds) and not route.family.startswith("torch")
+            self._step_kernels[key] = StepKernels(route.int8, route.int4, split, self.paged, self.split_attention) \
+                if usable else None
+        return self._step_kernels[key]
+
+    def _forward_fused(self, batch: ForwardBatch, kernels: StepKernels) -> torch.Tensor:
+        """`_forward_ops` for a decode-only step, every layer in one C call: the same functions in the same order
+        (layer_ops.c, decode_step_f32), so the same bits."""
+        h = self.embed[batch.input_ids]  # [T, D], a new tensor: updated in place
+        self.ops.decode_step(self.plan, kernels, h, batch.positions, batch.slot_mapping, batch.groups)
+        return self._logits(h, batch)
+
+    def _logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The final norm and lm_head over the rows that sample (C RMSNorm); the embedding rows' hidden states."""
+        self._final_hidden(h, batch)
+        rows = h[batch.logits_rows]  # [S, D]
+        x = torch.empty_like(rows)
+        self.ops.add_rms_norm(rows, None, self.norm, self.config.rms_norm_eps, x)
+        return self.matmul.linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
+
     def _forward_ops(self, batch: ForwardBatch) -> torch.Tensor:
         """`forward` with the layer's small operations in C (layer_ops.c): the residual stream h is updated in place
         and each residual add is fused into the RMSNorm after it. The same operations, in the same order."""
+        kernels = self.fused_kernels(batch)
+        if kernels is not None:
+            return self._forward_fused(batch, kernels)
         c, num_tokens = self.config, batch.input_ids.shape[0]
         backend = self.matmul.backend(num_tokens)
         linear, ops, eps = self.matmul.linear, self.ops, c.rms_norm_eps
@@ -214,11 +256,7 @@ class Model:
             down = linear(act, w.down, backend)
             delta = add_lora(down, act, loras, i, "down") if loras else down
         h.add_(delta)
-        self._final_hidden(h, batch)
-        rows = h[batch.logits_rows]  # [S, D]
-        x = torch.empty_like(rows)
-        ops.add_rms_norm(rows, None, self.norm, eps, x)
-        return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
+        return self._logits(h, batch)
 
     def _final_hidden(self, h: torch.Tensor, batch: ForwardBatch) -> None:
         """The embedding rows' hidden states after the final norm (transformers' last_hidden_state) into
