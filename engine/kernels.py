@@ -319,7 +319,7 @@ class LayerOps:
         self._norm.argtypes = [ptr, ptr, ptr, f32, ptr, i64, i64]
         self._norm.restype = None
         self._rope = lib.rope_store_f32
-        self._rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+        self._rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         self._rope.restype = ctypes.c_int
         self._silu = lib.silu_mul_f32
         self._silu.argtypes = [ptr, ptr, i64, i64]
@@ -339,12 +339,13 @@ class LayerOps:
 
     def rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
                    sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor) -> None:
+                   v_cache: torch.Tensor, q_out: torch.Tensor | None = None) -> None:
         """Rotate the query and key heads of qkv [T, (H+2K)*E] (rows contiguous) in place; write K and V to the
-        caches [S, K, E] at `slots` [T] int64. cos, sin: [max_context, E] tables; positions [T] int64."""
+        caches [S, K, E] at `slots` [T] int64, and the rotated queries to q_out [T, H*E] (contiguous) when given.
+        cos, sin: [max_context, E] tables; positions [T] int64."""
         rc = self._rope(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
                         cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-                        v_cache.data_ptr())
+                        v_cache.data_ptr(), None if q_out is None else q_out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"rope_store_f32 failed (code {rc})")
 

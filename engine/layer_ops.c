@@ -12,7 +12,8 @@
  *   rope_store_f32:   qkv [T, (H + 2K) * E], rows `stride` apart: rotates the H query and K key heads in place
  *                     (half-split layout: x * cos + rotate_half(x) * sin, cos/sin [max_context, E] rows picked by
  *                     positions[t]), then copies each token's K and V heads to k_cache / v_cache [S, K, E] at
- *                     slot slots[t]
+ *                     slot slots[t], and (q_out given) its rotated query heads to q_out [T, H * E], contiguous rows
+ *                     for the decode-attention kernel
  *   silu_mul_f32:     gate_up [T, 2I] -> out [T, I] = silu(gate) * up
  *
  *   decode_step_f32:  every decoder layer of a decode-only step in one call (below, "One call per decode step")
@@ -55,7 +56,8 @@ void add_rms_norm_f32(float *h, const float *delta, const float *weight, float e
 }
 
 int rope_store_f32(float *qkv, int64_t T, int64_t stride, int64_t H, int64_t K, int64_t E, const float *cos,
-                   const float *sin, const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache) {
+                   const float *sin, const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache,
+                   float *q_out) {
     if (E % 2 != 0) return -1;
     const int64_t half = E / 2;
     for (int64_t t = 0; t < T; t++) {
@@ -74,6 +76,7 @@ int rope_store_f32(float *qkv, int64_t T, int64_t stride, int64_t H, int64_t K, 
             memcpy(k_cache + slot * K * E, row + H * E, sizeof(float) * (size_t)(K * E));
             memcpy(v_cache + slot * K * E, row + (H + K) * E, sizeof(float) * (size_t)(K * E));
         }
+        if (q_out) memcpy(q_out + t * H * E, row, sizeof(float) * (size_t)(H * E));
     }
     return 0;
 }
@@ -207,10 +210,9 @@ int decode_step_f32(const dmodel_t *m, const dkernels_t *k, float *h, int64_t T,
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < NQKV; i++) qkv[t * NQKV + i] += w->qkv_bias[i];
         where[1] = 2;
-        if ((rc = rope_store_f32(qkv, T, NQKV, H, KV, E, m->cos, m->sin, positions, slots, w->k_cache,
-                                 w->v_cache)) != 0)
+        if ((rc = rope_store_f32(qkv, T, NQKV, H, KV, E, m->cos, m->sin, positions, slots, w->k_cache, w->v_cache,
+                                 q)) != 0)
             return rc;
-        for (int64_t t = 0; t < T; t++) memcpy(q + t * HE, qkv + t * NQKV, sizeof(float) * (size_t)HE);
         where[1] = 3;
         for (int64_t gi = 0; gi < num_groups; gi++) {
             const dgroup_t *g = groups + gi;

@@ -9,6 +9,7 @@ Notation: T tokens in the flat batch, D hidden size, H query heads, K kv heads, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -232,6 +233,9 @@ class Model:
         x = torch.empty_like(h)
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_end, k_end = self.q_size, self.q_size + self.kv_size
+        # the rotated queries in contiguous rows, written by rope_store, for the native decode attention (no copy)
+        paged_q = torch.empty(num_tokens, heads, head_dim) if self.paged is not None and \
+            any(g.max_q == 1 and g.lens is not None for g in batch.groups) else None
         delta = None  # the last layer's output, added to h by the next RMSNorm
         for i, w in enumerate(self.layers):
             ops.add_rms_norm(h, delta, w.input_norm, eps, x)
@@ -241,11 +245,11 @@ class Model:
             if w.qkv_bias is not None:
                 qkv = qkv + w.qkv_bias
             ops.rope_store(qkv, heads, kv_heads, head_dim, self.cos, self.sin, batch.positions, batch.slot_mapping,
-                           self.k_cache[i], self.v_cache[i])
+                           self.k_cache[i], self.v_cache[i], paged_q)
             q = qkv[:, :q_end].view(num_tokens, heads, head_dim)
             k = qkv[:, q_end:k_end].view(num_tokens, kv_heads, head_dim)
             v = qkv[:, k_end:].view(num_tokens, kv_heads, head_dim)
-            attn = self._attention(i, q, k, v, batch.groups)
+            attn = self._attention(i, q, k, v, batch.groups, paged_q)
             o = linear(attn, w.o, backend)
             ops.add_rms_norm(h, add_lora(o, attn, loras, i, "o") if loras else o, w.post_norm, eps, x)
             gate_up = linear(x, w.gate_up, backend)
@@ -273,14 +277,15 @@ class Model:
         return out.view(num_seqs, num_blocks * self.block_size, cache.shape[1], cache.shape[2]).transpose(1, 2)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   groups: list[AttentionGroup]) -> torch.Tensor:
-        """Attention of every query over its sequence's context. q: [T, H, E], k, v: [T, K, E] -> [T, H*E]."""
+                   groups: list[AttentionGroup], paged_q: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of every query over its sequence's context. q: [T, H, E], k, v: [T, K, E] -> [T, H*E].
+        paged_q: q's values in contiguous rows (rope_store writes them), which the decode kernel reads in place."""
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         for g in groups:
             if g.max_q == 1 and g.lens is not None and self.paged is not None:
-                self._paged_decode(layer, q, out, g)
+                self._paged_decode(layer, q if paged_q is None else paged_q, out, g)
                 continue
             if g.fresh:  # prefill from position 0: the chunk's own K/V, causal
                 self._fresh_prefill(q, k, v, out, g)
@@ -321,16 +326,15 @@ class Model:
 
     def _paged_decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup) -> None:
         """One query per sequence, flat rows out_start.. : the native kernel reads the cache in place."""
-        rows = slice(g.out_start, g.out_start + g.num_seqs)
-        qd = q[rows].contiguous()  # [B, H, E]
-        od = out[rows].view(g.num_seqs, q.shape[1], q.shape[2])  # contiguous rows of `out`: written in place
-        k_cache, v_cache, paged = self.k_cache[layer], self.v_cache[layer], self.paged
-        bs, scale = self.block_size, self.scale
-
-        def part(begin: int, end: int):
-            return lambda: paged.decode(qd, od, k_cache, v_cache, g.kv_blocks, g.lens, begin, end, bs, scale)
-
+        end = g.out_start + g.num_seqs
+        qd = q[g.out_start:end]  # [B, H, E]
+        if not qd.is_contiguous():  # a view of qkv's rows (the caller had no contiguous copy)
+            qd = qd.contiguous()
+        od = out[g.out_start:end].view(g.num_seqs, q.shape[1], q.shape[2])  # contiguous rows of `out`: in place
+        args = (qd, od, self.k_cache[layer], self.v_cache[layer], g.kv_blocks, g.lens)
         if self.split_attention and 0 < g.split < g.num_seqs:
-            self.matmul.helper().split(part(0, g.split), part(g.split, g.num_seqs))
+            self.matmul.helper().split(partial(self.paged.decode, *args, 0, g.split, self.block_size, self.scale),
+                                       partial(self.paged.decode, *args, g.split, g.num_seqs, self.block_size,
+                                               self.scale))
         else:
-            part(0, g.num_seqs)()
+            self.paged.decode(*args, 0, g.num_seqs, self.block_size, self.scale)
