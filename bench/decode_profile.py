@@ -39,7 +39,8 @@ from tokenloop.engine import runner  # noqa: E402
 from tokenloop.engine.config import EngineConfig  # noqa: E402
 from tokenloop.engine.engine import Engine  # noqa: E402
 
-SECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "attention", "layer ops", "prepare", "sampling", "python/rest")
+SECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "attention", "layer ops", "fused layers", "prepare", "sampling",
+            "python/rest")
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -66,9 +67,13 @@ class Timer:
         return timed
 
 
-def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: EngineConfig) -> dict:
+def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: EngineConfig,
+                   fuse: bool | None = True) -> dict:
+    """fuse: decode steps in one C call (True), layer by layer as before it (False), or alternating step by step
+    (None: both timed on the same steps' load, each step's wall time to its mode)."""
     engine = Engine(model_dir, config, start=False)
     model, timer = engine.model, Timer()
+    model.fuse_decode = fuse is not False
     names = {}
     for w in model.layers:
         names.update({id(w.qkv): "qkv", id(w.o): "o", id(w.gate_up): "gate_up", id(w.down): "down"})
@@ -79,6 +84,7 @@ def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: En
     if model.ops is not None:
         for op in ("add_rms_norm", "rope_store", "silu_mul"):
             setattr(model.ops, op, timer.wrap(getattr(model.ops, op), "layer ops"))
+        model.ops.decode_step = timer.wrap(model.ops.decode_step, "fused layers")  # every layer in one C call
     prepare, sample = runner.prepare, engine_module.sample_batch
     runner.prepare = timer.wrap(prepare, "prepare")
     engine_module.sample_batch = timer.wrap(sample, "sampling")
@@ -91,24 +97,37 @@ def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: En
         engine._admit(engine._new)
         engine._new = []
         running = engine.scheduler.running
-        while not running or any(s.num_computed_tokens < prompt for s in running):  # the prefill steps
+        # the prefill steps: until every sequence is admitted (max_num_tokens admits a few per step) and prefilled
+        while engine.scheduler.waiting or not running or any(s.num_computed_tokens < prompt for s in running):
             engine.step()
-        steps, wall = 0, 0.0
+        steps, wall, by_mode = 0, 0.0, collections.defaultdict(list)
         timer.active = True
         while engine.scheduler.has_work():
+            if fuse is None:
+                model.fuse_decode = steps % 2 == 0
             start = time.perf_counter()
             engine.step()
-            wall += time.perf_counter() - start
+            took = time.perf_counter() - start
+            wall += took
+            by_mode["fused" if model.fuse_decode else "layer by layer"].append(took)
             steps += 1
         timer.active = False
         engine._outputs.clear()
     finally:
         runner.prepare, engine_module.sample_batch = prepare, sample
         engine.shutdown()
+        if model.ops is not None:
+            for op in ("add_rms_norm", "rope_store", "silu_mul", "decode_step"):
+                delattr(model.ops, op)  # the kernel objects are shared by every engine of the process
     per_step = {k: v / steps for k, v in timer.total.items()}
     per_step["python/rest"] = wall / steps - sum(per_step.values())
-    return {"system": "tokenloop fp32", "ms": {k: 1e3 * v for k, v in per_step.items()}, "step_ms": 1e3 * wall / steps,
-            "tok_s": batch * steps / wall, "matmul": engine.model.matmul.describe()}
+    mode = {True: "", False: " (fused decode off)", None: " (fused and layer-by-layer decode steps alternating)"}
+    result = {"system": f"tokenloop {config.weights}{mode[fuse]}",
+              "ms": {k: 1e3 * v for k, v in per_step.items()}, "step_ms": 1e3 * wall / steps,
+              "tok_s": batch * steps / wall, "matmul": engine.model.matmul.describe()}
+    if fuse is None:  # the steps of a finishing batch are smaller: both modes get every other one of them
+        result["modes"] = {name: (1e3 * sum(t) / len(t), batch * len(t) / sum(t)) for name, t in by_mode.items()}
+    return result
 
 
 def _op_section(name: str, shapes: list, vocab: int) -> str:
@@ -241,6 +260,8 @@ def table(result: dict) -> str:
              + (f" (matmul {result['matmul']})" if "matmul" in result else "")]
     for section, ms in sorted(result["ms"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  {section:<20} {ms:8.2f} ms  {100 * ms / result['step_ms']:5.1f} %")
+    for name, (ms, tok_s) in result.get("modes", {}).items():
+        lines.append(f"  {name + ' steps':<20} {ms:8.2f} ms per step, {tok_s:.1f} tok/s")
     return "\n".join(lines)
 
 
@@ -255,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--matmul-backend", default="auto")
     parser.add_argument("--weights", default="fp32", choices=("fp32", "int8", "int4"))
+    parser.add_argument("--fuse", default="on", choices=("on", "off", "both", "alternate"),
+                        help="decode steps in one C call (on), layer by layer (off), both in turn per repeat, or "
+                             "alternating step by step in one run (the A/B least exposed to load from elsewhere)")
     parser.add_argument("--products", action="store_true", help="only time the fp32 product routes at --batch rows")
     args = parser.parse_args(argv)
     print(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg())
@@ -266,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for _ in range(args.repeat):
         config = EngineConfig(matmul_backend=args.matmul_backend, weights=args.weights)
-        print(table(profile_engine(args.model, args.batch, args.prompt, args.new, config)), flush=True)
+        for fuse in {"on": (True,), "off": (False,), "both": (True, False), "alternate": (None,)}[args.fuse]:
+            print(table(profile_engine(args.model, args.batch, args.prompt, args.new, config, fuse)), flush=True)
         if not args.skip_transformers:
             print(table(profile_transformers(args.model, args.batch, args.prompt, args.new, args.num_threads)),
                   flush=True)

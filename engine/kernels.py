@@ -319,11 +319,17 @@ class LayerOps:
         self._norm.argtypes = [ptr, ptr, ptr, f32, ptr, i64, i64]
         self._norm.restype = None
         self._rope = lib.rope_store_f32
-        self._rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+        self._rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         self._rope.restype = ctypes.c_int
         self._silu = lib.silu_mul_f32
         self._silu.argtypes = [ptr, ptr, i64, i64]
         self._silu.restype = None
+        self._step = lib.decode_step_f32
+        self._step.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]
+        self._step.restype = ctypes.c_int
+        spin = lib.ops_set_spin_us
+        spin.argtypes = [i64]
+        spin(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor) -> None:
@@ -333,18 +339,156 @@ class LayerOps:
 
     def rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
                    sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor) -> None:
+                   v_cache: torch.Tensor, q_out: torch.Tensor | None = None) -> None:
         """Rotate the query and key heads of qkv [T, (H+2K)*E] (rows contiguous) in place; write K and V to the
-        caches [S, K, E] at `slots` [T] int64. cos, sin: [max_context, E] tables; positions [T] int64."""
+        caches [S, K, E] at `slots` [T] int64, and the rotated queries to q_out [T, H*E] (contiguous) when given.
+        cos, sin: [max_context, E] tables; positions [T] int64."""
         rc = self._rope(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
                         cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-                        v_cache.data_ptr())
+                        v_cache.data_ptr(), None if q_out is None else q_out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"rope_store_f32 failed (code {rc})")
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; gate_up [T, 2I] contiguous."""
         self._silu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
+
+    def decode_plan(self, layers: list, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
+                    block_size: int) -> DecodePlan | None:
+        """The plan of `decode_step` for a model's layers (model.LayerWeights), or None when a layer's weights are
+        not all int8 / int4 (quant.QWeight / Q4Weight): float weights keep the per-operation path."""
+        return DecodePlan.build(self, layers, k_cache, v_cache, cos, sin, num_heads, num_kv_heads, head_dim, eps,
+                                scale, block_size)
+
+    def decode_step(self, plan: DecodePlan, step: StepKernels, h: torch.Tensor, positions: torch.Tensor,
+                    slots: torch.Tensor, groups: list) -> None:
+        """Every layer of a decode-only step in one call (layer_ops.c, decode_step_f32): h [T, D] (the embeddings) is
+        updated in place to the last layer's output, the K/V of the step's tokens written to the caches. positions,
+        slots [T] int64; groups: model.AttentionGroup with max_q 1 and lens (int64, contiguous tables)."""
+        num_tokens = h.shape[0]
+        descs = (_DGroup * len(groups))(*[
+            _DGroup(g.kv_blocks.data_ptr(), g.kv_blocks.shape[1], g.lens.data_ptr(), g.out_start, g.num_seqs, g.split)
+            for g in groups])
+        scratch = plan.scratch(num_tokens)
+        rc = self._step(ctypes.byref(plan.model), ctypes.byref(step.desc), h.data_ptr(), num_tokens,
+                        positions.data_ptr(), slots.data_ptr(), descs, len(groups), scratch.data_ptr(), plan.where)
+        if rc != 0:
+            layer, stage = plan.where[0], plan.where[1]
+            raise RuntimeError(f"decode_step_f32 failed in layer {layer} at "
+                               f"{DecodePlan.STAGES.get(stage, stage)} (code {rc})")
+
+
+class _DWeight(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("q", ctypes.c_void_p), ("s", ctypes.c_void_p), ("N", ctypes.c_int64),
+                ("K", ctypes.c_int64), ("G", ctypes.c_int64)]
+
+
+class _DLayer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
+                ("qkv", _DWeight), ("o", _DWeight), ("gate_up", _DWeight), ("down", _DWeight),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _DModel(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int64) for name in ("num_layers", "D", "H", "KV", "E", "I", "block_size")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_DLayer))]
+
+
+class _DKernels(ctypes.Structure):
+    _fields_ = [("linear", ctypes.c_void_p * 2), ("linear2", ctypes.c_void_p * 2), ("path", ctypes.c_int64 * 2),
+                ("split", ctypes.c_int64), ("paged", ctypes.c_void_p), ("paged_path", ctypes.c_int64),
+                ("split_attention", ctypes.c_int64)]
+
+
+class _DGroup(ctypes.Structure):
+    _fields_ = [("tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int64), ("lens", ctypes.c_void_p),
+                ("out_start", ctypes.c_int64), ("num_seqs", ctypes.c_int64), ("split", ctypes.c_int64)]
+
+
+def _address(lib, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+class StepKernels:
+    """What one fused decode step multiplies and attends with: the int8 / int4 libraries' product entry points (the
+    C functions QuantRoute.product calls, by address) on the route's code paths, whether products split over two
+    threads, and the paged-attention entry point and path. Built once per (route, split) and kept."""
+
+    KINDS = {"QWeight": 0, "Q4Weight": 1}
+
+    def __init__(self, int8: QuantKernel | None, int4: QuantKernel | None, split: bool, paged: PagedAttention,
+                 split_attention: bool):
+        self.desc = desc = _DKernels()
+        for kind, kernel in enumerate((int8, int4)):
+            if kernel is not None:
+                prefix = kernel.PREFIX
+                desc.linear[kind] = _address(kernel._lib, f"{prefix}_linear_f32")
+                desc.linear2[kind] = _address(kernel._lib, f"{prefix}_linear_f32_2t")
+                desc.path[kind] = kernel._code
+        desc.split, desc.split_attention = int(split), int(split_attention)
+        desc.paged, desc.paged_path = _address(paged._lib, "paged_decode_f32_path"), paged._code
+
+
+class DecodePlan:
+    """The per-weight pointers of decode_step_f32, built once at model load (the tensors are kept alive here), and
+    its scratch buffer, grown to the largest step seen and reused."""
+
+    STAGES = {1: "qkv", 2: "rope_store", 3: "attention", 4: "o", 5: "gate_up", 6: "down", 7: "arguments"}
+
+    def __init__(self, model: _DModel, layers, keep: list, kinds: set[int], per_token: int):
+        self.model, self._layers, self._keep, self.kinds, self._per_token = model, layers, keep, kinds, per_token
+        self.where = (ctypes.c_int64 * 2)()
+        self._scratch = torch.empty(0)
+
+    @classmethod
+    def build(cls, ops: LayerOps, layers: list, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
+              block_size: int) -> DecodePlan | None:
+        keep: list = [k_cache, v_cache, cos, sin]
+        kinds: set[int] = set()
+
+        def weight(w) -> _DWeight | None:
+            kind = StepKernels.KINDS.get(type(w).__name__)
+            if kind is None:
+                return None
+            kinds.add(kind)
+            s = w.scale if kind == 0 else w.sm
+            keep.extend((w.q, s))
+            return _DWeight(kind, w.q.data_ptr(), s.data_ptr(), w.num_out, w.q.shape[1], w.group_size)
+
+        tensors = [k_cache, v_cache, cos, sin] + [t for w in layers for t in (w.input_norm, w.post_norm, w.qkv_bias)
+                                                  if t is not None]
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+            return None
+        descs = (_DLayer * len(layers))()
+        for i, w in enumerate(layers):
+            products = [weight(p) for p in (w.qkv, w.o, w.gate_up, w.down)]
+            if any(p is None for p in products):
+                return None
+            bias = w.qkv_bias
+            descs[i] = _DLayer(w.input_norm.data_ptr(), w.post_norm.data_ptr(),
+                               bias.data_ptr() if bias is not None else None, *products, k_cache[i].data_ptr(),
+                               v_cache[i].data_ptr())
+            keep.extend(t for t in (w.input_norm, w.post_norm, bias) if t is not None)
+        first = layers[0]
+        dim, inter = first.o.num_out, first.down.q.shape[1]
+        qkv_size, q_size = (num_heads + 2 * num_kv_heads) * head_dim, num_heads * head_dim
+        shapes = {(qkv_size, dim), (dim, q_size), (2 * inter, dim), (dim, inter)}
+        if any({tuple(p.shape) for p in (w.qkv, w.o, w.gate_up, w.down)} != shapes for w in layers):
+            return None
+        model = _DModel(len(layers), dim, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale,
+                        cos.data_ptr(), sin.data_ptr(), descs)
+        per_token = 3 * dim + qkv_size + 2 * q_size + 3 * inter
+        return cls(model, descs, keep, kinds, per_token)
+
+    def scratch(self, num_tokens: int) -> torch.Tensor:
+        """At least num_tokens * per-token floats (decode_step_f32's x, qkv, q, attn, o, gate_up, act, down)."""
+        need = num_tokens * self._per_token
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
+        return self._scratch
 
 
 def _load(source: Path, binding, what: str):

@@ -12,15 +12,28 @@
  *   rope_store_f32:   qkv [T, (H + 2K) * E], rows `stride` apart: rotates the H query and K key heads in place
  *                     (half-split layout: x * cos + rotate_half(x) * sin, cos/sin [max_context, E] rows picked by
  *                     positions[t]), then copies each token's K and V heads to k_cache / v_cache [S, K, E] at
- *                     slot slots[t]
+ *                     slot slots[t], and (q_out given) its rotated query heads to q_out [T, H * E], contiguous rows
+ *                     for the decode-attention kernel
  *   silu_mul_f32:     gate_up [T, 2I] -> out [T, I] = silu(gate) * up
+ *
+ *   decode_step_f32:  every decoder layer of a decode-only step in one call (below, "One call per decode step")
  *
  * Built at run time by tokenloop/engine/kernels.py like the other kernels (-O3 -march=native -ffast-math at
  * compile time only); without it model.py runs the same operations in torch.
  */
+#define _GNU_SOURCE
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 void add_rms_norm_f32(float *h, const float *delta, const float *weight, float eps, float *out, int64_t T,
                       int64_t D) {
@@ -43,7 +56,8 @@ void add_rms_norm_f32(float *h, const float *delta, const float *weight, float e
 }
 
 int rope_store_f32(float *qkv, int64_t T, int64_t stride, int64_t H, int64_t K, int64_t E, const float *cos,
-                   const float *sin, const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache) {
+                   const float *sin, const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache,
+                   float *q_out) {
     if (E % 2 != 0) return -1;
     const int64_t half = E / 2;
     for (int64_t t = 0; t < T; t++) {
@@ -62,6 +76,7 @@ int rope_store_f32(float *qkv, int64_t T, int64_t stride, int64_t H, int64_t K, 
             memcpy(k_cache + slot * K * E, row + H * E, sizeof(float) * (size_t)(K * E));
             memcpy(v_cache + slot * K * E, row + (H + K) * E, sizeof(float) * (size_t)(K * E));
         }
+        if (q_out) memcpy(q_out + t * H * E, row, sizeof(float) * (size_t)(H * E));
     }
     return 0;
 }
@@ -72,4 +87,158 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
         float *o = out + t * I;
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+/* ---- One call per decode step ----
+ *
+ * A decode-only step (one new token per sequence, no LoRA, quantized weights on an exact C route) runs every layer
+ * here instead of ~10 Python/ctypes calls per layer (model.py, _forward_fused). The order of operations and the
+ * functions are those of the Python path (Model._forward_ops): the products go through the int8 / int4 libraries'
+ * exported int{8,4}_linear_f32[_2t] and the attention through paged_attention.c's paged_decode_f32_path, reached
+ * through function pointers that Python takes from the loaded libraries (kernels.LayerOps.decode_step), so the
+ * fused step gives the Python path's bits: the same functions on the same inputs.
+ *
+ * Per layer: h += delta, x = RMSNorm(h) -> qkv = x W_qkv^T (+ bias) -> rope + K/V cache write -> q copied out of
+ * qkv -> paged decode attention per group (split over this library's worker thread as Model._paged_decode splits
+ * it over the matmul helper) -> o = attn W_o^T -> h += o, x = RMSNorm(h) -> gate_up -> SiLU * up -> down = delta.
+ * After the last layer h += delta. */
+
+typedef int (*linear_fn)(int path, const float *x, int64_t M, int64_t K, const void *q, const void *s, int64_t G,
+                         float *y, int64_t N, int64_t n_begin, int64_t n_end);
+typedef int (*linear2_fn)(int path, const float *x, int64_t M, int64_t K, const void *q, const void *s, int64_t G,
+                          float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end);
+typedef int (*paged_fn)(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
+                        const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin, int64_t b_end,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale);
+
+/* one quantized weight [N, K]: kind 0 = int8 (q, scale), 1 = int4 (q, sm); groups of G columns */
+typedef struct {
+    int64_t kind;
+    const void *q, *s;
+    int64_t N, K, G;
+} dweight_t;
+
+typedef struct {
+    const float *input_norm, *post_norm, *qkv_bias; /* qkv_bias NULL when the model has none */
+    dweight_t qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* this layer's [S, KV, E] */
+} dlayer_t;
+
+/* the model, built once at load (kernels.DecodePlan) */
+typedef struct {
+    int64_t num_layers, D, H, KV, E, I, block_size;
+    float eps, scale;
+    const float *cos, *sin; /* [max_context, E] */
+    const dlayer_t *layers;
+} dmodel_t;
+
+/* what a step's route and kernels are: the products' function pointers and path codes per kind, the attention's */
+typedef struct {
+    linear_fn linear[2];
+    linear2_fn linear2[2];
+    int64_t path[2];
+    int64_t split; /* products over two threads (the libraries' own workers), channels split as linear2 does */
+    paged_fn paged;
+    int64_t paged_path;
+    int64_t split_attention; /* a group with 0 < split < num_seqs runs its halves on two threads */
+} dkernels_t;
+
+/* one decode group: sequences out_start .. out_start + num_seqs - 1 of the step */
+typedef struct {
+    const int64_t *tables; /* [num_seqs, max_blocks] */
+    int64_t max_blocks;
+    const int64_t *lens; /* [num_seqs] */
+    int64_t out_start, num_seqs, split;
+} dgroup_t;
+
+/* ---- this library's worker thread: the second half of a split attention (kernel_worker.h) ---- */
+
+typedef struct {
+    paged_fn fn;
+    int path;
+    const float *q;
+    float *out;
+    const float *k_cache, *v_cache;
+    const int64_t *tables, *lens;
+    int64_t max_blocks, H, KV, E, block_size;
+    float scale;
+    int64_t b_begin, n_end; /* sequences b_begin .. n_end-1 (kernel_worker.h's run_split names the end n_end) */
+    int rc;
+} job_t;
+
+static int run_job(const job_t *j);
+#define WORKER_THREAD_NAME "tokenloop-ops"
+#include "kernel_worker.h"
+
+static int run_job(const job_t *j) {
+    return j->fn(j->path, j->q, j->out, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, j->b_begin,
+                 j->n_end, j->H, j->KV, j->E, j->block_size, j->scale);
+}
+
+/* How long (microseconds) the worker spins for its next job before it sleeps. */
+void ops_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
+
+/* y [T, N] = x [T, K] @ w^T, as QuantRoute.product runs it (linear2 splits at N / 2 rounded down to 32 channels) */
+static int product(const dkernels_t *k, const dweight_t *w, const float *x, int64_t T, float *y) {
+    const int kind = (int)w->kind;
+    if (k->split) return k->linear2[kind]((int)k->path[kind], x, T, w->K, w->q, w->s, w->G, y, w->N, 0,
+                                          w->N / 2 / 32 * 32, w->N);
+    return k->linear[kind]((int)k->path[kind], x, T, w->K, w->q, w->s, w->G, y, w->N, 0, w->N);
+}
+
+/* Errors: returns 0, else the failing call's code; where[0] = the layer, where[1] the stage (1 qkv, 2 rope,
+ * 3 attention, 4 o, 5 gate_up, 6 down, 7 arguments).
+ *   h        [T, D] the residual stream (the embeddings in, the last layer's output added out)
+ *   scratch  T * (2D + Nqkv + 2HE + 3I + D) floats, reused by every layer (see kernels.DecodePlan) */
+int decode_step_f32(const dmodel_t *m, const dkernels_t *k, float *h, int64_t T, const int64_t *positions,
+                    const int64_t *slots, const dgroup_t *groups, int64_t num_groups, float *scratch,
+                    int64_t *where) {
+    const int64_t D = m->D, H = m->H, KV = m->KV, E = m->E, I = m->I, HE = H * E, NQKV = (H + 2 * KV) * E;
+    where[0] = -1, where[1] = 7;
+    if (T < 1 || m->num_layers < 1) return -1;
+    float *x = scratch, *qkv = x + T * D, *q = qkv + T * NQKV, *attn = q + T * HE, *o = attn + T * HE;
+    float *gate_up = o + T * D, *act = gate_up + T * 2 * I, *down = act + T * I;
+    const float *delta = NULL;
+    int rc = 0;
+    for (int64_t layer = 0; layer < m->num_layers; layer++) {
+        const dlayer_t *w = m->layers + layer;
+        where[0] = layer;
+        add_rms_norm_f32(h, delta, w->input_norm, m->eps, x, T, D);
+        where[1] = 1;
+        if ((rc = product(k, &w->qkv, x, T, qkv)) != 0) return rc;
+        if (w->qkv_bias)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < NQKV; i++) qkv[t * NQKV + i] += w->qkv_bias[i];
+        where[1] = 2;
+        if ((rc = rope_store_f32(qkv, T, NQKV, H, KV, E, m->cos, m->sin, positions, slots, w->k_cache, w->v_cache,
+                                 q)) != 0)
+            return rc;
+        where[1] = 3;
+        for (int64_t gi = 0; gi < num_groups; gi++) {
+            const dgroup_t *g = groups + gi;
+            const job_t mine = {k->paged, (int)k->paged_path, q + g->out_start * HE, attn + g->out_start * HE,
+                                w->k_cache, w->v_cache, g->tables, g->lens, g->max_blocks, H, KV, E, m->block_size,
+                                m->scale, 0, g->num_seqs, 0};
+            if (k->split_attention && 0 < g->split && g->split < g->num_seqs) {
+                job_t first = mine, second = mine;
+                first.n_end = g->split, second.b_begin = g->split;
+                rc = run_split(first, second);
+            } else {
+                rc = run_job(&mine);
+            }
+            if (rc != 0) return rc;
+        }
+        where[1] = 4;
+        if ((rc = product(k, &w->o, attn, T, o)) != 0) return rc;
+        add_rms_norm_f32(h, o, w->post_norm, m->eps, x, T, D);
+        where[1] = 5;
+        if ((rc = product(k, &w->gate_up, x, T, gate_up)) != 0) return rc;
+        silu_mul_f32(gate_up, act, T, I);
+        where[1] = 6;
+        if ((rc = product(k, &w->down, act, T, down)) != 0) return rc;
+        delta = down;
+    }
+    for (int64_t i = 0; i < T * D; i++) h[i] += delta[i];
+    where[0] = -1, where[1] = 0;
+    return 0;
 }

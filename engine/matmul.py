@@ -65,6 +65,47 @@ NATIVE_MAX_TOKENS = 16  # native2 is a candidate up to this bucket (past it BLAS
 COLD_TOKENS = 4  # buckets up to this many tokens are timed over every layer's weights (memory-bound)
 ROUTE_ENV = "TOKENLOOP_MATMUL_ROUTE"  # force one route for every bucket of a quantized mode (docs/engine.md)
 CACHE_ENV = "TOKENLOOP_MATMUL_CACHE"  # "off": time the routes at every start, never read or write the cache file
+# A choice timed while other processes used more than this share of the CPUs is cached as provisional: a later start
+# on a quiet machine (1-minute load average under QUIET_LOAD per CPU) times the routes again.
+LOAD_LIMIT = 0.15
+QUIET_LOAD = 0.5
+
+
+class OthersLoad:
+    """The share of the machine's CPUs that other processes (and, on a VM, the hypervisor's steal) used from
+    construction to `share()`: /proc/stat's busy time less this process's CPU time, over wall time x CPUs.
+    None where /proc/stat cannot be read."""
+
+    def __init__(self):
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:9]]
+            tick = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError):
+            return None
+        # user nice system idle iowait irq softirq steal: busy is all but idle and iowait
+        busy = (sum(fields) - fields[3] - fields[4]) / tick
+        return busy, time.process_time(), time.perf_counter()
+
+    def share(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None or end[2] <= self._start[2]:
+            return None
+        busy, mine, wall = (e - s for e, s in zip(end, self._start))
+        return max(0.0, busy - mine) / (wall * (os.cpu_count() or 1))
+
+
+def quiet_now() -> bool:
+    """The machine looks idle: the 1-minute load average is under QUIET_LOAD per CPU."""
+    try:
+        return os.getloadavg()[0] < QUIET_LOAD * (os.cpu_count() or 1)
+    except OSError:
+        return False
+
 
 def _fastest(candidates: dict, rounds: int = 7):
     """The key of the fastest callable (_timings)."""
@@ -323,7 +364,10 @@ class MatmulPolicy:
         batch): the eligible family whose per-bucket best is closest to the overall best (the sum over buckets of
         log(family best / overall best)), and in each bucket its fastest route. The choice and the times are cached
         per CPU (model and flags), kernel build, mode and weight shapes in the kernels' cache directory, so later
-        starts skip the timing (TOKENLOOP_MATMUL_CACHE=off: time at every start)."""
+        starts skip the timing (TOKENLOOP_MATMUL_CACHE=off: time at every start). A choice timed while other processes
+        used more than LOAD_LIMIT of the CPUs (OthersLoad) is cached as provisional: two threads time slower on a
+        busy machine, and such a choice once made a quiet benchmark run one stream on one thread; a later start on a
+        quiet machine (quiet_now) times the routes again."""
         weights = weights if isinstance(weights, list) else [weights]
         kernel = int4 if mode == "int4" else int8
         routes = quant_routes(mode, int8, int4)
@@ -341,10 +385,19 @@ class MatmulPolicy:
         path = cache_dir() / f"matmul-{mode}-{_cache_key(mode, weights, kernel)}.json"
         record = _read_record(path, routes) if use_cache else None
         chosen = f"cached in {path}"
-        if record is None:
-            started = time.perf_counter()
+        retime = record is not None and _provisional(record) and quiet_now()
+        if record is not None and _provisional(record) and not retime:
+            chosen += f" (timed while other processes used {_provisional(record):.0%} of the CPUs; timed again " \
+                      "at a start on a quiet machine)"
+        if record is None or retime:
+            started, load = time.perf_counter(), OthersLoad()
             record = _choose(_time_routes(routes, weights), routes)
-            chosen = f"timed in {time.perf_counter() - started:.1f} s"
+            record["others_load"] = load.share()
+            chosen = f"timed in {time.perf_counter() - started:.1f} s" + (" (the cached choice was timed under load)"
+                                                                        if retime else "")
+            if _provisional(record):
+                chosen += f" while other processes used {record['others_load']:.0%} of the CPUs: cached as provisional"
+                log.warning("matmul: routes %s", chosen)
             if use_cache:
                 _write_record(path, record)
         qroutes = {b: (routes[name], split) for b, (name, split) in record["buckets"].items()}
@@ -463,11 +516,18 @@ def _cache_key(mode: str, weights: list, kernel) -> str:
     return hashlib.sha256("\0".join(what).encode()).hexdigest()[:16]
 
 
+def _provisional(record: dict) -> float:
+    """The other processes' share of the CPUs while `record` was timed, when over LOAD_LIMIT (else 0.0)."""
+    share = record.get("others_load")
+    return share if isinstance(share, (int, float)) and share > LOAD_LIMIT else 0.0
+
+
 def _read_record(path, routes: dict[str, QuantRoute]) -> dict | None:
     try:
         raw = json.loads(path.read_text())
         record = {"family": raw["family"], "times": {int(b): ts for b, ts in raw["times"].items()},
-                  "buckets": {int(b): (name, bool(split)) for b, (name, split) in raw["buckets"].items()}}
+                  "buckets": {int(b): (name, bool(split)) for b, (name, split) in raw["buckets"].items()},
+                  "others_load": raw.get("others_load")}
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if set(record["buckets"]) != set(BUCKETS) or any(n not in routes or routes[n].ineligible

@@ -9,11 +9,12 @@ Notation: T tokens in the flat batch, D hidden size, H query heads, K kv heads, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from .kernels import LayerOps, PagedAttention
+from .kernels import LayerOps, PagedAttention, QuantKernel, StepKernels
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
 
@@ -135,6 +136,13 @@ class Model:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        # every layer of a decode-only step in one C call (layer_ops.c, decode_step_f32): the per-weight pointers,
+        # built once here; None where the weights are not all quantized or the native ops / attention are missing
+        self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self.cos, self.sin, c.num_heads,
+                                    c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size) \
+            if self.ops is not None and self.paged is not None else None
+        self.fuse_decode = True  # False: decode steps take the per-operation path too (tests and benchmarks)
+        self._step_kernels: dict[tuple[object, bool], StepKernels | None] = {}  # by (QuantRoute, split)
 
     @classmethod
     def kv_bytes_per_token(cls, config: ModelConfig, dtype: torch.dtype) -> int:
@@ -179,9 +187,44 @@ class Model:
         x = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [S, D]
         return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
 
+    def fused_kernels(self, batch: ForwardBatch) -> StepKernels | None:
+        """What runs `batch` in one C call (layer_ops.c, decode_step_f32), or None when it takes the per-operation
+        path: a step with LoRA rows or a prefill row, weights that are not all quantized, or a route that is not
+        the engine's exact C kernels (torch routes, vnni)."""
+        if self.plan is None or not self.fuse_decode or batch.lora_segments or \
+                not all(g.max_q == 1 and g.lens is not None for g in batch.groups):
+            return None
+        route, split = self.matmul.route(batch.input_ids.shape[0])
+        key = (route, split)
+        if key not in self._step_kernels:
+            kernels = {0: route.int8, 1: route.int4}
+            usable = all(kernels[kind] is not None and kernels[kind].isa in QuantKernel.EXACT
+                         for kind in self.plan.kinds) and not route.family.startswith("torch")
+            self._step_kernels[key] = StepKernels(route.int8, route.int4, split, self.paged, self.split_attention) \
+                if usable else None
+        return self._step_kernels[key]
+
+    def _forward_fused(self, batch: ForwardBatch, kernels: StepKernels) -> torch.Tensor:
+        """`_forward_ops` for a decode-only step, every layer in one C call: the same functions in the same order
+        (layer_ops.c, decode_step_f32), so the same bits."""
+        h = self.embed[batch.input_ids]  # [T, D], a new tensor: updated in place
+        self.ops.decode_step(self.plan, kernels, h, batch.positions, batch.slot_mapping, batch.groups)
+        return self._logits(h, batch)
+
+    def _logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The final norm and lm_head over the rows that sample (C RMSNorm); the embedding rows' hidden states."""
+        self._final_hidden(h, batch)
+        rows = h[batch.logits_rows]  # [S, D]
+        x = torch.empty_like(rows)
+        self.ops.add_rms_norm(rows, None, self.norm, self.config.rms_norm_eps, x)
+        return self.matmul.linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
+
     def _forward_ops(self, batch: ForwardBatch) -> torch.Tensor:
         """`forward` with the layer's small operations in C (layer_ops.c): the residual stream h is updated in place
         and each residual add is fused into the RMSNorm after it. The same operations, in the same order."""
+        kernels = self.fused_kernels(batch)
+        if kernels is not None:
+            return self._forward_fused(batch, kernels)
         c, num_tokens = self.config, batch.input_ids.shape[0]
         backend = self.matmul.backend(num_tokens)
         linear, ops, eps = self.matmul.linear, self.ops, c.rms_norm_eps
@@ -190,6 +233,9 @@ class Model:
         x = torch.empty_like(h)
         heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_end, k_end = self.q_size, self.q_size + self.kv_size
+        # the rotated queries in contiguous rows, written by rope_store, for the native decode attention (no copy)
+        paged_q = torch.empty(num_tokens, heads, head_dim) if self.paged is not None and \
+            any(g.max_q == 1 and g.lens is not None for g in batch.groups) else None
         delta = None  # the last layer's output, added to h by the next RMSNorm
         for i, w in enumerate(self.layers):
             ops.add_rms_norm(h, delta, w.input_norm, eps, x)
@@ -199,11 +245,11 @@ class Model:
             if w.qkv_bias is not None:
                 qkv = qkv + w.qkv_bias
             ops.rope_store(qkv, heads, kv_heads, head_dim, self.cos, self.sin, batch.positions, batch.slot_mapping,
-                           self.k_cache[i], self.v_cache[i])
+                           self.k_cache[i], self.v_cache[i], paged_q)
             q = qkv[:, :q_end].view(num_tokens, heads, head_dim)
             k = qkv[:, q_end:k_end].view(num_tokens, kv_heads, head_dim)
             v = qkv[:, k_end:].view(num_tokens, kv_heads, head_dim)
-            attn = self._attention(i, q, k, v, batch.groups)
+            attn = self._attention(i, q, k, v, batch.groups, paged_q)
             o = linear(attn, w.o, backend)
             ops.add_rms_norm(h, add_lora(o, attn, loras, i, "o") if loras else o, w.post_norm, eps, x)
             gate_up = linear(x, w.gate_up, backend)
@@ -214,11 +260,7 @@ class Model:
             down = linear(act, w.down, backend)
             delta = add_lora(down, act, loras, i, "down") if loras else down
         h.add_(delta)
-        self._final_hidden(h, batch)
-        rows = h[batch.logits_rows]  # [S, D]
-        x = torch.empty_like(rows)
-        ops.add_rms_norm(rows, None, self.norm, eps, x)
-        return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
+        return self._logits(h, batch)
 
     def _final_hidden(self, h: torch.Tensor, batch: ForwardBatch) -> None:
         """The embedding rows' hidden states after the final norm (transformers' last_hidden_state) into
@@ -235,14 +277,15 @@ class Model:
         return out.view(num_seqs, num_blocks * self.block_size, cache.shape[1], cache.shape[2]).transpose(1, 2)
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   groups: list[AttentionGroup]) -> torch.Tensor:
-        """Attention of every query over its sequence's context. q: [T, H, E], k, v: [T, K, E] -> [T, H*E]."""
+                   groups: list[AttentionGroup], paged_q: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of every query over its sequence's context. q: [T, H, E], k, v: [T, K, E] -> [T, H*E].
+        paged_q: q's values in contiguous rows (rope_store writes them), which the decode kernel reads in place."""
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         for g in groups:
             if g.max_q == 1 and g.lens is not None and self.paged is not None:
-                self._paged_decode(layer, q, out, g)
+                self._paged_decode(layer, q if paged_q is None else paged_q, out, g)
                 continue
             if g.fresh:  # prefill from position 0: the chunk's own K/V, causal
                 self._fresh_prefill(q, k, v, out, g)
@@ -283,16 +326,15 @@ class Model:
 
     def _paged_decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup) -> None:
         """One query per sequence, flat rows out_start.. : the native kernel reads the cache in place."""
-        rows = slice(g.out_start, g.out_start + g.num_seqs)
-        qd = q[rows].contiguous()  # [B, H, E]
-        od = out[rows].view(g.num_seqs, q.shape[1], q.shape[2])  # contiguous rows of `out`: written in place
-        k_cache, v_cache, paged = self.k_cache[layer], self.v_cache[layer], self.paged
-        bs, scale = self.block_size, self.scale
-
-        def part(begin: int, end: int):
-            return lambda: paged.decode(qd, od, k_cache, v_cache, g.kv_blocks, g.lens, begin, end, bs, scale)
-
+        end = g.out_start + g.num_seqs
+        qd = q[g.out_start:end]  # [B, H, E]
+        if not qd.is_contiguous():  # a view of qkv's rows (the caller had no contiguous copy)
+            qd = qd.contiguous()
+        od = out[g.out_start:end].view(g.num_seqs, q.shape[1], q.shape[2])  # contiguous rows of `out`: in place
+        args = (qd, od, self.k_cache[layer], self.v_cache[layer], g.kv_blocks, g.lens)
         if self.split_attention and 0 < g.split < g.num_seqs:
-            self.matmul.helper().split(part(0, g.split), part(g.split, g.num_seqs))
+            self.matmul.helper().split(partial(self.paged.decode, *args, 0, g.split, self.block_size, self.scale),
+                                       partial(self.paged.decode, *args, g.split, g.num_seqs, self.block_size,
+                                               self.scale))
         else:
-            part(0, g.num_seqs)()
+            self.paged.decode(*args, 0, g.num_seqs, self.block_size, self.scale)

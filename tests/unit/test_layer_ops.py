@@ -47,8 +47,10 @@ def test_rope_store_matches_torch_and_writes_the_cache(heads, kv_heads, head_dim
                 cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
     v = qkv[:, q_size + kv_size:].reshape(num_tokens, kv_heads, head_dim).clone()
     k_cache, v_cache = torch.zeros(slots_total, kv_heads, head_dim), torch.zeros(slots_total, kv_heads, head_dim)
-    ops.rope_store(qkv, heads, kv_heads, head_dim, cos, sin, positions, slots, k_cache, v_cache)
+    q_out = torch.full((num_tokens, heads, head_dim), float("nan"))
+    ops.rope_store(qkv, heads, kv_heads, head_dim, cos, sin, positions, slots, k_cache, v_cache, q_out)
     rotated = qkv[:, :q_size + kv_size].reshape(num_tokens, heads + kv_heads, head_dim)
+    assert torch.equal(q_out, rotated[:, :heads])  # the rotated queries, copied to contiguous rows
     torch.testing.assert_close(rotated, qk, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k_cache[slots], qk[:, heads:], rtol=1e-6, atol=1e-6)
     assert torch.equal(v_cache[slots], v)

@@ -147,3 +147,76 @@ def test_loading_the_kernel_leaves_denormals_alone():
     tiny = sys.float_info.min
     assert tiny / 4 != 0.0  # Python floats
     assert (torch.tensor([1e-40], dtype=torch.float32) * 1.0).item() != 0.0  # torch float32 subnormals
+
+
+def scattered_cache(gen, lens, num_kv_heads, head_dim, block_size, spare=8):
+    """A cache with each sequence's blocks in a shuffled order; unused table entries 0 (padding)."""
+    nbs = [(n + block_size - 1) // block_size for n in lens.tolist()]
+    num_blocks = sum(nbs) + spare
+    k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(nbs), max(nbs), dtype=torch.long)
+    used = 0
+    for b, nb in enumerate(nbs):
+        tables[b, :nb] = perm[used:used + nb]
+        used += nb
+    return k_cache, v_cache, tables
+
+
+# the engine's batch invariance: a sequence's bits do not depend on the rest of the batch or on where the batch is
+# split over threads; lengths on and off the chunk widths (8, 16) and block boundaries, read-ahead across sequences
+@pytest.mark.parametrize("isa", list(kernels.PagedAttention.PATHS))
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_a_sequence_gets_the_same_bits_alone_in_any_batch_and_any_split(isa, block_size):
+    kernel = kernel_path(isa)
+    gen = torch.Generator().manual_seed(block_size)
+    lens = torch.tensor([1, 7, 8, 15, 16, 17, 33, 64, 100, 129, 192, 3])
+    k_cache, v_cache, tables = scattered_cache(gen, lens, 3, 64, block_size)
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    whole = torch.full_like(q, float("nan"))
+    kernel.decode(q, whole, k_cache, v_cache, tables, lens, 0, len(lens), block_size, 0.125)
+    for split in (1, 5, 11):
+        parts = torch.full_like(q, float("nan"))
+        kernel.decode(q, parts, k_cache, v_cache, tables, lens, 0, split, block_size, 0.125)
+        kernel.decode(q, parts, k_cache, v_cache, tables, lens, split, len(lens), block_size, 0.125)
+        assert torch.equal(parts, whole), f"split at {split}"
+    order = torch.randperm(len(lens), generator=gen)  # the same sequences, another batch order
+    shuffled = torch.full_like(q, float("nan"))
+    kernel.decode(q[order].contiguous(), shuffled, k_cache, v_cache, tables[order].contiguous(), lens[order], 0,
+                  len(lens), block_size, 0.125)
+    assert torch.equal(shuffled, whole[order])
+    for b in range(len(lens)):
+        alone = torch.full_like(q[:1], float("nan"))
+        kernel.decode(q[b:b + 1], alone, k_cache, v_cache, tables[b:b + 1], lens[b:b + 1], 0, 1, block_size, 0.125)
+        assert torch.equal(alone[0], whole[b]), f"sequence {b} (length {int(lens[b])})"
+    torch.testing.assert_close(whole, reference(q, k_cache, v_cache, tables, lens, block_size), rtol=1e-4, atol=1e-5)
+
+
+# scores far apart: exp(s - max) runs from 1 down past float's range (the x86 paths' polynomial exp gives 0 below
+# ln(FLT_MIN)), and near-ties; the softmax must still match SDPA's
+@pytest.mark.parametrize("isa", list(kernels.PagedAttention.PATHS))
+@pytest.mark.parametrize("spread", [0.01, 1.0, 30.0, 300.0])
+def test_softmax_over_scores_near_and_far_apart(isa, spread):
+    kernel = kernel_path(isa)
+    gen = torch.Generator().manual_seed(int(spread * 100))
+    lens = torch.tensor([40, 200, 1])
+    k_cache, v_cache, tables = scattered_cache(gen, lens, 2, 32, 16)
+    q = torch.randn(3, 6, 32, generator=gen) * spread
+    out = torch.full_like(q, float("nan"))
+    kernel.decode(q, out, k_cache, v_cache, tables, lens, 0, 3, 16, 32 ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 16), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_a_context_longer_than_any_before_grows_the_work_area():
+    """The kernel keeps its scores in a per-thread area that grows with the longest context seen."""
+    gen = torch.Generator().manual_seed(3)
+    for n in (10, 3000, 20):
+        lens = torch.tensor([n])
+        k_cache, v_cache, tables = scattered_cache(gen, lens, 1, 16, 16)
+        q = torch.randn(1, 2, 16, generator=gen)
+        out = torch.full_like(q, float("nan"))
+        paged.decode(q, out, k_cache, v_cache, tables, lens, 0, 1, 16, 0.25)
+        torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 16), rtol=1e-4, atol=1e-5)

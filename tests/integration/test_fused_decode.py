@@ -1,0 +1,118 @@
+"""One C call per decode step (layer_ops.c, decode_step_f32; Model._forward_fused) against the per-operation path
+(Model._forward_ops with fuse_decode off), on a tiny random-weight checkpoint: the logits and the K/V cache must be
+bit-equal, for int8 and int4, one and many sequences, products on one thread and on two, and the attention split over
+two threads. Steps the fused call does not cover (a prefill row, LoRA rows, fp32 weights, a torch route) keep the
+per-operation path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_model import make_tiny_model
+from tokenloop.engine import kernels
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.engine import Engine
+from tokenloop.engine.matmul import ROUTE_ENV
+from tokenloop.engine.runner import prepare
+
+ops, paged = kernels.load_ops(), kernels.load()
+needs_kernels = pytest.mark.skipif(ops is None or paged is None or kernels.load_int8() is None
+                                   or kernels.load_int4() is None, reason="no C compiler here: the torch path serves")
+BLOCK = 8
+
+
+class Seq:  # what runner.prepare reads
+    lora = embed = None
+
+    def __init__(self, tokens: list[int], computed: int, first_block: int):
+        self.token_ids, self.num_computed_tokens = tokens, computed
+        self.block_table = list(range(first_block, first_block + 12))
+
+
+def engine(tmp_path, weights: str, arch: str = "llama", route: str | None = None) -> Engine:
+    checkpoint = make_tiny_model(tmp_path / arch, arch, tied=False, num_layers=3)
+    kernel = kernels.load_int4() if weights == "int4" else kernels.load_int8()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ROUTE_ENV, route or f"{weights}-{kernel.isa}")  # an exact C route, without timing the routes
+        return Engine(checkpoint, EngineConfig(weights=weights, kv_cache_tokens=1024, block_size=BLOCK), start=False)
+
+
+def step_both_ways(model, batch) -> tuple[torch.Tensor, ...]:
+    """The fused step's logits and caches, then the per-operation step's from the same cache state."""
+    k0, v0 = model.k_cache.clone(), model.v_cache.clone()
+    calls = []
+    real = model.ops.decode_step
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+    model.ops.decode_step = counted
+    try:
+        model.fuse_decode = True
+        fused = (model.forward(batch), model.k_cache.clone(), model.v_cache.clone())
+        assert calls, "the decode step did not take the fused call"
+        model.k_cache.copy_(k0), model.v_cache.copy_(v0)
+        model.fuse_decode = False
+        unfused = (model.forward(batch), model.k_cache.clone(), model.v_cache.clone())
+        assert len(calls) == 1
+    finally:
+        model.fuse_decode = True
+        del model.ops.decode_step
+    return fused, unfused
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
+@pytest.mark.parametrize("num_seqs", [1, 5])
+@pytest.mark.parametrize("split", [False, True])
+def test_fused_decode_step_gives_the_bits_of_the_per_operation_step(tmp_path, weights, arch, num_seqs, split):
+    model = engine(tmp_path, weights, arch).model
+    assert model.plan is not None
+    route, _ = model.matmul.route(num_seqs)
+    model.matmul.qroutes = {b: (route, split) for b in model.matmul.qroutes}
+    model.split_attention = True
+    gen = torch.Generator().manual_seed(num_seqs)
+    prompts = [torch.randint(3, 300, (int(n),), generator=gen).tolist() for n in (9, 30, 3, 17, 24)[:num_seqs]]
+    seqs = [Seq(p, 0, 1 + 12 * i) for i, p in enumerate(prompts)]
+    for s in seqs:  # prefill (the per-operation path), then decodes over contexts of different lengths
+        batch, _ = prepare([(s, len(s.token_ids))], BLOCK)
+        model.forward(batch)
+        s.num_computed_tokens = len(s.token_ids)
+    for _ in range(4):
+        for s in seqs:
+            s.token_ids.append(int(torch.randint(3, 300, (1,), generator=gen)))
+        batch, _ = prepare([(s, 1) for s in seqs], BLOCK)
+        if num_seqs > 1:
+            assert 0 < batch.groups[0].split < num_seqs  # the attention splits over two threads
+        (logits, k, v), (want, want_k, want_v) = step_both_ways(model, batch)
+        assert logits.shape == (num_seqs, 384)
+        assert torch.equal(logits, want)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        assert k.abs().sum() > 0
+        for s in seqs:
+            s.num_computed_tokens += 1
+
+
+@needs_kernels
+def test_steps_the_fused_call_does_not_cover_keep_the_per_operation_path(tmp_path):
+    model = engine(tmp_path, "int4").model
+    s, t = Seq(list(range(3, 20)), 0, 1), Seq(list(range(5, 12)), 6, 20)
+    prefill, _ = prepare([(s, 17)], BLOCK)
+    assert model.fused_kernels(prefill) is None
+    s.num_computed_tokens = 16
+    mixed, _ = prepare([(s, 1), (t, 1), (Seq(list(range(3, 9)), 2, 40), 4)], BLOCK)  # decodes and a chunk
+    assert model.fused_kernels(mixed) is None
+    decode, _ = prepare([(s, 1), (t, 1)], BLOCK)
+    assert model.fused_kernels(decode) is not None
+    decode.lora_segments = [(0, 1, object())]
+    assert model.fused_kernels(decode) is None
+    decode.lora_segments = []
+    model.fuse_decode = False
+    assert model.fused_kernels(decode) is None
+    model.fuse_decode = True
+    assert engine(tmp_path / "fp32", "int4", route="torch-fp32").model.fused_kernels(decode) is None
+    fp32 = Engine(make_tiny_model(tmp_path / "f", "llama", num_layers=2), EngineConfig(kv_cache_tokens=512),
+                  start=False).model
+    assert fp32.plan is None and fp32.fused_kernels(decode) is None

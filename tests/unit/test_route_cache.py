@@ -1,0 +1,76 @@
+"""The quantized routes' cache (engine/matmul.py calibrate_quant): a choice timed on a busy machine is provisional."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tokenloop.engine import kernels, matmul
+from tokenloop.engine.matmul import ROUTE_ENV, MatmulPolicy
+from tokenloop.engine.quant import quantize
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="OthersLoad reads /proc/stat (Linux)")
+def test_others_load_sees_a_busy_process_and_not_this_one():
+    spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass\n"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # the child is running
+        load = matmul.OthersLoad()
+        time.sleep(0.8)
+        share = load.share()
+    finally:
+        busy.wait()
+    # one spinning process holds one CPU: 1 / cpu_count of the machine, less whatever the scheduler took from it
+    assert share is not None and share > 0.5 / (os.cpu_count() or 1)
+    load = matmul.OthersLoad()  # this process's own work is not the others'
+    end = time.process_time() + 0.5
+    while time.process_time() < end:
+        pass
+    assert load.share() < share
+
+
+class FakeLoad:
+    share_of_others = 0.0
+
+    def share(self):
+        return self.share_of_others
+
+
+@pytest.fixture()
+def calibrate(tmp_path, monkeypatch):
+    int8 = kernels.load_int8()
+    if int8 is None:
+        pytest.skip("the int8 C kernel cannot be built here")
+    monkeypatch.setattr(matmul, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(matmul, "OthersLoad", FakeLoad)
+    monkeypatch.delenv(ROUTE_ENV, raising=False)
+    weights = [quantize(torch.randn(64, 32), 32) for _ in range(2)]
+    return lambda: MatmulPolicy.calibrate_quant("int8", weights, int8)
+
+
+def test_a_choice_timed_on_a_quiet_machine_is_cached(calibrate, monkeypatch):
+    first = calibrate()
+    assert first.chosen.startswith("timed in") and "provisional" not in first.chosen
+    monkeypatch.setattr(matmul, "quiet_now", lambda: True)
+    assert calibrate().chosen.startswith("cached in")
+
+
+def test_a_choice_timed_under_load_is_timed_again_on_a_quiet_start(calibrate, monkeypatch, caplog):
+    monkeypatch.setattr(FakeLoad, "share_of_others", 0.6)
+    first = calibrate()
+    assert "other processes used 60% of the CPUs: cached as provisional" in first.chosen
+    assert "cached as provisional" in caplog.text
+    monkeypatch.setattr(matmul, "quiet_now", lambda: False)  # still busy: the provisional choice serves
+    busy = calibrate()
+    assert busy.chosen.startswith("cached in") and "timed while other processes used 60% of the CPUs" in busy.chosen
+    monkeypatch.setattr(matmul, "quiet_now", lambda: True)
+    monkeypatch.setattr(FakeLoad, "share_of_others", 0.02)
+    quiet = calibrate()  # re-timed, and now cached for good
+    assert quiet.chosen.startswith("timed in") and "timed under load" in quiet.chosen
+    assert calibrate().chosen.startswith("cached in") and "provisional" not in calibrate().chosen
