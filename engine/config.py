@@ -11,7 +11,7 @@ from ..core.request import POOLINGS
 from .quant import WEIGHT_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-MATMUL_BACKENDS = ("auto", "torch", "numpy", "numpy2")
+MATMUL_BACKENDS = ("auto", "torch", "numpy", "numpy2", "native2", "f32c2")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 DEFAULT_KV_CACHE_TOKENS = 32768
 

@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--attention-backend", choices=("auto", "native", "torch"), default=None,
                    help="decode attention: native C kernel over the paged KV cache (float32), or torch; "
                         "auto: native where it compiles")
-    e.add_argument("--matmul-backend", choices=("auto", "torch", "numpy", "numpy2"), default=None,
+    e.add_argument("--matmul-backend", choices=("auto", "torch", "numpy", "numpy2", "native2", "f32c2"), default=None,
                    help="who multiplies the weights; auto: timed at start-up per batch size")
     e.add_argument("--embed-pooling", choices=("last", "mean"), default=None,
                    help="Embed requests that name no pooling: the last prompt token's final hidden state or the mean "

@@ -62,3 +62,14 @@ def test_f32c2_leaves_other_dtypes_and_layouts_to_torch():
     x, w = torch.randn(20, 48, generator=gen), torch.randn(30, 48, generator=gen)
     for xs, ws in ((x, w.T.contiguous().T), (x.double(), w.double()), (x[:, ::2], w[:, ::2])):
         torch.testing.assert_close(policy.linear(xs, ws, Backend.F32C2), xs @ ws.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["native2", "f32c2"])
+def test_the_native_backends_can_be_named_on_the_command_line(name):
+    from tokenloop.engine.config import EngineConfig
+    from tokenloop.service.cli import _parser
+
+    args = _parser().parse_args(["serve", "--matmul-backend", name])
+    assert args.matmul_backend == name and EngineConfig(matmul_backend=name).matmul_backend == name
+    policy = MatmulPolicy.fixed(Backend(name))
+    assert {policy.backend(b) for b in BUCKETS} == {Backend(name)}
