@@ -109,8 +109,10 @@ def _file_writes(tree) -> list[str]:
 
 
 # files a bench writes that are not its figures: soak's Markdown table (its first line is machine()'s record,
-# through describe()), service_overhead's per-run emission log, hygiene_probe's and llama_server's server logs
-NOT_FIGURES = {"soak.py": 1, "service_overhead.py": 1, "hygiene_probe.py": 1, "llama_server.py": 1}
+# through describe()), service_overhead's per-run emission log, hygiene_probe's and llama_server's server logs,
+# attention_bench's copy of the kernel source at the base revision (built to compare against)
+NOT_FIGURES = {"soak.py": 1, "service_overhead.py": 1, "hygiene_probe.py": 1, "llama_server.py": 1,
+               "attention_bench.py": 1}
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name != "results.py"))
