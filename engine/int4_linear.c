@@ -23,8 +23,11 @@
  *       ones (shift), each converted (vcvtdq2ps) right before its FMA: 3.5 instructions per 8 weights, against 3 for
  *       int8's; every weight is read from memory once as half a byte, from two sequential streams;
  *     - six rows and more: 16 channels widened once into a float buffer [K, 16] that stays in L1/L2, then a
- *       6 x 16 register tile over it (12 partial sums), as int8_linear.c does.
- *   An AVX-512 variant would be path 3 beside these (same layout, same order of operations per output).
+ *       6 x 16 register tile over it (12 partial sums) for each six rows and one smaller tile for the rows left
+ *       over, as int8_linear.c does.
+ *   3 AVX-512 F/BW/VL: the same arithmetic per output on 16 lanes (identical bits): one row against up to four
+ *     blocks at once (kernel_common.h's row_blocks512, each block's stream prefetched ahead), 6 x 32 tiles.
+ *   4 vnni: int8 activations (kernel_common.h), its own numerics.
  *
  * Two threads: int4_linear_f32_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on this
  * library's own worker thread in one call (a worker that spins briefly, then sleeps on a futex: the scheme of

@@ -20,8 +20,8 @@
  *     (vpmovsxbd + vcvtdq2ps) right before its FMA, so every weight is read from memory once, as one byte, from
  *     sequential streams (two 32-channel blocks at a time on avx2, four on avx512: eight FMA chains either way).
  *   - Six rows and more: the weights of 16 (avx2) or 32 (avx512) channels are widened once into a buffer that
- *     stays in L1/L2, then a 6-row register tile runs over it for each six rows, as a float32 GEMM's inner kernel
- *     does (OpenBLAS's Haswell sgemm kernel is 6 x 16).
+ *     stays in L1/L2, then a 6-row register tile runs over it for each six rows (and one smaller tile for the rows
+ *     left over), as a float32 GEMM's inner kernel does (OpenBLAS's Haswell sgemm kernel is 6 x 16).
  * - vnni: int8 activations, as llama.cpp's Q8_0 x Q8_0 and torch's dynamic quantization (fbgemm) multiply: each
  *   row of x is quantized per group of G columns (int8_vnni_linear_f32 does it once per call: sx = max|x| / 127),
  *   stored + 128 as uint8 (vpdpbusd multiplies unsigned by signed bytes), and each group's dot product is exact in
