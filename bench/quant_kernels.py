@@ -25,8 +25,9 @@ model and its ISA flags.
     .venv/bin/python bench/quant_kernels.py --compare main [--rows 1,32] [--rounds 5]
 
 `--compare REF` times this checkout's C kernels against the ones at git REF (int4_linear.c, int8_linear.c and the
-headers, built from `git show REF:...` into a scratch directory; or REF a folder holding such sources), on the real default model's weights (the 30
-layers' qkv, o, gate_up, down quantized by engine/quant.py, int4 and int8, and int8's lm_head), each product on two
+headers, from `git archive REF engine` unpacked in a scratch directory; or REF a folder holding such sources), on
+the real default model's weights (the 30 layers' qkv, o, gate_up, down quantized by engine/quant.py, int4 and int8
+as `--weights` says, and int8's lm_head), each product on two
 threads (the _2t entry points: the caller and the library's worker), the layers in a decode step's order so every
 weight comes from memory (cold): per weight kind and row count the milliseconds per step, GB/s of weight bytes and
 GFLOP/s, the builds interleaved round by round; and in the same run what two threads stream (bench/bandwidth.py's
@@ -158,28 +159,23 @@ def model_weights(model_dir: Path) -> tuple[list[tuple[str, torch.Tensor]], torc
 
 
 def build_at(ref: str, scratch: Path) -> dict[str, Path]:
-    """int8_linear.c and int4_linear.c (with the headers) as at git `ref` (or in the folder `ref`), built;
-    mode -> library path."""
+    """int8_linear.c and int4_linear.c (with the headers beside them) as at git `ref`, or in the folder `ref`,
+    built; mode -> library path."""
     import subprocess
 
     from tokenloop.engine import kernels
 
-    engine = ROOT / "engine"
-    scratch.mkdir(parents=True, exist_ok=True)
-    names = [p.name for p in engine.glob("*.h")] + [kernels.INT8_SOURCE.name, kernels.INT4_SOURCE.name]
-    for name in names:
-        if Path(ref).is_dir():  # a folder of sources (a variant being tried) instead of a git ref
-            if (Path(ref) / name).is_file():
-                (scratch / name).write_bytes((Path(ref) / name).read_bytes())
-            continue
-        shown = subprocess.run(["git", "show", f"{ref}:engine/{name}"], cwd=ROOT, capture_output=True)
-        if shown.returncode == 0:
-            (scratch / name).write_bytes(shown.stdout)
-    return {mode: kernels.build(scratch / src.name)
+    if Path(ref).is_dir():  # a folder of sources: a variant being tried
+        sources = Path(ref)
+    else:  # git archive | tar: REF's engine/ folder, unpacked in the scratch directory
+        archive = subprocess.run(["git", "archive", ref, "engine"], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(scratch)], input=archive, check=True)
+        sources = scratch / "engine"
+    return {mode: kernels.build(sources / src.name)
             for mode, src in (("int8", kernels.INT8_SOURCE), ("int4", kernels.INT4_SOURCE))}
 
 
-def compare(args) -> int:
+def compare(args, modes: list[str]) -> int:
     """This checkout's kernels against REF's, cold, rows by rows (see the module's docstring)."""
     import tempfile
 
@@ -193,9 +189,10 @@ def compare(args) -> int:
         old = build_at(args.compare, Path(tmp))
         new = {"int8": kernels.build(kernels.INT8_SOURCE), "int4": kernels.build(kernels.INT4_SOURCE)}
         libs = {(mode, which): (kernels.Int8Linear if mode == "int8" else kernels.Int4Linear)(path[mode], args.isa)
-                for which, path in ((args.compare, old), ("new", new)) for mode in ("int8", "int4")}
-    weights = {"int4": [(k, quantize4(w)) for k, w in layers], "int8": [(k, quantize(w)) for k, w in layers]}
-    weights["int8"].append(("lm_head", quantize(head)))
+                for which, path in ((args.compare, old), ("new", new)) for mode in modes}
+    weights = {mode: [(k, (quantize4 if mode == "int4" else quantize)(w)) for k, w in layers] for mode in modes}
+    if "int8" in weights:
+        weights["int8"].append(("lm_head", quantize(head)))
     width = max(w.shape[1] for _, w in layers)
     # best seconds per (mode, build, rows, kind): one pass over every weight of the kind, in a step's order
     best: dict[tuple, float] = collections.defaultdict(lambda: float("inf"))
@@ -255,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isa", default=None, help="--compare: the code path (default: the fastest exact one)")
     add_out_argument(parser, "results-quant-kernels.json")
     args = parser.parse_args(argv)
-    if args.compare:
-        return compare(args)
     modes = [m for m in args.weights.split(",") if m]
     if not set(modes) <= {"int8", "int4"}:
         parser.error(f"--weights takes int8 and int4, got {args.weights!r}")
+    if args.compare:
+        return compare(args, modes)
     torch.set_num_threads(1)
     layer_shapes, head_shape, num_layers = shapes(Path(args.model))
     num_layers = args.layers or num_layers
