@@ -21,11 +21,23 @@ one candidate's runs only):
 int4's lm_head is int8 (--weights int4 quantizes the layers to 4 bits), so the lm_head is timed for int8 only. Then,
 for one token: bytes of weights read per step and GB/s. Recorded figures: bench/results-quant-kernels.json, with the CPU
 model and its ISA flags.
+
+    .venv/bin/python bench/quant_kernels.py --compare main [--rows 1,32] [--rounds 5]
+
+`--compare REF` times this checkout's C kernels against the ones at git REF (int4_linear.c, int8_linear.c and the
+headers, from `git archive REF engine` unpacked in a scratch directory; or REF a folder holding such sources), on
+the real default model's weights (the 30 layers' qkv, o, gate_up, down quantized by engine/quant.py, int4 and int8
+as `--weights` says, and int8's lm_head), each product on two
+threads (the _2t entry points: the caller and the library's worker), the layers in a decode step's order so every
+weight comes from memory (cold): per weight kind and row count the milliseconds per step, GB/s of weight bytes and
+GFLOP/s, the builds interleaved round by round; and in the same run what two threads stream (bench/bandwidth.py's
+fp32 native2 and torch sum).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -123,6 +135,110 @@ def table(title: str, rows: dict[str, dict[int, float]], tokens: list[int]) -> N
                                           else "not timed" for t in tokens) + " |")
 
 
+KINDS = ("qkv", "o", "gate_up", "down")
+
+
+def model_weights(model_dir: Path) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+    """The decoder layers' fused products in a step's order as (kind, float32 weight), and the lm_head."""
+    from safetensors import safe_open
+
+    c = json.loads((model_dir / "config.json").read_text())
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        def get(name):
+            return f.get_tensor(name).float()
+        layers = []
+        for i in range(c["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            layers += [("qkv", torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+                       ("o", get(p + "self_attn.o_proj.weight")),
+                       ("gate_up", torch.cat([get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])),
+                       ("down", get(p + "mlp.down_proj.weight"))]
+        names = set(f.keys())
+        head = get("lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
+    return layers, head
+
+
+def build_at(ref: str, scratch: Path) -> dict[str, Path]:
+    """int8_linear.c and int4_linear.c (with the headers beside them) as at git `ref`, or in the folder `ref`,
+    built; mode -> library path."""
+    import subprocess
+
+    from tokenloop.engine import kernels
+
+    if Path(ref).is_dir():  # a folder of sources: a variant being tried
+        sources = Path(ref)
+    else:  # git archive | tar: REF's engine/ folder, unpacked in the scratch directory
+        archive = subprocess.run(["git", "archive", ref, "engine"], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(scratch)], input=archive, check=True)
+        sources = scratch / "engine"
+    return {mode: kernels.build(sources / src.name)
+            for mode, src in (("int8", kernels.INT8_SOURCE), ("int4", kernels.INT4_SOURCE))}
+
+
+def compare(args, modes: list[str]) -> int:
+    """This checkout's kernels against REF's, cold, rows by rows (see the module's docstring)."""
+    import tempfile
+
+    from bench.bandwidth import native2, torch_sum
+    from tokenloop.engine import kernels
+    from tokenloop.engine.quant import quantize, quantize4
+
+    rows = [int(t) for t in args.rows.split(",")]
+    layers, head = model_weights(Path(args.model))
+    with tempfile.TemporaryDirectory() as tmp:
+        old = build_at(args.compare, Path(tmp))
+        new = {"int8": kernels.build(kernels.INT8_SOURCE), "int4": kernels.build(kernels.INT4_SOURCE)}
+        libs = {(mode, which): (kernels.Int8Linear if mode == "int8" else kernels.Int4Linear)(path[mode], args.isa)
+                for which, path in ((args.compare, old), ("new", new)) for mode in modes}
+    weights = {mode: [(k, (quantize4 if mode == "int4" else quantize)(w)) for k, w in layers] for mode in modes}
+    if "int8" in weights:
+        weights["int8"].append(("lm_head", quantize(head)))
+    width = max(w.shape[1] for _, w in layers)
+    # best seconds per (mode, build, rows, kind): one pass over every weight of the kind, in a step's order
+    best: dict[tuple, float] = collections.defaultdict(lambda: float("inf"))
+    bandwidth = {"fp32 native2": 0.0, "torch sum": 0.0}
+    with torch.inference_mode():
+        for round_ in range(args.rounds):
+            bandwidth["fp32 native2"] = max(bandwidth["fp32 native2"], native2(Path(args.model), 256, 2) or 0.0)
+            bandwidth["torch sum"] = max(bandwidth["torch sum"], torch_sum(256, 2, 2))
+            for m in rows:
+                x = torch.randn(m, width)
+                outs = {w.num_out: torch.empty(m, w.num_out) for ws in weights.values() for _, w in ws}
+                order = list(libs.items())  # every other round the other build first: no fixed order
+                for (mode, which), lib in (order if round_ % 2 == 0 else order[::-1]):
+                    spent = collections.Counter()
+                    for _ in range(2):  # the first pass warms the worker and the page tables
+                        spent.clear()
+                        for kind, w in weights[mode]:
+                            xk, out = x[:, :w.shape[1]], outs[w.num_out]
+                            start = time.perf_counter()
+                            lib.linear2(xk, w, out)
+                            spent[kind] += time.perf_counter() - start
+                    for kind, s in spent.items():
+                        best[mode, which, m, kind] = min(best[mode, which, m, kind], s)
+    print(f"\nbandwidth, two threads (best of {args.rounds}): " +
+          ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items()))
+    figures = {}
+    for mode, ws in weights.items():
+        print(f"\n{mode} (path {args.isa or 'default'}), two threads, cold: ms per step | GB/s of weights | GFLOP/s\n")
+        print("| weight | rows | " + " | ".join(f"{w}" for w in (args.compare, "new")) + " | new / old |")
+        print("| --- " * 5 + "|")
+        for kind in [*KINDS, "lm_head"][:5 if mode == "int8" else 4]:
+            size = sum(nbytes(w) for k, w in ws if k == kind)
+            flop = sum(2 * w.shape[0] * w.shape[1] for k, w in ws if k == kind)
+            for m in rows:
+                cells = []
+                for which in (args.compare, "new"):
+                    s = best[mode, which, m, kind]
+                    figures.setdefault(mode, {}).setdefault(kind, {}).setdefault(str(m), {})[which] = s
+                    cells.append(f"{s * 1e3:.3f} ms, {size / s / 1e9:.1f} GB/s, {m * flop / s / 1e9:.0f} GFLOP/s")
+                ratio = best[mode, args.compare, m, kind] / best[mode, "new", m, kind]
+                print(f"| {kind} | {m} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+    write(args.out, {**machine(), "compare": args.compare, "isa": args.isa, "rounds": args.rounds,
+                     "bandwidth_two_threads": bandwidth, "seconds": figures})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
@@ -130,11 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,8,32")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers to time (default: the model's)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compare", metavar="REF", default=None,
+                        help="time this checkout's C kernels against git REF's, cold, on the model's weights")
+    parser.add_argument("--rows", default="1,32", help="--compare: rows (tokens) per product")
+    parser.add_argument("--isa", default=None, help="--compare: the code path (default: the fastest exact one)")
     add_out_argument(parser, "results-quant-kernels.json")
     args = parser.parse_args(argv)
     modes = [m for m in args.weights.split(",") if m]
     if not set(modes) <= {"int8", "int4"}:
         parser.error(f"--weights takes int8 and int4, got {args.weights!r}")
+    if args.compare:
+        return compare(args, modes)
     torch.set_num_threads(1)
     layer_shapes, head_shape, num_layers = shapes(Path(args.model))
     num_layers = args.layers or num_layers

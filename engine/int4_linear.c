@@ -23,8 +23,11 @@
  *       ones (shift), each converted (vcvtdq2ps) right before its FMA: 3.5 instructions per 8 weights, against 3 for
  *       int8's; every weight is read from memory once as half a byte, from two sequential streams;
  *     - six rows and more: 16 channels widened once into a float buffer [K, 16] that stays in L1/L2, then a
- *       6 x 16 register tile over it (12 partial sums), as int8_linear.c does.
- *   An AVX-512 variant would be path 3 beside these (same layout, same order of operations per output).
+ *       6 x 16 register tile over it (12 partial sums) for each six rows and one smaller tile for the rows left
+ *       over, as int8_linear.c does.
+ *   3 AVX-512 F/BW/VL: the same arithmetic per output on 16 lanes (identical bits): one row against up to four
+ *     blocks at once (kernel_common.h's row_blocks512, each block's stream prefetched ahead), 6 x 32 tiles.
+ *   4 vnni: int8 activations (kernel_common.h), its own numerics.
  *
  * Two threads: int4_linear_f32_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on this
  * library's own worker thread in one call (a worker that spins briefly, then sleeps on a futex: the scheme of
@@ -163,25 +166,30 @@ AVX2_FN static void widen_avx2(const void *ctx, int64_t b, int h, float *wf) {
     }
 }
 
-/* rows m .. m+5 against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
-AVX2_FN static void tile_avx2(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
-    const ctx_t *c = ctx;
+/* rows m .. m+R-1 (R <= 6) against widened weights wf [K, 16] of channels 16h.. of block b; out [R, 16] */
+AVX2_FN INLINE void tile_rows_avx2(const ctx_t *c, int64_t m, const int R, const float *wf, int64_t b, int h,
+                                   float *out) {
     const int64_t K = c->K, G = c->G, NG = K / G;
     const float *xs = c->xs + m * NG;
     __m256 t[12], a[12];
     for (int i = 0; i < 12; i++) t[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_ps();
-        tile6_sums_avx2(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_ps();
+        tile6_sums_avx2(c->x + m * K, wf, K, g * G, (g + 1) * G, R, a);
         const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK + h * BLOCK;
         const __m256 d0 = half8(s), d1 = half8(s + 8), m0 = half8(s + PACK), m1 = half8(s + PACK + 8);
-        for (int r = 0; r < ROWS; r++) {
+        for (int r = 0; r < R; r++) {
             const __m256 xg = _mm256_broadcast_ss(xs + r * NG + g);
             t[2 * r] = _mm256_fmadd_ps(xg, m0, _mm256_fmadd_ps(a[2 * r], d0, t[2 * r]));
             t[2 * r + 1] = _mm256_fmadd_ps(xg, m1, _mm256_fmadd_ps(a[2 * r + 1], d1, t[2 * r + 1]));
         }
     }
-    for (int i = 0; i < 12; i++) _mm256_storeu_ps(out + i * 8, t[i]);
+    for (int i = 0; i < 2 * R; i++) _mm256_storeu_ps(out + i * 8, t[i]);
+}
+
+#define TILE_AVX2(r) tile_rows_avx2(ctx, m, r, wf, b, h, out)
+AVX2_FN static void tile_avx2(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) {
+    SWITCH_ROWS(R, TILE_AVX2)
 }
 
 AVX2_FN static void rows_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
@@ -208,25 +216,30 @@ AVX512_FN static void widen_512(const void *ctx, int64_t b, int h, float *wf) {
     }
 }
 
-/* rows m .. m+5 against the widened block wf [K, 32]; out [6, 32] */
-AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
-    const ctx_t *c = ctx;
+/* rows m .. m+R-1 (R <= 6) against the widened block wf [K, 32]; out [R, 32] */
+AVX512_FN INLINE void tile_rows_512(const ctx_t *c, int64_t m, const int R, const float *wf, int64_t b, int h,
+                                    float *out) {
     const int64_t K = c->K, G = c->G, NG = K / G;
     const float *xs = c->xs + m * NG;
     __m512 t[12], a[12];
     (void)h;
     for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, R, a);
         const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK;
         const __m512 d0 = half16(s), d1 = half16(s + 16), m0 = half16(s + 32), m1 = half16(s + 48);
-        for (int r = 0; r < ROWS; r++) {
+        for (int r = 0; r < R; r++) {
             const __m512 xg = _mm512_set1_ps(xs[r * NG + g]);
             t[2 * r] = _mm512_fmadd_ps(xg, m0, _mm512_fmadd_ps(a[2 * r], d0, t[2 * r]));
             t[2 * r + 1] = _mm512_fmadd_ps(xg, m1, _mm512_fmadd_ps(a[2 * r + 1], d1, t[2 * r + 1]));
         }
     }
-    for (int i = 0; i < 12; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+    for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+#define TILE_512(r) tile_rows_512(ctx, m, r, wf, b, h, out)
+AVX512_FN static void tile_512(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) {
+    SWITCH_ROWS(R, TILE_512)
 }
 
 AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {

@@ -20,8 +20,8 @@
  *     (vpmovsxbd + vcvtdq2ps) right before its FMA, so every weight is read from memory once, as one byte, from
  *     sequential streams (two 32-channel blocks at a time on avx2, four on avx512: eight FMA chains either way).
  *   - Six rows and more: the weights of 16 (avx2) or 32 (avx512) channels are widened once into a buffer that
- *     stays in L1/L2, then a 6-row register tile runs over it for each six rows, as a float32 GEMM's inner kernel
- *     does (OpenBLAS's Haswell sgemm kernel is 6 x 16).
+ *     stays in L1/L2, then a 6-row register tile runs over it for each six rows (and one smaller tile for the rows
+ *     left over), as a float32 GEMM's inner kernel does (OpenBLAS's Haswell sgemm kernel is 6 x 16).
  * - vnni: int8 activations, as llama.cpp's Q8_0 x Q8_0 and torch's dynamic quantization (fbgemm) multiply: each
  *   row of x is quantized per group of G columns (int8_vnni_linear_f32 does it once per call: sx = max|x| / 127),
  *   stored + 128 as uint8 (vpdpbusd multiplies unsigned by signed bytes), and each group's dot product is exact in
@@ -117,23 +117,28 @@ AVX2_FN static void widen_avx2(const void *ctx, int64_t b, int h, float *wf) {
     }
 }
 
-/* rows m .. m+5 against widened weights wf [K, 16] of channels 16h.. of block b; out [6, 16] */
-AVX2_FN static void tile_avx2(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
-    const ctx_t *c = ctx;
+/* rows m .. m+R-1 (R <= 6) against widened weights wf [K, 16] of channels 16h.. of block b; out [R, 16] */
+AVX2_FN INLINE void tile_rows_avx2(const ctx_t *c, int64_t m, const int R, const float *wf, int64_t b, int h,
+                                   float *out) {
     const int64_t K = c->K, G = c->G, NG = K / G;
     __m256 t[12], a[12];
     for (int i = 0; i < 12; i++) t[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_ps();
-        tile6_sums_avx2(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_ps();
+        tile6_sums_avx2(c->x + m * K, wf, K, g * G, (g + 1) * G, R, a);
         const float *s = c->scale + (b * NG + g) * PACK + h * BLOCK;
         const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
-        for (int r = 0; r < ROWS; r++) {
+        for (int r = 0; r < R; r++) {
             t[2 * r] = _mm256_fmadd_ps(a[2 * r], s0, t[2 * r]);
             t[2 * r + 1] = _mm256_fmadd_ps(a[2 * r + 1], s1, t[2 * r + 1]);
         }
     }
-    for (int i = 0; i < 12; i++) _mm256_storeu_ps(out + i * 8, t[i]);
+    for (int i = 0; i < 2 * R; i++) _mm256_storeu_ps(out + i * 8, t[i]);
+}
+
+#define TILE_AVX2(r) tile_rows_avx2(ctx, m, r, wf, b, h, out)
+AVX2_FN static void tile_avx2(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) {
+    SWITCH_ROWS(R, TILE_AVX2)
 }
 
 AVX2_FN static void rows_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
@@ -153,20 +158,26 @@ AVX512_FN static void widen_512(const void *ctx, int64_t b, int h, float *wf) {
     for (int64_t i = 0; i < c->K * PACK; i += 16) _mm512_storeu_ps(wf + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i))))); /* the same layout */
 }
 
-/* rows m .. m+5 against the widened block wf [K, 32]; out [6, 32] (12 partial sums, 12 totals in registers) */
-AVX512_FN static void tile_512(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {
-    const ctx_t *c = ctx;
+/* rows m .. m+R-1 (R <= 6) against the widened block wf [K, 32]; out [R, 32] (up to 12 partial sums, 12 totals in
+ * registers) */
+AVX512_FN INLINE void tile_rows_512(const ctx_t *c, int64_t m, const int R, const float *wf, int64_t b, int h,
+                                    float *out) {
     const int64_t K = c->K, G = c->G, NG = K / G;
     __m512 t[12], a[12];
     (void)h;
     for (int i = 0; i < 12; i++) t[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, a);
+        tile6_sums_512(c->x + m * K, wf, K, g * G, (g + 1) * G, R, a);
         const float *s = c->scale + (b * NG + g) * PACK; /* a[i]: row i / 2, channels 16 * (i % 2) .. */
         const __m512 sv[2] = {_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16)};
-        for (int i = 0; i < 2 * ROWS; i++) t[i] = _mm512_fmadd_ps(a[i], sv[i % 2], t[i]);
+        for (int i = 0; i < 2 * R; i++) t[i] = _mm512_fmadd_ps(a[i], sv[i % 2], t[i]);
     }
-    for (int i = 0; i < 12; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+    for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+#define TILE_512(r) tile_rows_512(ctx, m, r, wf, b, h, out)
+AVX512_FN static void tile_512(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) {
+    SWITCH_ROWS(R, TILE_512)
 }
 
 AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {

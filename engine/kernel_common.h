@@ -98,16 +98,18 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int b
  * A path gives three steps over its own operands (`ctx`):
  *   widen(ctx, b, h, wf)        channels [32b + h*width, + width) of block b as floats into wf [K, width]
  *                               (NULL: the path multiplies its packed weights directly, vnni)
- *   tile(ctx, m, wf, b, h, out) rows m .. m+5 against those channels; out [6, width]
+ *   tile(ctx, m, R, wf, b, h, out)  rows m .. m+R-1 (R <= 6) against those channels; out [R, width]
  *   rows(ctx, m, b, nb, out)    row m against blocks b .. b+nb-1 (nb <= nb_max), weights read on the fly;
  *                               out [nb * 32]
- * drive() runs six rows at a time over each widened part of a block while it sits in L1/L2, then the rows left
- * over one by one, and writes only the channels below n_end. A path whose tile and rows steps do the same
+ * drive() runs six rows at a time over each widened part of a block while it sits in L1/L2, the rows left over
+ * (M % 6) in one smaller tile over the same widened part (32 rows: five tiles of six and one of two, the weights
+ * widened and read once), and writes only the channels below n_end; fewer than six rows go one by one through the
+ * rows step, which reads the weights once without a buffer. A path whose tile and rows steps do the same
  * arithmetic per output keeps rows batch invariant. */
 typedef struct {
     int width, nb_max;
     void (*widen)(const void *ctx, int64_t b, int h, float *wf);
-    void (*tile)(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out);
+    void (*tile)(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out);
     void (*rows)(const void *ctx, int64_t m, int64_t b, int nb, float *out);
 } steps_t;
 
@@ -121,11 +123,25 @@ typedef struct {
     int64_t K, G;
 } ctx_t;
 
+/* this thread's buffer of at least `floats` floats, kept for its next product (a tile's widened weights: K * 32
+ * floats, 74-197 KB on this model): no allocation, page faults or unmapping per product; NULL on no memory */
+static float *thread_buffer(size_t floats) {
+    static _Thread_local float *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (floats > cap) {
+        float *grown = malloc(sizeof(float) * floats);
+        if (!grown) return NULL;
+        free(buf);
+        buf = grown, cap = floats;
+    }
+    return buf;
+}
+
 static int drive(const steps_t *s, const void *ctx, int64_t M, int64_t K, float *y, int64_t N, int64_t b_begin,
                  int64_t b_end, int64_t n_end) {
-    const int64_t M6 = M / ROWS * ROWS;
-    if (M6 > 0) {
-        float *wf = s->widen ? malloc(sizeof(float) * (size_t)(K * s->width)) : NULL;
+    const int64_t tiled = M >= ROWS ? M : 0; /* rows that go through tiles: all of them, or none */
+    if (tiled > 0) {
+        float *wf = s->widen ? thread_buffer((size_t)(K * s->width)) : NULL;
         if (s->widen && !wf) return -2;
         float t[ROWS * PACK];
         for (int64_t b = b_begin; b < b_end; b++)
@@ -133,15 +149,15 @@ static int drive(const steps_t *s, const void *ctx, int64_t M, int64_t K, float 
                 const int64_t n = b * PACK + h * s->width;
                 if (n >= n_end) break;
                 if (s->widen) s->widen(ctx, b, h, wf);
-                for (int64_t m = 0; m < M6; m += ROWS) {
-                    s->tile(ctx, m, wf, b, h, t);
-                    for (int r = 0; r < ROWS; r++) store_n(y + (m + r) * N, n, n_end, t + r * s->width, s->width);
+                for (int64_t m = 0; m < tiled; m += ROWS) {
+                    const int R = tiled - m < ROWS ? (int)(tiled - m) : ROWS;
+                    s->tile(ctx, m, R, wf, b, h, t);
+                    for (int r = 0; r < R; r++) store_n(y + (m + r) * N, n, n_end, t + r * s->width, s->width);
                 }
             }
-        free(wf);
     }
     float out[4 * PACK];
-    for (int64_t m = M6; m < M; m++)
+    for (int64_t m = tiled; m < M; m++)
         for (int64_t b = b_begin; b < b_end;) {
             const int nb = b_end - b < s->nb_max ? (int)(b_end - b) : s->nb_max;
             s->rows(ctx, m, b, nb, out);
@@ -150,6 +166,17 @@ static int drive(const steps_t *s, const void *ctx, int64_t M, int64_t K, float 
         }
     return 0;
 }
+
+/* CALL(r) with r the compile-time constant equal to R (1 .. 6): the tiles' row counts, each its own unrolled code */
+#define SWITCH_ROWS(R, CALL)                                                                                        \
+    switch (R) {                                                                                                    \
+    case 1: CALL(1); break;                                                                                         \
+    case 2: CALL(2); break;                                                                                         \
+    case 3: CALL(3); break;                                                                                         \
+    case 4: CALL(4); break;                                                                                         \
+    case 5: CALL(5); break;                                                                                         \
+    default: CALL(6); break;                                                                                        \
+    }
 
 #if HAVE_X86
 /* a[2r] (channels 0..15) and a[2r+1] (16..31) += the dot products of R rows of quantized activations x (stride K)
@@ -195,12 +222,19 @@ AVX512_FN static inline __m512i nibbles16(const uint8_t *p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* the avx512 rows step of both libraries: row m against blocks b .. b + NB - 1 (NB <= 4: eight FMA chains), the
+/* bytes ahead of each weight stream that the one-row steps prefetch (software prefetch: every block is a short
+ * stream of K * 16 or K * 32 bytes, a few KB, that the hardware prefetchers would only learn part way through) */
+#define PREFETCH_AHEAD 1024
+
+/* the avx512 rows step of both libraries: row m against blocks b .. b + NB - 1 (NB <= 4: up to eight FMA chains), the
  * weights widened right before their FMAs (int8: 16 bytes a vector; 4-bit, `nibbles`: 16 bytes two vectors), per
- * group a partial sum, then total += partial * scale (4-bit: + the row's group sum * minimum); out [NB * 32] */
+ * group a partial sum, then total += partial * scale (4-bit: + the row's group sum * minimum); out [NB * 32].
+ * Each block's stream is prefetched PREFETCH_AHEAD bytes ahead; past its end, the same offset of the block NB
+ * further on (the one this stream reads next). */
 AVX512_FN INLINE void row_blocks512(const ctx_t *c, int64_t m, int64_t b, const int NB, const int nibbles, float *out) {
-    const int64_t K = c->K, G = c->G, NG = K / G;
+    const int64_t K = c->K, G = c->G, NG = K / G, width = nibbles ? PACK / 2 : PACK, bytes = K * width;
     const float *x = c->x + m * K;
+    const uint8_t *q = (const uint8_t *)c->q + b * bytes;
     const __m512i mask = _mm512_set1_epi32(0x0f);
     __m512 t[8], a[8];
     for (int j = 0; j < 2 * NB; j++) t[j] = _mm512_setzero_ps();
@@ -208,13 +242,16 @@ AVX512_FN INLINE void row_blocks512(const ctx_t *c, int64_t m, int64_t b, const 
         for (int j = 0; j < 2 * NB; j++) a[j] = _mm512_setzero_ps();
         for (int64_t k = g * G; k < (g + 1) * G; k++) {
             const __m512 xv = _mm512_set1_ps(x[k]);
+            int64_t ahead = k * width + PREFETCH_AHEAD;
+            if (ahead >= bytes) ahead += (NB - 1) * bytes;
             for (int j = 0; j < NB; j++) {
+                const uint8_t *p = q + j * bytes + k * width;
+                _mm_prefetch((const char *)(q + j * bytes + ahead), _MM_HINT_T0);
                 __m512 w0, w1;
                 if (nibbles) {
-                    const __m512i v = nibbles16((const uint8_t *)c->q + ((b + j) * K + k) * (PACK / 2));
+                    const __m512i v = nibbles16(p);
                     w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
                 } else {
-                    const int8_t *p = (const int8_t *)c->q + ((b + j) * K + k) * PACK;
                     w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
                     w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
                 }
@@ -238,13 +275,14 @@ AVX512_FN INLINE void row_blocks512(const ctx_t *c, int64_t m, int64_t b, const 
     for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
 }
 
-/* four blocks at a time, one at a time for the rest */
+/* nb (1 .. 4) blocks at once: as many FMA chains as there are, never a block alone when more are left */
 AVX512_FN INLINE void rows512(const ctx_t *c, int64_t m, int64_t b, int nb, const int nibbles, float *out) {
-    if (nb == 4) {
-        row_blocks512(c, m, b, 4, nibbles, out);
-        return;
+    switch (nb) {
+    case 4: row_blocks512(c, m, b, 4, nibbles, out); break;
+    case 3: row_blocks512(c, m, b, 3, nibbles, out); break;
+    case 2: row_blocks512(c, m, b, 2, nibbles, out); break;
+    default: row_blocks512(c, m, b, 1, nibbles, out); break;
     }
-    for (int j = 0; j < nb; j++) row_blocks512(c, m, b + j, 1, nibbles, out + j * PACK);
 }
 
 /* R rows (R <= 6, from row m) against block b; out [R, 32]. Per group: the exact integer dot products (int8: from
@@ -280,23 +318,26 @@ VNNI_FN INLINE void vnni_rows(const vnni_t *c, int64_t m, int64_t b, const int R
 }
 
 /* the vnni steps of drive() (no widening: vpdpbusd multiplies the packed bytes), for int8 (nibbles 0) or 4-bit
- * weights (1): six rows a tile, one row a block otherwise */
+ * weights (1): up to six rows a tile, one row a block otherwise */
+#define VNNI_TILE(r) vnni_rows(ctx, m, b, r, NIBBLES, out)
 #define DEFINE_VNNI_STEPS(nibbles)                                                                                  \
-    VNNI_FN static void tile_vnni(const void *ctx, int64_t m, const float *wf, int64_t b, int h, float *out) {     \
+    VNNI_FN static void tile_vnni(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) { \
         (void)wf, (void)h;                                                                                          \
-        vnni_rows(ctx, m, b, ROWS, nibbles, out);                                                                   \
+        enum { NIBBLES = nibbles };                                                                                 \
+        SWITCH_ROWS(R, VNNI_TILE)                                                                                   \
     }                                                                                                               \
     VNNI_FN static void rows_vnni(const void *ctx, int64_t m, int64_t b, int nb, float *out) {                     \
         for (int j = 0; j < nb; j++) vnni_rows(ctx, m, b + j, 1, nibbles, out + j * PACK);                        \
     }                                                                                                               \
     static const steps_t VNNI_STEPS = {PACK, 4, NULL, tile_vnni, rows_vnni};
 
-/* a[2r], a[2r+1] += x[r, k] * wf[k, 0..15] over k0 <= k < k1 for six rows x (stride K): the float32 GEMM inner
+/* a[2r], a[2r+1] += x[r, k] * wf[k, 0..15] over k0 <= k < k1 for R <= 6 rows x (stride K): the float32 GEMM inner
  * kernel of the avx2 tiles (12 partial sums, two weight vectors, one broadcast: 15 of 16 registers) */
-AVX2_FN INLINE void tile6_sums_avx2(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, __m256 *a) {
+AVX2_FN INLINE void tile6_sums_avx2(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, const int R,
+                                    __m256 *a) {
     for (int64_t k = k0; k < k1; k++) {
         const __m256 b0 = _mm256_loadu_ps(wf + k * BLOCK), b1 = _mm256_loadu_ps(wf + k * BLOCK + 8);
-        for (int r = 0; r < ROWS; r++) {
+        for (int r = 0; r < R; r++) {
             const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
             a[2 * r] = _mm256_fmadd_ps(xv, b0, a[2 * r]);
             a[2 * r + 1] = _mm256_fmadd_ps(xv, b1, a[2 * r + 1]);
@@ -304,12 +345,13 @@ AVX2_FN INLINE void tile6_sums_avx2(const float *x, const float *wf, int64_t K, 
     }
 }
 
-/* the same on 16 lanes for the avx512 tiles: wf [K, 32] (a whole block); a[12] is set, not added to */
-AVX512_FN INLINE void tile6_sums_512(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, __m512 *a) {
-    for (int i = 0; i < 2 * ROWS; i++) a[i] = _mm512_setzero_ps();
+/* the same on 16 lanes for the avx512 tiles: wf [K, 32] (a whole block); a[2R] is set, not added to */
+AVX512_FN INLINE void tile6_sums_512(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, const int R,
+                                     __m512 *a) {
+    for (int i = 0; i < 2 * R; i++) a[i] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k++) {
         const __m512 b0 = _mm512_loadu_ps(wf + k * PACK), b1 = _mm512_loadu_ps(wf + k * PACK + 16);
-        for (int r = 0; r < ROWS; r++) {
+        for (int r = 0; r < R; r++) {
             const __m512 xv = _mm512_set1_ps(x[r * K + k]);
             a[2 * r] = _mm512_fmadd_ps(xv, b0, a[2 * r]);
             a[2 * r + 1] = _mm512_fmadd_ps(xv, b1, a[2 * r + 1]);

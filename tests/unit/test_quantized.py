@@ -187,12 +187,34 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(mode, isa):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("isa", ALL_PATHS)
+@pytest.mark.parametrize("rows, channels", [(7, 224), (8, 300), (9, 224), (10, 300), (11, 97), (32, 224),
+                                            (32, 300)])
+def test_every_tile_shape_gives_a_row_its_bits_alone(mode, isa, rows, channels):
+    """Six rows and more all go through tiles: six rows a tile and the rows left over (1 to 5) in one smaller
+    tile; a row alone goes through the one-row step, on 1 to 4 blocks at once (224 channels: 7 blocks = 4 + 3, on
+    two threads 3 | 4; 300: 10 blocks = 4 + 4 + 2). Every such shape gives a row the same bits."""
+    kernel = kernel_for(mode, isa)
+    gen = torch.Generator().manual_seed(rows * 1000 + channels)
+    w, x = quantized(mode, torch.randn(channels, 576, generator=gen)), torch.randn(rows, 576, generator=gen)
+    together, both = torch.empty(rows, channels), torch.empty(rows, channels)
+    kernel.linear(x, w, together)
+    kernel.linear2(x, w, both)
+    assert torch.equal(both, together)
+    for i in range(rows):
+        alone, alone2 = torch.empty(1, channels), torch.empty(1, channels)
+        kernel.linear(x[i:i + 1].contiguous(), w, alone)
+        kernel.linear2(x[i:i + 1].contiguous(), w, alone2)
+        assert torch.equal(alone[0], together[i]) and torch.equal(alone2[0], together[i]), i
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_avx2_and_avx512_give_the_same_bits(mode):
     """One family: a step may run either (the calibration mixes them across buckets) and a row stays the same."""
     avx2, avx512 = kernel_for(mode, "avx2"), kernel_for(mode, "avx512")
     gen = torch.Generator().manual_seed(9)
     w = quantized(mode, torch.randn(200, 576, generator=gen))
-    for rows in (1, 4, 6, 19):
+    for rows in (1, 2, 3, 4, 6, 8, 19, 32):
         x = torch.randn(rows, 576, generator=gen)
         a, b = torch.empty(rows, 200), torch.empty(rows, 200)
         avx2.linear2(x, w, a)
