@@ -8,14 +8,15 @@ from .model import AttentionGroup, ForwardBatch, Model, fresh_group
 from .sequence import Sequence
 
 
-def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size: int) -> AttentionGroup:
-    """Pad the queries of `seqs` (their new tokens start at flat row `row_start`) to one length."""
+def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size: int,
+           decode_mask: bool = True) -> AttentionGroup:
+    """Pad the queries of `seqs` (their new tokens start at flat row `row_start`) to one length. `decode_mask`
+    False: a group of decodes gets no mask (the native decode kernel reads `lens` instead, model._attention)."""
     max_q = max(num_new)
     contexts = [s.num_computed_tokens + n for s, n in zip(seqs, num_new)]
     max_blocks = (max(contexts) + block_size - 1) // block_size
     tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
                            for s in seqs], dtype=torch.long)  # [B, NB]
-    pos = torch.arange(max_blocks * block_size)  # [C]
     starts, rows, valid = [], [], []
     row = row_start
     for n in num_new:
@@ -33,10 +34,11 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
                 break
             total += n
         split = max(split, 1) if len(contexts) > 1 else 0
-    computed = torch.tensor([s.num_computed_tokens for s in seqs])
-    q_pos = computed[:, None] + torch.arange(max_q)[None, :]  # [B, Q] absolute position of each query
     mask = None
-    if max_q > 1 or min(contexts) != max_blocks * block_size:
+    if max_q > 1 or (decode_mask and min(contexts) != max_blocks * block_size):
+        pos = torch.arange(max_blocks * block_size)  # [C]
+        computed = torch.tensor([s.num_computed_tokens for s in seqs])
+        q_pos = computed[:, None] + torch.arange(max_q)[None, :]  # [B, Q] absolute position of each query
         mask = (pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)  # [B, 1, Q, C] causal + padding
     return AttentionGroup(
         query_rows=torch.tensor(rows, dtype=torch.long),
@@ -44,8 +46,11 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
         kv_blocks=tables, mask=mask, out_start=row_start, num_seqs=len(seqs), max_q=max_q, lens=lens, split=split)
 
 
-def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[ForwardBatch, list[Sequence]]:
+def prepare(scheduled: list[tuple[Sequence, int]], block_size: int,
+            decode_mask: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
     """Flat batch for `scheduled` (sequence, number of new tokens); decodes first, then prefill chunks.
+    `decode_mask` False leaves the decode group without an attention mask: a model with the native decode kernel
+    never reads it (building it cost a few tensor operations per step).
 
     Returns the batch and the sequences that sample after it (those whose last token is computed). Embedding
     sequences sample nothing: their rows go to `batch.hidden_rows` (every new row for mean pooling, the last prompt
@@ -82,7 +87,7 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[For
             logits_rows.append(len(ids) - 1)
     groups = []
     if decodes:
-        groups.append(_group([s for s, _ in decodes], [1] * len(decodes), 0, block_size))
+        groups.append(_group([s for s, _ in decodes], [1] * len(decodes), 0, block_size, decode_mask))
     row = len(decodes)
     i = 0
     while i < len(prefills):  # one group per chunk, or per run of equal chunks: padding unequal ones wastes work
@@ -109,7 +114,7 @@ def run(model: Model, scheduled: list[tuple[Sequence, int]],
         block_size: int) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
     """Forward `scheduled`; returns logits [S, V] for the sequences that sample, those sequences, and each embedding
     sequence with its new rows' final hidden states [n, D] (to pool)."""
-    batch, samplers = prepare(scheduled, block_size)
+    batch, samplers = prepare(scheduled, block_size, decode_mask=model.paged is None)
     logits = model.forward(batch)
     pooled, row = [], 0
     for seq, n in batch.embeds:

@@ -101,8 +101,8 @@ def test_equal_tails_over_one_cached_prefix_run_as_one_group_and_match_transform
     seen_groups = []
     real_prepare = runner_module.prepare
 
-    def spy(scheduled, block_size):
-        batch, samplers = real_prepare(scheduled, block_size)
+    def spy(scheduled, block_size, **options):
+        batch, samplers = real_prepare(scheduled, block_size, **options)
         seen_groups.append([g.num_seqs for g in batch.groups if g.max_q > 1])
         return batch, samplers
 
