@@ -203,6 +203,11 @@ async def stream_all(port: int, prompts: list[list[int]], num_new: list[int],
 
 async def run_grpc(port: int, scenario: Scenario) -> Result:
     wall, ttfts, counts, cached = await stream_all(port, scenario.prompts, scenario.num_new, scenario.concurrency)
+    if len(counts) == 1 and counts[0] > 1:  # one stream: the rate decode_profile.py's decode steps compare with
+        per_token = (wall - ttfts[0]) / (counts[0] - 1)
+        print(f"{scenario.name}: after the first token {per_token * 1e3:.2f} ms per token ({1 / per_token:.1f} tok/s; "
+              f"the tokens/s below also counts the prefill and first token, {ttfts[0] * 1e3:.0f} ms)",
+              file=sys.stderr, flush=True)
     if counts != [n for n in scenario.num_new] and sorted(counts) != sorted(scenario.num_new):
         raise RuntimeError(f"{scenario.name}: the server returned {sum(counts)} tokens, expected {sum(scenario.num_new)}")
     return Result("tokenloop", scenario.name, sum(counts), wall, ttfts, sum(cached))
@@ -224,8 +229,8 @@ def measured(name: str, pid: int | None, run):
     result = run()
     after, cpu, busy = cpu_by_thread_name(pid) if pid else {}, time.process_time() - cpu, machine_busy_s() - busy
     used = {thread: after[thread] - before.get(thread, 0.0) for thread in after}
-    busiest = sorted(used.items(), key=lambda kv: -kv[1])[:4]
-    print(f"{name}: server CPU s by thread: " + (", ".join(f"{n} {t:.1f}" for n, t in busiest) or "(not known)")
+    busiest = [kv for kv in sorted(used.items(), key=lambda kv: -kv[1]) if kv[1] >= 0.05][:8]
+    print(f"{name}: server CPU s by thread: " + (", ".join(f"{n} {t:.2f}" for n, t in busiest) or "(not known)")
           + f"; bench client {cpu:.1f}; everything else on the machine {busy - sum(used.values()) - cpu:.1f}",
           file=sys.stderr, flush=True)
     return result
