@@ -1,0 +1,132 @@
+"""One stream through real servers and through the engine alone, interleaved: which is slower, and by how much.
+
+Each arm is a `tokenloop serve` (its own executable: a checkout's .venv/bin/tokenloop, so two branches compare) or
+`engine`: an `Engine` on its own thread in this process, driven through enqueue / await_responses (no looper, no
+gRPC). Every round sends one greedy 64-token-prompt request to each arm in turn (the order reversed every other
+round), so load from elsewhere lands on every arm alike; it prints each round, then per arm the median tokens/s
+(as engine_bench's `single`: prefill and first token included), the median ms per token after the first, the
+ratio to the first arm, and the CPU milliseconds per token of each thread (the arm's server, or this process for
+`engine`; `client`: this process's gRPC client).
+
+    flock /tmp/bench.lock .venv/bin/python bench/server_ab.py engine server=.venv/bin/tokenloop
+    flock /tmp/bench.lock .venv/bin/python bench/server_ab.py main=../../main/.venv/bin/tokenloop \\
+        branch=.venv/bin/tokenloop --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.engine_bench import cpu_by_thread_name, free_port, stream_all, wait_ready  # noqa: E402
+
+
+class ServerArm:
+    def __init__(self, label: str, exe: str, model: str, flags: list[str]):
+        self.label, self.port = label, free_port()
+        self.process = subprocess.Popen([exe, "serve", "--model", model, "--port", str(self.port), "--metrics-port", "0",
+                                         "--log-level", "WARNING", *flags], stdout=subprocess.DEVNULL)
+        self.pid = self.process.pid
+
+    def ready(self) -> None:
+        asyncio.run(wait_ready(self.port))
+
+    def generate(self, prompt: list[int], n: int) -> tuple[float, float]:
+        wall, ttfts, counts, _ = asyncio.run(stream_all(self.port, [prompt], [n], 1))
+        if counts != [n]:
+            raise RuntimeError(f"{self.label}: {counts} tokens, expected {n}")
+        return wall, ttfts[0]
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+class EngineArm:
+    def __init__(self, label: str, model: str, weights: str):
+        from tokenloop.engine.config import EngineConfig
+        from tokenloop.engine.engine import Engine
+
+        self.label, self.pid = label, os.getpid()
+        self.engine = Engine(model, EngineConfig(weights=weights))
+
+    def ready(self) -> None:
+        pass
+
+    def generate(self, prompt: list[int], n: int) -> tuple[float, float]:
+        from tokenloop.core.request import SamplingParams, StoppingParams, ValidRequest
+
+        start, first, count, done = time.perf_counter(), None, 0, False
+        self.engine.enqueue(ValidRequest(request_id="ab", prompt_token_ids=tuple(prompt),
+                                         sampling=SamplingParams(temperature=0.0),
+                                         stopping=StoppingParams(max_new_tokens=n, ignore_eos=True)))
+        while not done:
+            for step in self.engine.await_responses(0.02):
+                first = first or time.perf_counter()
+                count += len(step.token_ids)
+                done = done or step.is_final
+        if count != n:
+            raise RuntimeError(f"{self.label}: {count} tokens, expected {n}")
+        return time.perf_counter() - start, first - start
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("arms", nargs="+", help="`engine`, or LABEL=EXECUTABLE (a tokenloop entry point)")
+    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--weights", default="int4")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    arms = []
+    try:
+        for spec in args.arms:
+            label, _, exe = spec.partition("=")
+            arms.append(EngineArm(label, args.model, args.weights) if not exe else
+                        ServerArm(label, exe, args.model, ["--weights", args.weights]))
+        for arm in arms:
+            arm.ready()
+            arm.generate(list(range(100, 116)), 4)  # warm-up, as engine_bench's
+        n, per_round, cpu = args.new_tokens, {a.label: [] for a in arms}, {a.label: {} for a in arms}
+        for r in range(args.rounds):
+            prompt = [1000 + (r * 97 + i * 13) % 15000 for i in range(64)]
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                before, client = cpu_by_thread_name(arm.pid), time.process_time()
+                wall, ttft = arm.generate(prompt, n)
+                after, client = cpu_by_thread_name(arm.pid), time.process_time() - client
+                used = cpu[arm.label]
+                for thread, seconds in after.items():
+                    used[thread] = used.get(thread, 0.0) + seconds - before.get(thread, 0.0)
+                if isinstance(arm, ServerArm):
+                    used["client"] = used.get("client", 0.0) + client
+                per_round[arm.label].append((n / wall, (wall - ttft) / (n - 1) * 1e3))
+            print(f"round {r}: " + "  ".join(f"{a.label} {per_round[a.label][-1][0]:.1f} tok/s "
+                                             f"({per_round[a.label][-1][1]:.2f} ms/token)" for a in arms), flush=True)
+        base = statistics.median(x[0] for x in per_round[arms[0].label])
+        for arm in arms:
+            rates = per_round[arm.label]
+            tok_s, ms = statistics.median(x[0] for x in rates), statistics.median(x[1] for x in rates)
+            threads = sorted(cpu[arm.label].items(), key=lambda kv: -kv[1])
+            print(f"{arm.label}: median {tok_s:.1f} tok/s, {ms:.2f} ms per token after the first, "
+                  f"{tok_s / base:.3f} x {arms[0].label}; CPU ms per token: "
+                  + ", ".join(f"{t} {s / (n * args.rounds) * 1e3:.2f}" for t, s in threads if s > 0.002))
+        print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f}")
+    finally:
+        for arm in arms:
+            arm.close()
+
+
+if __name__ == "__main__":
+    main()
