@@ -1,4 +1,4 @@
-"""One stream through real servers and through the engine alone, interleaved: which is slower, and by how much.
+"""One stream (or --streams) through real servers and through the engine alone, interleaved: which is slower, and by how much.
 
 Each arm is a `tokenloop serve` (its own executable: a checkout's .venv/bin/tokenloop, so two branches compare) or
 `engine`: an `Engine` on its own thread in this process, driven through enqueue / await_responses (no looper, no
@@ -40,11 +40,11 @@ class ServerArm:
     def ready(self) -> None:
         asyncio.run(wait_ready(self.port))
 
-    def generate(self, prompt: list[int], n: int) -> tuple[float, float]:
-        wall, ttfts, counts, _ = asyncio.run(stream_all(self.port, [prompt], [n], 1))
-        if counts != [n]:
-            raise RuntimeError(f"{self.label}: {counts} tokens, expected {n}")
-        return wall, ttfts[0]
+    def generate(self, prompts: list[list[int]], n: int) -> tuple[float, float]:
+        wall, ttfts, counts, _ = asyncio.run(stream_all(self.port, prompts, [n] * len(prompts), len(prompts)))
+        if counts != [n] * len(prompts):
+            raise RuntimeError(f"{self.label}: {counts} tokens, expected {n} each")
+        return wall, max(ttfts)
 
     def close(self) -> None:
         self.process.terminate()
@@ -62,21 +62,23 @@ class EngineArm:
     def ready(self) -> None:
         pass
 
-    def generate(self, prompt: list[int], n: int) -> tuple[float, float]:
+    def generate(self, prompts: list[list[int]], n: int) -> tuple[float, float]:
         from tokenloop.core.request import SamplingParams, StoppingParams, ValidRequest
 
-        start, first, count, done = time.perf_counter(), None, 0, False
-        self.engine.enqueue(ValidRequest(request_id="ab", prompt_token_ids=tuple(prompt),
-                                         sampling=SamplingParams(temperature=0.0),
-                                         stopping=StoppingParams(max_new_tokens=n, ignore_eos=True)))
-        while not done:
+        start, firsts, count, open_ = time.perf_counter(), {}, 0, set()
+        for i, prompt in enumerate(prompts):
+            open_.add(self.engine.enqueue(ValidRequest(
+                request_id=f"ab{i}", prompt_token_ids=tuple(prompt), sampling=SamplingParams(temperature=0.0),
+                stopping=StoppingParams(max_new_tokens=n, ignore_eos=True))))
+        while open_:
             for step in self.engine.await_responses(0.02):
-                first = first or time.perf_counter()
+                firsts.setdefault(step.executor_id, time.perf_counter())
                 count += len(step.token_ids)
-                done = done or step.is_final
-        if count != n:
-            raise RuntimeError(f"{self.label}: {count} tokens, expected {n}")
-        return time.perf_counter() - start, first - start
+                if step.is_final:
+                    open_.discard(step.executor_id)
+        if count != n * len(prompts):
+            raise RuntimeError(f"{self.label}: {count} tokens, expected {n * len(prompts)}")
+        return time.perf_counter() - start, max(firsts.values()) - start
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -89,6 +91,9 @@ def main() -> None:
     parser.add_argument("--weights", default="int4")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=1, help="concurrent requests per round (8: engine_bench's "
+                        "`eight`, 32: `uniform`); ms per token after the first is then per step, after the last "
+                        "request's first token")
     args = parser.parse_args()
     arms = []
     try:
@@ -98,20 +103,20 @@ def main() -> None:
                         ServerArm(label, exe, args.model, ["--weights", args.weights]))
         for arm in arms:
             arm.ready()
-            arm.generate(list(range(100, 116)), 4)  # warm-up, as engine_bench's
+            arm.generate([list(range(100, 116))], 4)  # warm-up, as engine_bench's
         n, per_round, cpu = args.new_tokens, {a.label: [] for a in arms}, {a.label: {} for a in arms}
         for r in range(args.rounds):
-            prompt = [1000 + (r * 97 + i * 13) % 15000 for i in range(64)]
+            prompts = [[1000 + (r * 97 + k * 31 + i * 13) % 15000 for i in range(64)] for k in range(args.streams)]
             for arm in arms if r % 2 == 0 else arms[::-1]:
                 before, client = cpu_by_thread_name(arm.pid), time.process_time()
-                wall, ttft = arm.generate(prompt, n)
+                wall, ttft = arm.generate(prompts, n)
                 after, client = cpu_by_thread_name(arm.pid), time.process_time() - client
                 used = cpu[arm.label]
                 for thread, seconds in after.items():
                     used[thread] = used.get(thread, 0.0) + seconds - before.get(thread, 0.0)
                 if isinstance(arm, ServerArm):
                     used["client"] = used.get("client", 0.0) + client
-                per_round[arm.label].append((n / wall, (wall - ttft) / (n - 1) * 1e3))
+                per_round[arm.label].append((n * args.streams / wall, (wall - ttft) / (n - 1) * 1e3))
             print(f"round {r}: " + "  ".join(f"{a.label} {per_round[a.label][-1][0]:.1f} tok/s "
                                              f"({per_round[a.label][-1][1]:.2f} ms/token)" for a in arms), flush=True)
         base = statistics.median(x[0] for x in per_round[arms[0].label])
@@ -121,7 +126,7 @@ def main() -> None:
             threads = sorted(cpu[arm.label].items(), key=lambda kv: -kv[1])
             print(f"{arm.label}: median {tok_s:.1f} tok/s, {ms:.2f} ms per token after the first, "
                   f"{tok_s / base:.3f} x {arms[0].label}; CPU ms per token: "
-                  + ", ".join(f"{t} {s / (n * args.rounds) * 1e3:.2f}" for t, s in threads if s > 0.002))
+                  + ", ".join(f"{t} {s / (n * args.streams * args.rounds) * 1e3:.2f}" for t, s in threads if s > 0.002))
         print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.2f}")
     finally:
         for arm in arms:
