@@ -7,20 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.test_fused_decode import BLOCK, Seq  # what runner.prepare reads; blocks of 8 tokens
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine import kernels, runner
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-
-BLOCK = 8
-
-
-class Seq:  # what runner.prepare reads
-    lora = embed = None
-
-    def __init__(self, tokens: list[int], computed: int, first_block: int):
-        self.token_ids, self.num_computed_tokens = tokens, computed
-        self.block_table = list(range(first_block, first_block + 8))
 
 
 def decodes() -> list[tuple[Seq, int]]:
