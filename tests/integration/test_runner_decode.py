@@ -4,14 +4,23 @@ decodes over contexts that end inside a block are the same as with the mask, on 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from tests.integration.test_fused_decode import BLOCK, Seq  # what runner.prepare reads; blocks of 8 tokens
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine import kernels, runner
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
+
+BLOCK = 8
+
+
+def Seq(tokens: list[int], computed: int, first_block: int) -> SimpleNamespace:  # noqa: N802 - stands in for a class
+    """What runner.prepare reads of a sequence."""
+    return SimpleNamespace(token_ids=tokens, num_computed_tokens=computed, lora=None, embed=None,
+                           block_table=list(range(first_block, first_block + 8)))
 
 
 def decodes() -> list[tuple[Seq, int]]:
