@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.test_fused_decode import BLOCK, Seq
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine import hugepages, kernels
 from tokenloop.engine.config import EngineConfig
@@ -15,25 +16,15 @@ from tokenloop.engine.engine import Engine
 from tokenloop.engine.matmul import ROUTE_ENV
 from tokenloop.engine.runner import prepare
 
-BLOCK = 8
 
-
-class Seq:  # what runner.prepare reads
-    lora = embed = None
-
-    def __init__(self, tokens: list[int], computed: int, first_block: int):
-        self.token_ids, self.num_computed_tokens = tokens, computed
-        self.block_table = list(range(first_block, first_block + 12))
-
-
-def load(checkpoint, weights: str, huge: str):
+def load(checkpoint, weights: str, huge: str, backend: str = "torch"):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(hugepages.ENV, huge)
-        if weights == "int4":
+        if weights == "int4":  # an exact C route where there is one, without timing the routes (both engines alike)
             kernel = kernels.load_int4()
             patch.setenv(ROUTE_ENV, f"int4-{kernel.isa}" if kernel is not None else "torch-fp32")
-        return Engine(checkpoint, EngineConfig(weights=weights, kv_cache_tokens=1024, block_size=BLOCK),
-                      start=False).model
+        return Engine(checkpoint, EngineConfig(weights=weights, kv_cache_tokens=1024, block_size=BLOCK,
+                                               matmul_backend=backend), start=False).model
 
 
 def run(model) -> list[torch.Tensor]:
@@ -55,10 +46,11 @@ def run(model) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int4"])
-def test_logits_are_equal_with_huge_pages_off_and_on(tmp_path, weights):
+@pytest.mark.parametrize("weights, backend", [("fp32", "torch"), ("fp32", "numpy2"), ("int4", "auto")])
+def test_logits_are_equal_with_huge_pages_off_and_on(tmp_path, weights, backend):
+    """fp32: a fixed backend (auto times them, and two backends may differ in the last bits)."""
     checkpoint = make_tiny_model(tmp_path / "llama", "llama", tied=weights == "fp32", num_layers=3)
-    off, on = load(checkpoint, weights, "off"), load(checkpoint, weights, "on")
+    off, on = load(checkpoint, weights, "off", backend), load(checkpoint, weights, "on", backend)
     for a, b in zip(run(off), run(on), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(off.k_cache, on.k_cache) and torch.equal(off.v_cache, on.v_cache)
