@@ -123,28 +123,33 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def move_weights(weights: dict, skip: tuple[str, ...] = ("embed",)) -> dict:
-    """`weights` (loader.load_weights: tensors and QWeight / Q4Weight) with every tensor but those named in `skip`
-    copied into one Arena, in dict order (a layer's weights stay together). A tensor shared by two names (a tied
-    lm_head is the embedding itself) is placed once and stays shared. Unchanged where huge pages are unavailable."""
+    """Every tensor of `weights` (loader.load_weights: tensors and QWeight / Q4Weight) but those named in `skip`
+    copied into one Arena, in dict order (a layer's weights stay together). The entries are replaced in `weights`
+    itself, one at a time, so each original can go as soon as its copy is made (a load peaks at the weights plus
+    one entry, not twice the weights); returns `weights`. A tensor shared by two names (a tied lm_head is the
+    embedding itself) is placed once and stays shared. Unchanged where huge pages are unavailable."""
     reason = unavailable_reason()
     if reason is not None:
         log.debug("huge pages: %s; the weights stay on torch's pages", reason)
         return weights
     shared = {id(weights[name]) for name in weights if name not in skip}
     chosen = [name for name in weights if name not in skip or id(weights[name]) in shared]
-    unique = {id(t): t for name in chosen for t in _tensors(weights[name])}
-    arena = Arena(sum(_page_round(t.numel() * t.element_size()) for t in unique.values()))
-    moved = {key: arena.place(t) for key, t in unique.items()}
+    sizes = {id(t): _page_round(t.numel() * t.element_size()) for name in chosen for t in _tensors(weights[name])}
+    arena = Arena(sum(sizes.values()))
+    moved: dict[int, torch.Tensor] = {}  # id of an original (all alive at the start: ids unique) -> its copy
 
-    def move(value):
-        if isinstance(value, torch.Tensor):
-            return moved[id(value)]
-        return dataclasses.replace(value, **{f.name: moved[id(getattr(value, f.name))]
-                                             for f in dataclasses.fields(value)
-                                             if isinstance(getattr(value, f.name), torch.Tensor)})
+    def place(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in moved:
+            moved[id(t)] = arena.place(t)
+        return moved[id(t)]
 
-    out = {name: move(value) if name in chosen else value for name, value in weights.items()}
+    for name in chosen:
+        value = weights[name]
+        weights[name] = place(value) if isinstance(value, torch.Tensor) else dataclasses.replace(
+            value, **{f.name: place(getattr(value, f.name)) for f in dataclasses.fields(value)
+                      if isinstance(getattr(value, f.name), torch.Tensor)})
+        del value
     if log.isEnabledFor(logging.DEBUG):
         log.debug("huge pages: %d weight tensors, %.1f MB, in one arena, %.1f MB of it on huge pages", len(moved),
                   arena.used / 1e6, huge_bytes(arena.buffer) / 1e6)
-    return out
+    return weights

@@ -66,7 +66,7 @@ def test_move_weights_moves_every_tensor_but_the_embedding_and_keeps_ties():
     embed = torch.randn(96, 64)
     weights = {"embed": embed, "norm": torch.randn(64), "lm_head": embed, "layers.0.qkv": qweight(torch.randn(96, 64)),
                "layers.0.o": qweight4(torch.randn(64, 64)), "layers.0.input_norm": torch.randn(64)}
-    moved = hugepages.move_weights(weights)
+    moved = hugepages.move_weights(dict(weights))
     assert moved["embed"] is moved["lm_head"] and moved["embed"] is not embed  # tied: placed once, still shared
     assert torch.equal(moved["embed"], embed)
     storage = moved["norm"].untyped_storage().data_ptr()
@@ -77,6 +77,8 @@ def test_move_weights_moves_every_tensor_but_the_embedding_and_keeps_ties():
         for f in fields:
             t = getattr(moved[name], f)
             assert t.untyped_storage().data_ptr() == storage and torch.equal(t, getattr(weights[name], f))
+    in_place = dict(weights)
+    assert hugepages.move_weights(in_place) is in_place and in_place["norm"] is not weights["norm"]
     untied = hugepages.move_weights({**weights, "lm_head": torch.randn(96, 64)})
     assert untied["embed"] is embed  # read a few rows a step: left where it is
 
