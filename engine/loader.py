@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import hugepages
 from .quant import Q4Weight, QWeight, qweight, qweight4
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -146,7 +147,9 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     checkpoint's own values, after fusing); the embedding lookup, norms and biases keep `dtype`.
     weights="int4": the layers' matrices become Q4Weight (4 bits, a scale and a minimum per group of 32 columns) and
     the lm_head int8, as llama.cpp's 4-bit files keep their output matrix at 6 or 8 bits (docs/engine.md: a 4-bit
-    lm_head costs 6 % of perplexity on the default model, the layers 0.x %)."""
+    lm_head costs 6 % of perplexity on the default model, the layers 0.x %).
+    Every weight but the embedding (which a step reads only a few rows of) ends in one huge-page arena
+    (hugepages.py), so the decode step streams it through 2 MiB pages; TOKENLOOP_HUGE_PAGES=off keeps torch's."""
     raw = read_tensors(model_dir)
     cast = lambda t: t.to(dtype).contiguous()  # noqa: E731
     linear = {"int8": qweight, "int4": qweight4}.get(weights, cast)
@@ -168,4 +171,4 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         out[f"layers.{i}.down"] = linear(_take(raw, p + "mlp.down_proj.weight"))
         out[f"layers.{i}.input_norm"] = cast(_take(raw, p + "input_layernorm.weight"))
         out[f"layers.{i}.post_norm"] = cast(_take(raw, p + "post_attention_layernorm.weight"))
-    return out
+    return hugepages.move_weights(out)

@@ -14,6 +14,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from . import hugepages
 from .kernels import LayerOps, PagedAttention, QuantKernel, StepKernels
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
@@ -126,9 +127,11 @@ class Model:
             weights[f"layers.{i}.down"]) for i in range(config.num_layers)]
         c = config
         self.block_size = block_size
-        # k_cache, v_cache: [L, num_blocks * block_size, K, E]; slot = block_id * block_size + offset
-        self.k_cache = torch.zeros(c.num_layers, num_blocks * block_size, c.num_kv_heads, c.head_dim, dtype=dtype)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        # k_cache, v_cache: [L, num_blocks * block_size, K, E]; slot = block_id * block_size + offset; on huge pages
+        # like the weights (hugepages.py): attention streams them too
+        cache_shape = (c.num_layers, num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        self.k_cache = hugepages.zeros(cache_shape, dtype)
+        self.v_cache = hugepages.zeros(cache_shape, dtype)
         # cos, sin: [max_context, E], computed in float32 like transformers, then cast
         pos = torch.arange(c.max_context_length, dtype=torch.float32)
         freqs = pos[:, None] * rope_inv_freq(c)[None, :]

@@ -1,0 +1,74 @@
+"""The weights and the KV cache on huge pages (engine/hugepages.py) give the same bits: a tiny random-weight model's
+logits over a prefill and decode steps (the fused C step for int4, the per-operation path for fp32) are equal with
+TOKENLOOP_HUGE_PAGES=off and on, and with it on every streamed weight, the fused step's plan included, is in one
+arena and the caches are on huge pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.test_fused_decode import BLOCK, Seq
+from tests.tiny_model import make_tiny_model
+from tokenloop.engine import hugepages, kernels
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.engine import Engine
+from tokenloop.engine.matmul import ROUTE_ENV
+from tokenloop.engine.runner import prepare
+
+
+def load(checkpoint, weights: str, huge: str, backend: str = "torch"):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(hugepages.ENV, huge)
+        if weights == "int4":  # an exact C route where there is one, without timing the routes (both engines alike)
+            kernel = kernels.load_int4()
+            patch.setenv(ROUTE_ENV, f"int4-{kernel.isa}" if kernel is not None else "torch-fp32")
+        return Engine(checkpoint, EngineConfig(weights=weights, kv_cache_tokens=1024, block_size=BLOCK,
+                                               matmul_backend=backend), start=False).model
+
+
+def run(model) -> list[torch.Tensor]:
+    """Logits of a prefill of three sequences, then four decode steps of all three."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = [Seq(torch.randint(3, 300, (n,), generator=gen).tolist(), 0, 1 + 12 * i) for i, n in enumerate((9, 30, 5))]
+    out = []
+    for s in seqs:
+        batch, _ = prepare([(s, len(s.token_ids))], BLOCK)
+        out.append(model.forward(batch))
+        s.num_computed_tokens = len(s.token_ids)
+    for _ in range(4):
+        for s in seqs:
+            s.token_ids.append(int(torch.randint(3, 300, (1,), generator=gen)))
+        batch, _ = prepare([(s, 1) for s in seqs], BLOCK)
+        out.append(model.forward(batch))
+        for s in seqs:
+            s.num_computed_tokens += 1
+    return out
+
+
+@pytest.mark.parametrize("weights, backend", [("fp32", "torch"), ("fp32", "numpy2"), ("int4", "auto")])
+def test_logits_are_equal_with_huge_pages_off_and_on(tmp_path, weights, backend):
+    """fp32: a fixed backend (auto times them, and two backends may differ in the last bits)."""
+    checkpoint = make_tiny_model(tmp_path / "llama", "llama", tied=weights == "fp32", num_layers=3)
+    off, on = load(checkpoint, weights, "off", backend), load(checkpoint, weights, "on", backend)
+    for a, b in zip(run(off), run(on), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(off.k_cache, on.k_cache) and torch.equal(off.v_cache, on.v_cache)
+    reason = hugepages.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"bits checked; no huge pages here: {reason}")
+    arena = on.norm.untyped_storage().data_ptr()
+    streamed = [on.norm, *(getattr(on.lm_head, "q", on.lm_head),)]
+    for w in on.layers:
+        streamed += [w.input_norm, w.post_norm]
+        for p in (w.qkv, w.o, w.gate_up, w.down):
+            streamed += [p] if isinstance(p, torch.Tensor) else [p.q, getattr(p, "sm", None)]
+    assert all(t.untyped_storage().data_ptr() == arena for t in streamed)  # one arena
+    assert off.norm.untyped_storage().data_ptr() != off.layers[0].input_norm.untyped_storage().data_ptr()
+    if weights == "fp32":
+        assert on.embed is on.lm_head  # tied: still one tensor
+    if on.plan is not None:  # the fused step's pointers are the arena's
+        kept = {t.data_ptr() for t in on.plan._keep}
+        assert on.layers[0].gate_up.q.data_ptr() in kept and on.k_cache.data_ptr() in kept
+    assert hugepages.huge_bytes(on.k_cache) > 0 and hugepages.huge_bytes(on.v_cache) > 0
+    assert hugepages.huge_bytes(off.k_cache) == 0
