@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.scheduled import BLOCK, Seq
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
@@ -19,15 +20,6 @@ from tokenloop.engine.runner import prepare
 ops, paged = kernels.load_ops(), kernels.load()
 needs_kernels = pytest.mark.skipif(ops is None or paged is None or kernels.load_int8() is None
                                    or kernels.load_int4() is None, reason="no C compiler here: the torch path serves")
-BLOCK = 8
-
-
-class Seq:  # what runner.prepare reads
-    lora = embed = None
-
-    def __init__(self, tokens: list[int], computed: int, first_block: int):
-        self.token_ids, self.num_computed_tokens = tokens, computed
-        self.block_table = list(range(first_block, first_block + 12))
 
 
 def engine(tmp_path, weights: str, arch: str = "llama", route: str | None = None) -> Engine:

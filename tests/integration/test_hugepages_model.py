@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.test_fused_decode import BLOCK, Seq
+from tests.integration.scheduled import BLOCK, Seq
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine import hugepages, kernels
 from tokenloop.engine.config import EngineConfig

@@ -4,33 +4,24 @@ decodes over contexts that end inside a block are the same as with the mask, on 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from tests.integration.scheduled import BLOCK, Seq
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine import kernels, runner
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 
-BLOCK = 8
-
-
-def Seq(tokens: list[int], computed: int, first_block: int) -> SimpleNamespace:  # noqa: N802 - stands in for a class
-    """What runner.prepare reads of a sequence."""
-    return SimpleNamespace(token_ids=tokens, num_computed_tokens=computed, lora=None, embed=None,
-                           block_table=list(range(first_block, first_block + 8)))
-
 
 def decodes() -> list[tuple[Seq, int]]:
     """Three decodes whose contexts (13, 22, 30 tokens) end inside a block, after their prompts are cached."""
-    return [(Seq(list(range(3 + i, 3 + i + n)), n - 1, 1 + 8 * i), 1) for i, n in enumerate((13, 22, 30))]
+    return [(Seq(list(range(3 + i, 3 + i + n)), n - 1, 1 + 8 * i, num_blocks=8), 1) for i, n in enumerate((13, 22, 30))]
 
 
 def fill_cache(engine: Engine, scheduled: list[tuple[Seq, int]]) -> None:
     for seq, _ in scheduled:  # each prompt's K/V, so that the decodes read real context
-        batch, _ = runner.prepare([(Seq(seq.token_ids[:-1], 0, seq.block_table[0]), len(seq.token_ids) - 1)], BLOCK)
+        batch, _ = runner.prepare([(Seq(seq.token_ids[:-1], 0, seq.block_table[0], num_blocks=8), len(seq.token_ids) - 1)], BLOCK)
         engine.model.forward(batch)
 
 
@@ -59,6 +50,6 @@ def test_decode_logits_equal_with_and_without_the_mask_where_run_leaves_it_out(t
 
 def test_prefill_chunks_keep_their_mask_without_the_decode_mask():
     """decode_mask concerns decode groups only: a chunk over cached context keeps its causal mask."""
-    chunk = Seq(list(range(3, 23)), 12, 1)
+    chunk = Seq(list(range(3, 23)), 12, 1, num_blocks=8)
     batch, _ = runner.prepare([(chunk, 8)], BLOCK, decode_mask=False)
     assert batch.groups[0].max_q == 8 and batch.groups[0].mask is not None
