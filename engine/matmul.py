@@ -66,9 +66,9 @@ COLD_TOKENS = 4  # buckets up to this many tokens are timed over every layer's w
 ROUTE_ENV = "TOKENLOOP_MATMUL_ROUTE"  # force one route for every bucket of a quantized mode (docs/engine.md)
 CACHE_ENV = "TOKENLOOP_MATMUL_CACHE"  # "off": time the routes at every start, never read or write the cache file
 # A choice timed while other processes used more than this share of the CPUs is cached as provisional: a later start
-# on a quiet machine (1-minute load average under QUIET_LOAD per CPU) times the routes again.
+# on a quiet machine (others within LOAD_LIMIT over QUIET_SAMPLE_S, measured then) times the routes again.
 LOAD_LIMIT = 0.15
-QUIET_LOAD = 0.5
+QUIET_SAMPLE_S = 0.3
 
 
 class OthersLoad:
@@ -100,11 +100,13 @@ class OthersLoad:
 
 
 def quiet_now() -> bool:
-    """The machine looks idle: the 1-minute load average is under QUIET_LOAD per CPU."""
-    try:
-        return os.getloadavg()[0] < QUIET_LOAD * (os.cpu_count() or 1)
-    except OSError:
-        return False
+    """The machine is idle now: other processes used at most LOAD_LIMIT of the CPUs over the next QUIET_SAMPLE_S.
+    (Not the load average: it trails by a minute, so a start right after other work, as in a benchmark that runs
+    one server after another, would still read as busy.)"""
+    load = OthersLoad()
+    time.sleep(QUIET_SAMPLE_S)
+    share = load.share()
+    return share is not None and share <= LOAD_LIMIT
 
 
 def _fastest(candidates: dict, rounds: int = 7):

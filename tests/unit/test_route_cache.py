@@ -74,3 +74,14 @@ def test_a_choice_timed_under_load_is_timed_again_on_a_quiet_start(calibrate, mo
     quiet = calibrate()  # re-timed, and now cached for good
     assert quiet.chosen.startswith("timed in") and "timed under load" in quiet.chosen
     assert calibrate().chosen.startswith("cached in") and "provisional" not in calibrate().chosen
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="OthersLoad reads /proc/stat (Linux)")
+def test_a_machine_with_a_busy_process_is_not_quiet():
+    spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass\n"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)
+        assert not matmul.quiet_now()
+    finally:
+        busy.wait()
