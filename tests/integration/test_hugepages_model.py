@@ -71,4 +71,5 @@ def test_logits_are_equal_with_huge_pages_off_and_on(tmp_path, weights, backend)
         kept = {t.data_ptr() for t in on.plan._keep}
         assert on.layers[0].gate_up.q.data_ptr() in kept and on.k_cache.data_ptr() in kept
     assert hugepages.huge_bytes(on.k_cache) > 0 and hugepages.huge_bytes(on.v_cache) > 0
-    assert hugepages.huge_bytes(off.k_cache) == 0
+    # off: no arena (checked on the weights above); the caches are torch.zeros, whose pages the kernel may still back
+    # with huge pages (a CI run found 10 MiB of one such mapping huge-backed), so their backing is not asserted
