@@ -196,7 +196,7 @@ def product_routes(model_dir: str, rows: int, rounds: int = 7) -> tuple[dict[str
 
     from tokenloop.engine.kernels import load_f32
     from tokenloop.engine.loader import ModelConfig, load_weights
-    from tokenloop.engine.matmul import Backend, MatmulPolicy, _Helper, set_blas_threads
+    from tokenloop.engine.matmul import Backend, MatmulPolicy, _Helper, _timings, set_blas_threads
 
     set_blas_threads(1)
     config = ModelConfig.from_dir(model_dir)
@@ -243,15 +243,9 @@ def product_routes(model_dir: str, rows: int, rounds: int = 7) -> tuple[dict[str
     if f32 is not None:
         routes[f"f32c2 ({f32.isa}), 2 threads"] = f32c(2)
         routes[f"f32c ({f32.isa}), 1 thread"] = f32c(1)
-    best = dict.fromkeys(routes, float("inf"))
     torch.set_num_threads(1)
     with torch.inference_mode():
-        for _ in range(rounds):
-            for name, run in routes.items():
-                run()
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - start)
+        best = _timings(routes, rounds)  # the calibration's interleaved best-of rounds
     return {name: 1e3 * t for name, t in best.items()}, 2 * rows * sum(w.numel() for w in mats)
 
 
