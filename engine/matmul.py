@@ -387,9 +387,10 @@ class MatmulPolicy:
         path = cache_dir() / f"matmul-{mode}-{_cache_key(mode, weights, kernel)}.json"
         record = _read_record(path, routes) if use_cache else None
         chosen = f"cached in {path}"
-        retime = record is not None and _provisional(record) and quiet_now()
-        if record is not None and _provisional(record) and not retime:
-            chosen += f" (timed while other processes used {_provisional(record):.0%} of the CPUs; timed again " \
+        under_load = _provisional(record) if record is not None else 0.0
+        retime = bool(under_load) and quiet_now()
+        if under_load and not retime:
+            chosen += f" (timed while other processes used {under_load:.0%} of the CPUs; timed again " \
                       "at a start on a quiet machine)"
         if record is None or retime:
             started, load = time.perf_counter(), OthersLoad()
