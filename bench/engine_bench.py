@@ -82,6 +82,14 @@ class Result:
     def ttft_p50_s(self) -> float:
         return statistics.median(self.ttft_s) if self.ttft_s else float("nan")
 
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """One stream: tokens per second after the first token (each reads the weights once), the rate a share of
+        the memory bandwidth is about; None for several streams."""
+        if len(self.ttft_s) != 1 or self.num_tokens < 2:
+            return None
+        return (self.num_tokens - 1) / (self.wall_s - self.ttft_s[0])
+
 
 def make_scenarios(corpus: list[int], seed: int = 0) -> dict[str, Scenario]:
     def window(i: int, n: int) -> list[int]:
@@ -347,13 +355,18 @@ def must_show(results: list[Result], bandwidth: dict | None) -> tuple[dict, str]
     for mode in ("int4", "int8"):
         single = by.get((f"tokenloop {mode}", "single"))
         if bandwidth and single:
-            part = bw.share(bandwidth, mode, single.tokens_per_s)
-            figures[f"{mode}_bandwidth_share"] = part
-            lines.append(f"| {mode}, one stream: weights read per second / what two threads stream | "
-                         f"{bandwidth['weight_bytes_per_token'][mode] / 1e6:.1f} MB x {single.tokens_per_s:.1f} tok/s "
-                         f"= {bandwidth['weight_bytes_per_token'][mode] * single.tokens_per_s / 1e9:.1f} GB/s of "
-                         f"{bandwidth['limit_bytes_per_s'] / 1e9:.1f}: **{100 * part:.0f} %** | "
-                         + (">= 60 % |" if mode == "int4" else "(for comparison) |"))
+            # the request's tokens/s (its prefill and first token counted) and the decode rate after the first token
+            for key, what, rate in ((f"{mode}_bandwidth_share", "whole request", single.tokens_per_s),
+                                    (f"{mode}_decode_bandwidth_share", "after the first token",
+                                     single.decode_tokens_per_s)):
+                if rate is None:
+                    continue
+                part = figures[key] = bw.share(bandwidth, mode, rate)
+                lines.append(f"| {mode}, one stream ({what}): weights read per second / what two threads stream | "
+                             f"{bandwidth['weight_bytes_per_token'][mode] / 1e6:.1f} MB x {rate:.1f} tok/s "
+                             f"= {bandwidth['weight_bytes_per_token'][mode] * rate / 1e9:.1f} GB/s of "
+                             f"{bandwidth['limit_bytes_per_s'] / 1e9:.1f}: **{100 * part:.0f} %** | "
+                             + (">= 60 % |" if mode == "int4" else "(for comparison) |"))
     for scenario, target in (("uniform", 1.2), ("mixed", 2.4)):
         fp32 = by.get(("tokenloop fp32", scenario)) or by.get(("tokenloop", scenario))
         ref = by.get(("transformers", scenario))

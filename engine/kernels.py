@@ -355,11 +355,13 @@ class LayerOps:
 
     def decode_plan(self, layers: list, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
-                    block_size: int) -> DecodePlan | None:
+                    block_size: int, int4_operands=None) -> DecodePlan | None:
         """The plan of `decode_step` for a model's layers (model.LayerWeights), or None when a layer's weights are
-        not all int8 / int4 (quant.QWeight / Q4Weight): float weights keep the per-operation path."""
+        not all int8 / int4 (quant.QWeight / Q4Weight): float weights keep the per-operation path.
+        `int4_operands(w)`: the (q, sm) tensors the int4 products read, when the route's path multiplies another
+        layout than w.q (the x22 paths: Int4Linear.packed); w's own by default."""
         return DecodePlan.build(self, layers, k_cache, v_cache, cos, sin, num_heads, num_kv_heads, head_dim, eps,
-                                scale, block_size)
+                                scale, block_size, int4_operands)
 
     def decode_step(self, plan: DecodePlan, step: StepKernels, h: torch.Tensor, positions: torch.Tensor,
                     slots: torch.Tensor, groups: list) -> None:
@@ -429,6 +431,7 @@ class StepKernels:
                 desc.path[kind] = kernel._code
         desc.split, desc.split_attention = int(split), int(split_attention)
         desc.paged, desc.paged_path = _address(paged._lib, "paged_decode_f32_path"), paged._code
+        self.plan: DecodePlan | None = None  # the plan over the weight layout these paths read (model.py sets it)
 
 
 class DecodePlan:
@@ -445,7 +448,7 @@ class DecodePlan:
     @classmethod
     def build(cls, ops: LayerOps, layers: list, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
-              block_size: int) -> DecodePlan | None:
+              block_size: int, int4_operands=None) -> DecodePlan | None:
         keep: list = [k_cache, v_cache, cos, sin]
         kinds: set[int] = set()
 
@@ -454,9 +457,9 @@ class DecodePlan:
             if kind is None:
                 return None
             kinds.add(kind)
-            s = w.scale if kind == 0 else w.sm
-            keep.extend((w.q, s))
-            return _DWeight(kind, w.q.data_ptr(), s.data_ptr(), w.num_out, w.q.shape[1], w.group_size)
+            q, s = (w.q, w.scale) if kind == 0 else int4_operands(w) if int4_operands else (w.q, w.sm)
+            keep.extend((q, s))
+            return _DWeight(kind, q.data_ptr(), s.data_ptr(), w.num_out, w.q.shape[1], w.group_size)
 
         tensors = [k_cache, v_cache, cos, sin] + [t for w in layers for t in (w.input_norm, w.post_norm, w.qkv_bias)
                                                   if t is not None]

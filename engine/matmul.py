@@ -237,16 +237,24 @@ VNNI_INELIGIBLE = ("its int8 activations fail the quality contract on the defaul
 FP32_INELIGIBLE = "needs a float32 copy of every weight (4 bytes a weight against the mode's 1 or 0.5)"
 
 
+# int4's x22 paths (22-bit integer activations) have no int8 counterpart: the int8 lm_head takes the exact float path
+# of the same hardware (its rows are batch invariant on any path)
+_X22_LM_HEAD = {"x22-vnni": ("avx512", "avx2"), "x22-avx2": ("avx2",), "x22-portable": ("portable",)}
+
+
 def quant_routes(mode: str, int8: Int8Linear | None, int4: Int4Linear | None = None) -> dict[str, QuantRoute]:
     """Every route of `mode` ("int8" / "int4") this machine can run: the C kernel's paths this CPU has (with int4,
-    each int4 path takes int8's path of the same name for the int8 lm_head), and torch's kernels."""
+    each int4 path takes int8's path of the same name for the int8 lm_head, an x22 path the exact one: _X22_LM_HEAD;
+    the x22 paths are one family, `x22`), and torch's kernels."""
     routes: dict[str, QuantRoute] = {}
     kernel = int4 if mode == "int4" else int8
     if kernel is not None:
         for isa in kernel.supported():
-            family = "exact" if isa in ("avx2", "avx512") else isa
+            family = "exact" if isa in ("avx2", "avx512") else "x22" if isa.startswith("x22-") else isa
             ineligible = VNNI_INELIGIBLE if isa == "vnni" else ""
-            partner = int8.with_isa(isa) if mode == "int4" and int8 is not None and int8.supports(isa) else None
+            # the int8 lm_head's path: the same name, or for x22 the exact one of the same hardware
+            lm_head = next((i for i in _X22_LM_HEAD.get(isa, (isa,)) if int8 is not None and int8.supports(i)), None)
+            partner = int8.with_isa(lm_head) if mode == "int4" and lm_head else None
             routes[f"{mode}-{isa}"] = QuantRoute(f"{mode}-{isa}", family, **(
                 {"int4": kernel.with_isa(isa), "int8": partner} if mode == "int4" else {"int8": kernel.with_isa(isa)}),
                 ineligible=ineligible)
@@ -262,9 +270,10 @@ def route_missing(mode: str, name: str, int8: Int8Linear | None, int4: Int4Linea
         return ""
     kernel = int4 if mode == "int4" else int8
     prefix, _, isa = name.partition("-")
+    paths = (Int4Linear if mode == "int4" else Int8Linear).PATHS
     if prefix != mode or not isa:
         return (f"{ROUTE_ENV}={name!r} is not a route of --weights {mode} (routes: "
-                f"{', '.join([*(f'{mode}-{i}' for i in Int8Linear.PATHS), 'torch-fp32', 'torch-dynq'])})")
+                f"{', '.join([*(f'{mode}-{i}' for i in paths), 'torch-fp32', 'torch-dynq'])})")
     if kernel is None:
         return f"the {mode} C kernel could not be built here (no C compiler, or a failed build)"
     return kernel.missing(isa)

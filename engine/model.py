@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import hugepages
-from .kernels import LayerOps, PagedAttention, QuantKernel, StepKernels
+from .kernels import Int4Linear, LayerOps, PagedAttention, QuantKernel, StepKernels
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
 
@@ -141,9 +141,13 @@ class Model:
         self.kv_size = c.num_kv_heads * c.head_dim
         # every layer of a decode-only step in one C call (layer_ops.c, decode_step_f32): the per-weight pointers,
         # built once here; None where the weights are not all quantized or the native ops / attention are missing
-        self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self.cos, self.sin, c.num_heads,
-                                    c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size) \
+        self._plan_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size)
+        self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args) \
             if self.ops is not None and self.paged is not None else None
+        self._packed_plans: dict[int, object] = {}  # by id(Int4Linear): plans over that kernel's x22 packing
+        if self.plan is not None:  # pack the int4 weights for an x22 route now, not in the first request
+            for route, _ in set(matmul.qroutes.values()):
+                self._plan_for(route.int4)
         self.fuse_decode = True  # False: decode steps take the per-operation path too (tests and benchmarks)
         self._step_kernels: dict[tuple[object, bool], StepKernels | None] = {}  # by (QuantRoute, split)
 
@@ -193,7 +197,8 @@ class Model:
     def fused_kernels(self, batch: ForwardBatch) -> StepKernels | None:
         """What runs `batch` in one C call (layer_ops.c, decode_step_f32), or None when it takes the per-operation
         path: a step with LoRA rows or a prefill row, weights that are not all quantized, or a route that is not
-        the engine's exact C kernels (torch routes, vnni)."""
+        one of the engine's batch-invariant C kernel families (exact float32 activations, or int4's x22; not the
+        torch routes nor vnni). `kernels.plan` is the plan over the weight layout the route's int4 path reads."""
         if self.plan is None or not self.fuse_decode or batch.lora_segments or \
                 not all(g.max_q == 1 and g.lens is not None for g in batch.groups):
             return None
@@ -201,17 +206,33 @@ class Model:
         key = (route, split)
         if key not in self._step_kernels:
             kernels = {0: route.int8, 1: route.int4}
-            usable = all(kernels[kind] is not None and kernels[kind].isa in QuantKernel.EXACT
+            fusable = {0: QuantKernel.EXACT, 1: QuantKernel.EXACT + Int4Linear.X22}
+            usable = all(kernels[kind] is not None and kernels[kind].isa in fusable[kind]
                          for kind in self.plan.kinds) and not route.family.startswith("torch")
-            self._step_kernels[key] = StepKernels(route.int8, route.int4, split, self.paged, self.split_attention) \
-                if usable else None
+            step = StepKernels(route.int8, route.int4, split, self.paged, self.split_attention) if usable else None
+            if step is not None:
+                step.plan = self._plan_for(route.int4)
+            self._step_kernels[key] = step
         return self._step_kernels[key]
+
+    def _plan_for(self, int4: Int4Linear | None):
+        """The fused plan for products on `int4`'s path: the model's own, or, for an x22 path, one over the packing
+        that path multiplies (Int4Linear.packed: one more copy of the int4 weights, shared with the per-operation
+        path's products), built on first use."""
+        if int4 is None or int4.isa not in Int4Linear.X22:
+            return self.plan
+        plan = self._packed_plans.get(id(int4))
+        if plan is None:
+            plan = self._packed_plans[id(int4)] = self.ops.decode_plan(
+                self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args,
+                int4_operands=int4.packed)
+        return plan
 
     def _forward_fused(self, batch: ForwardBatch, kernels: StepKernels) -> torch.Tensor:
         """`_forward_ops` for a decode-only step, every layer in one C call: the same functions in the same order
         (layer_ops.c, decode_step_f32), so the same bits."""
         h = self.embed[batch.input_ids]  # [T, D], a new tensor: updated in place
-        self.ops.decode_step(self.plan, kernels, h, batch.positions, batch.slot_mapping, batch.groups)
+        self.ops.decode_step(kernels.plan, kernels, h, batch.positions, batch.slot_mapping, batch.groups)
         return self._logits(h, batch)
 
     def _logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -7,7 +7,8 @@
 
 Each rule runs on the route the start-up calibration chooses ("calibrated") and on every route forced with
 TOKENLOOP_MATMUL_ROUTE (docs/engine.md, "Kernels and calibration"): the C kernel's paths (avx2, avx512, and vnni,
-whose int8 activations change the numerics) and torch's kernels (fp32 on the dequantized weights, and torch-dynq, its
+whose int8 activations change the numerics; for int4 also x22-avx2 / x22-vnni, activations as 22-bit integers, an
+eligible family of their own) and torch's kernels (fp32 on the dequantized weights, and torch-dynq, its
 dynamically quantized int8 Linear). The calibration never chooses torch-dynq (one activation scale per call: perplexity
 +70 %) nor vnni (perplexity holds, the greedy rules do not): for those the tests assert that the contract still fails,
 so a route cannot turn eligible unseen. A route this CPU cannot run skips with the reason. fp32's perplexity and
@@ -55,8 +56,9 @@ ENGINE = dict(kv_cache_tokens=8192, max_num_tokens=256, max_batch_size=16)
 ROUTES = [(mode, route) for mode in ("int8", "int4")
           for route in (None, f"{mode}-avx2", f"{mode}-avx512", f"{mode}-vnni", f"{mode}-portable", "torch-fp32",
                         "torch-dynq")]
-PORTABLE = ("the portable C path (the fallback where a CPU has no AVX2) takes ~15 minutes for the perplexity text "
-            "here; its float32-activation arithmetic is checked against float64 in tests/unit/test_quantized.py")
+ROUTES += [("int4", f"int4-x22-{isa}") for isa in ("vnni", "avx2", "portable")]
+PORTABLE = ("the portable C paths (the fallback where a CPU has no AVX2) take minutes for the perplexity text here; "
+            "their arithmetic is checked against float64 and the SIMD paths in the unit tests")
 
 
 @pytest.fixture(params=ROUTES, ids=[f"{m}-{r or 'calibrated'}".replace(f"{m}-{m}-", f"{m}-") for m, r in ROUTES])

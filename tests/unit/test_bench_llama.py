@@ -135,6 +135,11 @@ def test_the_table_and_summary_compare_the_fastest_mode_with_llama_server():
     assert summary["vs_llama_uniform"]["ratio"] == 2.1 and summary["vs_llama_uniform"]["ttft_p50_s"] == 0.6
     assert "vs_llama_eight" not in summary  # not run: no row
     assert summary["int4_bandwidth_share"] == pytest.approx(0.7) == bandwidth.share(figures, "int4", 140)
+    # after the first token: 1399 tokens in the 9.95 s after a 0.05 s first token
+    decode = results[2].decode_tokens_per_s
+    assert decode == pytest.approx(1399 / 9.95) and results[3].decode_tokens_per_s is None
+    assert summary["int4_decode_bandwidth_share"] == pytest.approx(bandwidth.share(figures, "int4", decode))
+    assert "(after the first token)" in text and "(whole request)" in text
     assert summary["fp32_vs_transformers_uniform"] == 1.25 and summary["fp32_vs_transformers_mixed"] == 3.0
     assert "**2.10x**" in text and "**70 %**" in text and ">= 2.4x" in text
 
