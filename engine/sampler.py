@@ -197,8 +197,10 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence],
     """Choose the next token of each sequence. logits [S, V] float32, row i belongs to seqs[i]; the rows of
     `structured` sequences are masked in place. A row that cannot be sampled gets a RowFailure, alone."""
     failures = guided.mask_logits(logits, seqs)  # row -> error where a structure's matcher failed
-    best, greedy_ids = logits.max(-1)  # one batched max serves every unmodified row (argmax: the greedy ones)
-    best, greedy_ids = best.tolist(), greedy_ids.tolist()
+    # one batched max serves every unmodified row (argmax: the greedy ones), in numpy: torch's max(-1) with indices
+    # takes ~45 us a row of 49152 here, numpy ~6 (both give the first of equal maxima and propagate NaN)
+    values = logits.detach().numpy()
+    best, greedy_ids = values.max(-1).tolist(), values.argmax(-1).tolist()
     out: list[Sample | RowFailure] = []
     for i, seq in enumerate(seqs):
         if i in failures:

@@ -183,3 +183,9 @@ def test_an_exception_in_one_row_fails_that_row_only(monkeypatch):
     assert isinstance(failure, sampler.RowFailure) and not failure.invalid
     assert failure.message.startswith("sampling failed: RuntimeError: probability tensor")
     assert sample.token_id == 1
+
+
+def test_greedy_takes_the_first_of_equal_maxima_as_torch_argmax_does():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -3.0, -1.0, -2.0]])
+    samples = sampler.sample_batch(logits, [seq_for(temperature=0.0) for _ in range(3)], (99,))
+    assert [s.token_id for s in samples] == [1, 0, 0] == logits.argmax(-1).tolist()
