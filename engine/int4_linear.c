@@ -352,51 +352,76 @@ static void x22_portable(const x22_t *c, int64_t M, float *y, int64_t N, int64_t
 
 #if HAVE_X86
 
-/* ---- x22-vnni: vpdpbusd (the nibbles unsigned, a plane signed). The low nibbles (v & 0x0f) are channels 0..15; the
- * high ones are taken in place (v & 0xf0 = 16 * q, no shift), so their plane sums are 16 * the dot products, undone by
- * the shifts that combine the planes: lo = (Ah << 14) + (Am << 7) + Al, hi = (Bh << 10) + (Bm << 3) + (Bl >> 4)
- * (Bl a multiple of 16, >= 0: exact; each term bounded as in the header, so no int32 wraps). ---- */
+/* ---- x22-vnni: vpdpbusd (the weight bytes unsigned, a plane signed). A 64-byte chunk v holds channels 0..15 in its
+ * low nibbles and 16..31 in its high ones, so without any shift: B = dot(v & 0xf0, plane) = 16 * the high channels'
+ * dot product, A = dot(v, plane) = the low channels' + B. Per plane then lo = A - B and hi = B >> 4 (B a multiple of
+ * 16: exact), combined as lo = (lo_h << 14) + (lo_m << 7) + lo_l, hi = (B_h << 10) + (B_m << 3) + (B_l >> 4). Bounds:
+ * |A| <= 255 * 128 * 64 < 2^21, and each combined term as in the header's, so no int32 wraps. ---- */
 
-/* row m against blocks b .. b + NB - 1 (NB <= 4): all three planes at once, their three 4-byte broadcasts per four
- * columns shared by the blocks, six vpdpbusd per 64 bytes of weights (6 NB int32 accumulators); out [NB * 32] */
+/* acc += the dot products of a's unsigned bytes and b's signed ones, four per lane (vpdpbusd), in inline assembly: the
+ * intrinsic's tied accumulator makes gcc 12 copy and spill the 24 accumulators of x22_row_blocks through the stack
+ * (twice the time) */
+VNNI_FN static inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+/* one block's six vpdpbusd on its 64 bytes at column k: A into r0..r2, B into r3..r5 (planes h, m, l) */
+#define X22_BLOCK(j, r0, r1, r2, r3, r4, r5)                                                                       \
+    do {                                                                                                            \
+        _mm_prefetch((const char *)(q + (j) * bytes + ahead), _MM_HINT_T0);                                        \
+        const __m512i v = _mm512_loadu_si512(q + (j) * bytes + k * (PACK / 2));                                    \
+        const __m512i w1 = _mm512_and_si512(v, hi);                                                                 \
+        r0 = dpbusd(r0, v, vh), r1 = dpbusd(r1, v, vm), r2 = dpbusd(r2, v, vl);                                     \
+        r3 = dpbusd(r3, w1, vh), r4 = dpbusd(r4, w1, vm), r5 = dpbusd(r5, w1, vl);                                  \
+    } while (0)
+
+/* a block's group: the planes combined (above), then the float epilogue (header) into t[0], t[1] */
+VNNI_FN INLINE void x22_epilogue(const x22_t *c, int64_t m, int64_t bj, int64_t g, __m512i r0, __m512i r1, __m512i r2,
+                                 __m512i r3, __m512i r4, __m512i r5, __m512 *t) {
+    const int64_t NG = c->K / c->G;
+    const __m512 sr = _mm512_set1_ps(c->sx[m * NG + g]), xg = _mm512_set1_ps(c->xs[m * NG + g]);
+    r0 = _mm512_sub_epi32(r0, r3), r1 = _mm512_sub_epi32(r1, r4), r2 = _mm512_sub_epi32(r2, r5);
+    const __m512i i0 = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(r0, 14), _mm512_slli_epi32(r1, 7)), r2);
+    const __m512i i1 = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(r3, 10), _mm512_slli_epi32(r4, 3)),
+                                        _mm512_srai_epi32(r5, 4));
+    const uint16_t *s = c->sm + (bj * NG + g) * 2 * PACK;
+    t[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(half16(s), sr), t[0]);
+    t[0] = _mm512_fmadd_ps(xg, half16(s + 32), t[0]);
+    t[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(half16(s + 16), sr), t[1]);
+    t[1] = _mm512_fmadd_ps(xg, half16(s + 48), t[1]);
+}
+
+/* row m against blocks b .. b + NB - 1 (NB <= 4, measured best: 2 and 3 are 5-10 % slower): all three planes at
+ * once, their three 4-byte broadcasts per four columns shared by the blocks, six vpdpbusd and one and per 64 bytes
+ * of weights (6 NB int32 accumulators, named so that they stay in registers; 24 + 3 + 4 of the 32 zmm); each block's
+ * stream prefetched PREFETCH_AHEAD bytes ahead as row_blocks512's; out [NB * 32] */
 VNNI_FN INLINE void x22_row_blocks(const x22_t *c, int64_t m, int64_t b, const int NB, float *out) {
     const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4, bytes = K * (PACK / 2);
     const int8_t *xh = c->xp + m * 3 * K, *xm = xh + K, *xl = xm + K;
     const uint8_t *q = c->qv + b * bytes;
-    const __m512i lo = _mm512_set1_epi8(0x0f), hi = _mm512_set1_epi8((char)0xf0);
+    const __m512i hi = _mm512_set1_epi8((char)0xf0);
     __m512 t[8];
-    __m512i a[24];
     for (int j = 0; j < 2 * NB; j++) t[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < NG; g++) {
-        for (int j = 0; j < 6 * NB; j++) a[j] = _mm512_setzero_si512();
+        const __m512i z = _mm512_setzero_si512();
+        __m512i a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, b0 = z, b1 = z, b2 = z, b3 = z, b4 = z, b5 = z;
+        __m512i c0 = z, c1 = z, c2 = z, c3 = z, c4 = z, c5 = z, e0 = z, e1 = z, e2 = z, e3 = z, e4 = z, e5 = z;
         for (int64_t i = 0; i < C; i++) {
             const int64_t k = g * G + 4 * i;
             const __m512i vh = _mm512_set1_epi32(load4(xh + k)), vm = _mm512_set1_epi32(load4(xm + k)),
                           vl = _mm512_set1_epi32(load4(xl + k));
             int64_t ahead = k * (PACK / 2) + PREFETCH_AHEAD;
             if (ahead >= bytes) ahead += (NB - 1) * bytes;
-            for (int j = 0; j < NB; j++) {
-                _mm_prefetch((const char *)(q + j * bytes + ahead), _MM_HINT_T0);
-                const __m512i v = _mm512_loadu_si512(q + j * bytes + k * (PACK / 2));
-                const __m512i w0 = _mm512_and_si512(v, lo), w1 = _mm512_and_si512(v, hi);
-                __m512i *r = a + 6 * j;
-                r[0] = _mm512_dpbusd_epi32(r[0], w0, vh), r[1] = _mm512_dpbusd_epi32(r[1], w0, vm);
-                r[2] = _mm512_dpbusd_epi32(r[2], w0, vl), r[3] = _mm512_dpbusd_epi32(r[3], w1, vh);
-                r[4] = _mm512_dpbusd_epi32(r[4], w1, vm), r[5] = _mm512_dpbusd_epi32(r[5], w1, vl);
-            }
+            X22_BLOCK(0, a0, a1, a2, a3, a4, a5);
+            if (NB > 1) X22_BLOCK(1, b0, b1, b2, b3, b4, b5);
+            if (NB > 2) X22_BLOCK(2, c0, c1, c2, c3, c4, c5);
+            if (NB > 3) X22_BLOCK(3, e0, e1, e2, e3, e4, e5);
         }
-        const __m512 sr = _mm512_set1_ps(c->sx[m * NG + g]), xg = _mm512_set1_ps(c->xs[m * NG + g]);
-        for (int j = 0; j < NB; j++) {
-            const __m512i *r = a + 6 * j;
-            const __m512i i0 = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(r[0], 14), _mm512_slli_epi32(r[1], 7)), r[2]);
-            const __m512i i1 = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(r[3], 10), _mm512_slli_epi32(r[4], 3)),
-                                                _mm512_srai_epi32(r[5], 4));
-            const uint16_t *s = c->sm + ((b + j) * NG + g) * 2 * PACK;
-            t[2 * j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(half16(s), sr), t[2 * j]);
-            t[2 * j] = _mm512_fmadd_ps(xg, half16(s + 32), t[2 * j]);
-            t[2 * j + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(half16(s + 16), sr), t[2 * j + 1]);
-            t[2 * j + 1] = _mm512_fmadd_ps(xg, half16(s + 48), t[2 * j + 1]);
-        }
+        x22_epilogue(c, m, b, g, a0, a1, a2, a3, a4, a5, t);
+        if (NB > 1) x22_epilogue(c, m, b + 1, g, b0, b1, b2, b3, b4, b5, t + 2);
+        if (NB > 2) x22_epilogue(c, m, b + 2, g, c0, c1, c2, c3, c4, c5, t + 4);
+        if (NB > 3) x22_epilogue(c, m, b + 3, g, e0, e1, e2, e3, e4, e5, t + 6);
     }
     for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
 }
@@ -412,8 +437,8 @@ VNNI_FN INLINE void x22_plane(const int8_t *x, int64_t stride, const uint8_t *w,
         const __m512i w0 = _mm512_and_si512(v, lo), w1 = _mm512_and_si512(v, hi);
         for (int r = 0; r < R; r++) {
             const __m512i xb = _mm512_set1_epi32(load4(x + r * stride + 4 * i));
-            a[2 * r] = _mm512_dpbusd_epi32(a[2 * r], w0, xb);
-            a[2 * r + 1] = _mm512_dpbusd_epi32(a[2 * r + 1], w1, xb);
+            a[2 * r] = dpbusd(a[2 * r], w0, xb);
+            a[2 * r + 1] = dpbusd(a[2 * r + 1], w1, xb);
         }
     }
     for (int r = 0; r < R; r++) {
