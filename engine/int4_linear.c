@@ -286,16 +286,21 @@ typedef struct {
     int64_t K, G;
 } x22_t;
 
-/* x [M, K] -> the planes of xi = lrintf(x * (X22_MAX / amax)) per row and group (one function for every path and row
- * count, so a row's integers do not depend on the batch) */
+/* a group's scale sx and its inverse, from its amax: one function for the scalar and the AVX-512 quantization */
+static inline __attribute__((always_inline)) void x22_scales(float amax, float *s, float *inv) {
+    *s = amax / 2097151.0f, *inv = amax > 0.0f ? 2097151.0f / amax : 0.0f;
+}
+
+/* x [M, K] -> the planes of xi = lrintf(x * (X22_MAX / amax)) per row and group (the same integers for every path and
+ * row count, so a row's do not depend on the batch; quantize22_512 is this on 16 lanes, the same bits) */
 static void quantize22(const float *x, int64_t M, int64_t K, int64_t G, int8_t *xp, float *sx, float *xs) {
     const int64_t NG = K / G;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < NG; g++) {
             const float *v = x + m * K + g * G;
-            float amax = 0.0f;
+            float amax = 0.0f, s, inv;
             for (int64_t k = 0; k < G; k++) amax = fmaxf(amax, fabsf(v[k]));
-            const float s = amax / 2097151.0f, inv = amax > 0.0f ? 2097151.0f / amax : 0.0f;
+            x22_scales(amax, &s, &inv);
             int8_t *h = xp + m * 3 * K + g * G, *mid = h + K, *l = mid + K;
             int32_t sum = 0; /* |sum| <= 64 * (2^21 - 1) < 2^27 */
             for (int64_t k = 0; k < G; k++) {
@@ -309,6 +314,40 @@ static void quantize22(const float *x, int64_t M, int64_t K, int64_t G, int8_t *
             xs[m * NG + g] = s * (float)sum;
         }
 }
+
+#if HAVE_X86
+/* quantize22 on 16 lanes (x22-vnni's preparation): max |x| is exact in any order, v * inv one rounding, vcvtps2dq
+ * rounds to nearest even as lrintf does, the sum is exact: the same planes and scales */
+VNNI_FN static void quantize22_512(const float *x, int64_t M, int64_t K, int64_t G, int8_t *xp, float *sx, float *xs) {
+    const int64_t NG = K / G;
+    const __m512i top = _mm512_set1_epi32(X22_MAX), bottom = _mm512_set1_epi32(-X22_MAX), low7 = _mm512_set1_epi32(127);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < NG; g++) {
+            const float *v = x + m * K + g * G;
+            __m512 vmax = _mm512_setzero_ps();
+            for (int64_t k = 0; k < G; k += 16) {
+                const __mmask16 live = G - k >= 16 ? 0xffff : (__mmask16)((1u << (G - k)) - 1);
+                vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(live, v + k)));
+            }
+            float s, inv;
+            x22_scales(_mm512_reduce_max_ps(vmax), &s, &inv);
+            const __m512 vinv = _mm512_set1_ps(inv);
+            int8_t *h = xp + m * 3 * K + g * G, *mid = h + K, *l = mid + K;
+            __m512i sum = _mm512_setzero_si512();
+            for (int64_t k = 0; k < G; k += 16) {
+                const __mmask16 live = G - k >= 16 ? 0xffff : (__mmask16)((1u << (G - k)) - 1);
+                __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, v + k), vinv));
+                xi = _mm512_max_epi32(_mm512_min_epi32(xi, top), bottom);
+                sum = _mm512_add_epi32(sum, xi);
+                _mm_mask_storeu_epi8(h + k, live, _mm512_cvtepi32_epi8(_mm512_srai_epi32(xi, 14)));
+                _mm_mask_storeu_epi8(mid + k, live, _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srai_epi32(xi, 7), low7)));
+                _mm_mask_storeu_epi8(l + k, live, _mm512_cvtepi32_epi8(_mm512_and_si512(xi, low7)));
+            }
+            sx[m * NG + g] = s;
+            xs[m * NG + g] = s * (float)_mm512_reduce_add_epi32(sum);
+        }
+}
+#endif
 
 static inline int32_t load4(const int8_t *p) {
     int32_t v;
@@ -585,6 +624,12 @@ static int prepare(int path, const float *x, int64_t M, int64_t K, int64_t G, pr
     if (!p->buf) return -2;
     p->xs = p->buf, p->sx = p->xs + M * NG, p->xq = (int8_t *)(p->xs + floats);
     if (x22) {
+#if HAVE_X86
+        if (path == PATH_X22_VNNI) {
+            quantize22_512(x, M, K, G, p->xq, p->sx, p->xs);
+            return 0;
+        }
+#endif
         quantize22(x, M, K, G, p->xq, p->sx, p->xs);
         return 0;
     }

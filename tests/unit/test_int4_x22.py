@@ -97,6 +97,29 @@ def test_the_three_x22_paths_give_identical_bits():
                 assert torch.equal(out, outs[0]), (isa, runnable[0], shape, rows)
 
 
+def test_rounding_ties_clamps_and_zero_groups_quantize_alike_on_every_path():
+    """x chosen so that x * inv lands on halves (amax = 2^21 - 1: inv = 1), on the clamp, in an all-zero group and far
+    from 1 in scale: every path (x22-vnni quantizes on 16 lanes, the others in C) gives the reference's bits."""
+    if KERNEL is None:
+        pytest.skip("no C compiler here")
+    runnable = [isa for isa in X22 if KERNEL.supports(isa)]
+    x = torch.zeros(4, 576)
+    x[0, :32] = torch.arange(32) - 15.5  # ties to even: -15.5 .. 15.5
+    x[0, 0] = float(X22_MAX)
+    x[0, 32:64] = torch.arange(32) * 2.5 + 0.5
+    x[0, 63] = float(X22_MAX)
+    x[1] = torch.randn(576) * 1e-30
+    x[2] = torch.randn(576) * 1e30
+    x[3, ::7] = -3.0  # a group with one value, others of zeros
+    w = quantize4(torch.randn(70, 576, generator=torch.Generator().manual_seed(2)), 32)
+    outs = {isa: product(isa, x, w) for isa in runnable}
+    ref = x22_reference(x, w)
+    for isa, out in outs.items():
+        assert torch.equal(out, outs[runnable[0]]), isa
+        for row, want in zip(out.double().numpy(), ref):  # rows of scales 1e-30 .. 1e30
+            np.testing.assert_allclose(row, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("isa", X22)
 def test_a_row_gets_the_same_bits_alone_in_any_batch_and_on_two_threads(isa):
     """Batches of 1 .. 40 rows (tiles of six, the rows left over, the one-row step on 1 to 4 blocks) on one thread and
