@@ -13,7 +13,8 @@ one candidate's runs only):
                         one token memory-bound, so its bytes per second are what two threads stream here)
   MODE-ISA              the engine's C kernel (int8_linear.c / int4_linear.c) on code path ISA, split over its
                         worker thread as the engine runs it: portable, avx2, avx512 (same bits as avx2), vnni (int8
-                        activations per row and group of 32, vpdpbusd); portable timed up to 8 tokens
+                        activations per row and group of 32, vpdpbusd); portable timed up to 8 tokens; int4 also
+                        x22-portable, x22-avx2, x22-vnni (22-bit integer activations, identical bits to each other)
   torch-fp32            F.linear on the dequantized weights, one torch thread (as the engine runs torch)
   torch-dynq [2t]       torch.ops.quantized.linear_dynamic (x86 / fbgemm engine: activations quantized per call,
                         VNNI), the weights requantized per channel; one torch thread, and two ("2t")
@@ -50,7 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.results import add_out_argument, machine, write  # noqa: E402
 
-SLOW = {"fp32 native2": 32, "int8-portable": 8, "int4-portable": 8}  # timed up to this many tokens only
+SLOW = {"fp32 native2": 32, "int8-portable": 8, "int4-portable": 8, "int4-x22-portable": 8}  # timed up to this many tokens only
 
 
 def shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int]:

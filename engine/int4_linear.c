@@ -28,6 +28,23 @@
  *   3 AVX-512 F/BW/VL: the same arithmetic per output on 16 lanes (identical bits): one row against up to four
  *     blocks at once (kernel_common.h's row_blocks512, each block's stream prefetched ahead), 6 x 32 tiles.
  *   4 vnni: int8 activations (kernel_common.h), its own numerics.
+ *   5 x22-portable, 6 x22-avx2, 7 x22-vnni: activations quantized to 22-bit integers, integer dot products; the three
+ *     give identical bits (integer sums are exact, and the float epilogue is the same sequence of operations).
+ *     Weights in vnni's packing qv [N32, K/4, 16, 4] (four columns of a channel in one 32-bit lane, the low nibbles
+ *     channels 0..15 of the block, the high ones 16..31). G must be a multiple of 4 and at most 64 (else -1).
+ *     Per row m and group g of G columns:
+ *       amax = max |x| over the group (fmaxf in column order), sx = amax / 2097151.0f,
+ *       inv = amax > 0 ? 2097151.0f / amax : 0, xi[k] = lrintf(x[k] * inv) clamped to [-2097151, 2097151];
+ *       the planes (int8) xh = xi >> 14 (arithmetic: -128 .. 127), xm = (xi >> 7) & 127, xl = xi & 127, so that
+ *       xi = xh * 16384 + xm * 128 + xl; stored [M, 3, K] once per call, shared by both threads;
+ *       xs[m, g] = sx * (float)(the exact int32 sum of xi over the group).
+ *     Per output channel n: isum = (dot(q, xh) << 14) + (dot(q, xm) << 7) + dot(q, xl) = dot(q, xi) over the group,
+ *       exact in int32: |isum| <= 15 * 64 * 2097151 = 2013264960 < 2^31 - 1, and each term alone at most
+ *       15 * 128 * 64 * 16384 = 2013265920 (so no sum of them wraps either);
+ *     total = 0; for each group in order: total = fmaf((float)isum, d * sx, total) (d * sx one float multiply of the
+ *       half scale, as float, by sx), then total = fmaf(xs[m, g], mn, total) (mn the half minimum): vnni's epilogue.
+ *     The error of xi is at float32's own level (2^-22 of the group's max, rounding), so the products stay within
+ *     float32 rounding of the exact path's, unlike vnni's int8 activations; a row's bits depend only on that row.
  *
  * Two threads: int4_linear_f32_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on this
  * library's own worker thread in one call (a worker that spins briefly, then sleeps on a futex: the scheme of
@@ -254,10 +271,345 @@ DEFINE_VNNI_STEPS(1)
 
 #endif /* HAVE_X86 */
 
-int int4_path_supported(int path) { return path_supported(path); }
+/* ---- x22: 4-bit weights times activations quantized to 22-bit integers (paths 5, 6, 7; the header says the
+ * arithmetic). Every path reads vnni's packing qv [N32, K/4, 16, 4] and the planes xp [M, 3, K] (xh, xm, xl). ---- */
+
+#define X22_MAX 2097151 /* 2^21 - 1: the largest |xi| */
+
+/* the operands of an x22 product, prepared once for both threads */
+typedef struct {
+    const int8_t *xp;  /* [M, 3, K]: each row's planes xh, xm, xl */
+    const float *sx;   /* [M, NG] amax / X22_MAX */
+    const float *xs;   /* [M, NG] sx * the exact sum of the group's xi */
+    const uint8_t *qv; /* [N32, K/4, 16, 4] */
+    const uint16_t *sm;
+    int64_t K, G;
+} x22_t;
+
+/* a group's scale sx and its inverse, from its amax: one function for the scalar and the AVX-512 quantization */
+static inline __attribute__((always_inline)) void x22_scales(float amax, float *s, float *inv) {
+    *s = amax / 2097151.0f, *inv = amax > 0.0f ? 2097151.0f / amax : 0.0f;
+}
+
+/* x [M, K] -> the planes of xi = lrintf(x * (X22_MAX / amax)) per row and group (the same integers for every path and
+ * row count, so a row's do not depend on the batch; quantize22_512 is this on 16 lanes, the same bits) */
+static void quantize22(const float *x, int64_t M, int64_t K, int64_t G, int8_t *xp, float *sx, float *xs) {
+    const int64_t NG = K / G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < NG; g++) {
+            const float *v = x + m * K + g * G;
+            float amax = 0.0f, s, inv;
+            for (int64_t k = 0; k < G; k++) amax = fmaxf(amax, fabsf(v[k]));
+            x22_scales(amax, &s, &inv);
+            int8_t *h = xp + m * 3 * K + g * G, *mid = h + K, *l = mid + K;
+            int32_t sum = 0; /* |sum| <= 64 * (2^21 - 1) < 2^27 */
+            for (int64_t k = 0; k < G; k++) {
+                long r = lrintf(v[k] * inv);
+                r = r > X22_MAX ? X22_MAX : r < -X22_MAX ? -X22_MAX : r;
+                const int32_t xi = (int32_t)r;
+                sum += xi;
+                h[k] = (int8_t)(xi >> 14), mid[k] = (int8_t)((xi >> 7) & 127), l[k] = (int8_t)(xi & 127);
+            }
+            sx[m * NG + g] = s;
+            xs[m * NG + g] = s * (float)sum;
+        }
+}
+
+#if HAVE_X86
+/* quantize22 on 16 lanes (x22-vnni's preparation): max |x| is exact in any order, v * inv one rounding, vcvtps2dq
+ * rounds to nearest even as lrintf does, the sum is exact: the same planes and scales */
+VNNI_FN static void quantize22_512(const float *x, int64_t M, int64_t K, int64_t G, int8_t *xp, float *sx, float *xs) {
+    const int64_t NG = K / G;
+    const __m512i top = _mm512_set1_epi32(X22_MAX), bottom = _mm512_set1_epi32(-X22_MAX), low7 = _mm512_set1_epi32(127);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < NG; g++) {
+            const float *v = x + m * K + g * G;
+            __m512 vmax = _mm512_setzero_ps();
+            for (int64_t k = 0; k < G; k += 16) {
+                const __mmask16 live = G - k >= 16 ? 0xffff : (__mmask16)((1u << (G - k)) - 1);
+                vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(live, v + k)));
+            }
+            float s, inv;
+            x22_scales(_mm512_reduce_max_ps(vmax), &s, &inv);
+            const __m512 vinv = _mm512_set1_ps(inv);
+            int8_t *h = xp + m * 3 * K + g * G, *mid = h + K, *l = mid + K;
+            __m512i sum = _mm512_setzero_si512();
+            for (int64_t k = 0; k < G; k += 16) {
+                const __mmask16 live = G - k >= 16 ? 0xffff : (__mmask16)((1u << (G - k)) - 1);
+                __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, v + k), vinv));
+                xi = _mm512_max_epi32(_mm512_min_epi32(xi, top), bottom);
+                sum = _mm512_add_epi32(sum, xi);
+                _mm_mask_storeu_epi8(h + k, live, _mm512_cvtepi32_epi8(_mm512_srai_epi32(xi, 14)));
+                _mm_mask_storeu_epi8(mid + k, live, _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srai_epi32(xi, 7), low7)));
+                _mm_mask_storeu_epi8(l + k, live, _mm512_cvtepi32_epi8(_mm512_and_si512(xi, low7)));
+            }
+            sx[m * NG + g] = s;
+            xs[m * NG + g] = s * (float)_mm512_reduce_add_epi32(sum);
+        }
+}
+#endif
+
+static inline int32_t load4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* portable C: the exact dot products per channel and group (in int32: see the header's bound), then the epilogue with
+ * fmaf, the operation the SIMD paths' FMAs do */
+static void x22_portable(const x22_t *c, int64_t M, float *y, int64_t N, int64_t b_begin, int64_t b_end,
+                         int64_t n_end) {
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    float total[PACK];
+    int32_t xi[64], isum[PACK];
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = b_begin; b < b_end; b++) {
+            for (int l = 0; l < PACK; l++) total[l] = 0.0f;
+            for (int64_t g = 0; g < NG; g++) {
+                const int8_t *h = c->xp + m * 3 * K + g * G, *mid = h + K, *lo = mid + K;
+                for (int64_t k = 0; k < G; k++) xi[k] = h[k] * 16384 + mid[k] * 128 + lo[k];
+                const uint8_t *w = c->qv + (b * (K / 4) + g * (G / 4)) * (2 * PACK);
+                for (int l = 0; l < PACK; l++) isum[l] = 0;
+                for (int64_t k = 0; k < G; k++) {
+                    const uint8_t *p = w + (k / 4) * (2 * PACK) + k % 4;
+                    for (int l = 0; l < PACK / 2; l++) {
+                        isum[l] += (p[4 * l] & 15) * xi[k];
+                        isum[l + PACK / 2] += (p[4 * l] >> 4) * xi[k];
+                    }
+                }
+                const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK;
+                const float sx = c->sx[m * NG + g], xg = c->xs[m * NG + g];
+                for (int l = 0; l < PACK; l++) {
+                    const float ds = half_to_float(s[l]) * sx;
+                    total[l] = fmaf((float)isum[l], ds, total[l]);
+                    total[l] = fmaf(xg, half_to_float(s[PACK + l]), total[l]);
+                }
+            }
+            store_n(y + m * N, b * PACK, n_end, total, PACK);
+        }
+}
+
+#if HAVE_X86
+
+/* ---- x22-vnni: vpdpbusd (the weight bytes unsigned, a plane signed). A 64-byte chunk v holds channels 0..15 in its
+ * low nibbles and 16..31 in its high ones, so without any shift: B = dot(v & 0xf0, plane) = 16 * the high channels'
+ * dot product, A = dot(v, plane) = the low channels' + B. Per plane then lo = A - B and hi = B >> 4 (B a multiple of
+ * 16: exact), combined as lo = (lo_h << 14) + (lo_m << 7) + lo_l, hi = (B_h << 10) + (B_m << 3) + (B_l >> 4). Bounds:
+ * |A| <= 255 * 128 * 64 < 2^21, and each combined term as in the header's, so no int32 wraps. ---- */
+
+/* acc += the dot products of a's unsigned bytes and b's signed ones, four per lane (vpdpbusd), in inline assembly: the
+ * intrinsic's tied accumulator makes gcc 12 copy and spill the 24 accumulators of x22_row_blocks through the stack
+ * (twice the time) */
+VNNI_FN static inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+/* one block's six vpdpbusd on its 64 bytes at column k: A into r0..r2, B into r3..r5 (planes h, m, l) */
+#define X22_BLOCK(j, r0, r1, r2, r3, r4, r5)                                                                       \
+    do {                                                                                                            \
+        _mm_prefetch((const char *)(q + (j) * bytes + ahead), _MM_HINT_T0);                                        \
+        const __m512i v = _mm512_loadu_si512(q + (j) * bytes + k * (PACK / 2));                                    \
+        const __m512i w1 = _mm512_and_si512(v, hi);                                                                 \
+        r0 = dpbusd(r0, v, vh), r1 = dpbusd(r1, v, vm), r2 = dpbusd(r2, v, vl);                                     \
+        r3 = dpbusd(r3, w1, vh), r4 = dpbusd(r4, w1, vm), r5 = dpbusd(r5, w1, vl);                                  \
+    } while (0)
+
+/* a block's group: the planes combined (above), then the float epilogue (header) into t[0], t[1] */
+VNNI_FN INLINE void x22_epilogue(const x22_t *c, int64_t m, int64_t bj, int64_t g, __m512i r0, __m512i r1, __m512i r2,
+                                 __m512i r3, __m512i r4, __m512i r5, __m512 *t) {
+    const int64_t NG = c->K / c->G;
+    const __m512 sr = _mm512_set1_ps(c->sx[m * NG + g]), xg = _mm512_set1_ps(c->xs[m * NG + g]);
+    r0 = _mm512_sub_epi32(r0, r3), r1 = _mm512_sub_epi32(r1, r4), r2 = _mm512_sub_epi32(r2, r5);
+    const __m512i i0 = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(r0, 14), _mm512_slli_epi32(r1, 7)), r2);
+    const __m512i i1 = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(r3, 10), _mm512_slli_epi32(r4, 3)),
+                                        _mm512_srai_epi32(r5, 4));
+    const uint16_t *s = c->sm + (bj * NG + g) * 2 * PACK;
+    t[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(half16(s), sr), t[0]);
+    t[0] = _mm512_fmadd_ps(xg, half16(s + 32), t[0]);
+    t[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(half16(s + 16), sr), t[1]);
+    t[1] = _mm512_fmadd_ps(xg, half16(s + 48), t[1]);
+}
+
+/* row m against blocks b .. b + NB - 1 (NB <= 4, measured best: 2 and 3 are 5-10 % slower): all three planes at
+ * once, their three 4-byte broadcasts per four columns shared by the blocks, six vpdpbusd and one and per 64 bytes
+ * of weights (6 NB int32 accumulators, named so that they stay in registers; 24 + 3 + 4 of the 32 zmm); each block's
+ * stream prefetched PREFETCH_AHEAD bytes ahead as row_blocks512's; out [NB * 32] */
+VNNI_FN INLINE void x22_row_blocks(const x22_t *c, int64_t m, int64_t b, const int NB, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4, bytes = K * (PACK / 2);
+    const int8_t *xh = c->xp + m * 3 * K, *xm = xh + K, *xl = xm + K;
+    const uint8_t *q = c->qv + b * bytes;
+    const __m512i hi = _mm512_set1_epi8((char)0xf0);
+    __m512 t[8];
+    for (int j = 0; j < 2 * NB; j++) t[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        const __m512i z = _mm512_setzero_si512();
+        __m512i a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, b0 = z, b1 = z, b2 = z, b3 = z, b4 = z, b5 = z;
+        __m512i c0 = z, c1 = z, c2 = z, c3 = z, c4 = z, c5 = z, e0 = z, e1 = z, e2 = z, e3 = z, e4 = z, e5 = z;
+        for (int64_t i = 0; i < C; i++) {
+            const int64_t k = g * G + 4 * i;
+            const __m512i vh = _mm512_set1_epi32(load4(xh + k)), vm = _mm512_set1_epi32(load4(xm + k)),
+                          vl = _mm512_set1_epi32(load4(xl + k));
+            int64_t ahead = k * (PACK / 2) + PREFETCH_AHEAD;
+            if (ahead >= bytes) ahead += (NB - 1) * bytes;
+            X22_BLOCK(0, a0, a1, a2, a3, a4, a5);
+            if (NB > 1) X22_BLOCK(1, b0, b1, b2, b3, b4, b5);
+            if (NB > 2) X22_BLOCK(2, c0, c1, c2, c3, c4, c5);
+            if (NB > 3) X22_BLOCK(3, e0, e1, e2, e3, e4, e5);
+        }
+        x22_epilogue(c, m, b, g, a0, a1, a2, a3, a4, a5, t);
+        if (NB > 1) x22_epilogue(c, m, b + 1, g, b0, b1, b2, b3, b4, b5, t + 2);
+        if (NB > 2) x22_epilogue(c, m, b + 2, g, c0, c1, c2, c3, c4, c5, t + 4);
+        if (NB > 3) x22_epilogue(c, m, b + 3, g, e0, e1, e2, e3, e4, e5, t + 6);
+    }
+    for (int j = 0; j < 2 * NB; j++) _mm512_storeu_ps(out + 16 * j, t[j]);
+}
+
+/* one plane P (0: xh, 1: xm, 2: xl) of R rows against a group's C chunks at w, combined into s with its shifts */
+VNNI_FN INLINE void x22_plane(const int8_t *x, int64_t stride, const uint8_t *w, int64_t C, const int R, const int P,
+                              __m512i *s) {
+    const __m512i lo = _mm512_set1_epi8(0x0f), hi = _mm512_set1_epi8((char)0xf0);
+    __m512i a[12];
+    for (int i = 0; i < 2 * R; i++) a[i] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < C; i++) {
+        const __m512i v = _mm512_loadu_si512(w + i * 2 * PACK);
+        const __m512i w0 = _mm512_and_si512(v, lo), w1 = _mm512_and_si512(v, hi);
+        for (int r = 0; r < R; r++) {
+            const __m512i xb = _mm512_set1_epi32(load4(x + r * stride + 4 * i));
+            a[2 * r] = dpbusd(a[2 * r], w0, xb);
+            a[2 * r + 1] = dpbusd(a[2 * r + 1], w1, xb);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512i l = P == 0 ? _mm512_slli_epi32(a[2 * r], 14) : P == 1 ? _mm512_slli_epi32(a[2 * r], 7) : a[2 * r];
+        const __m512i h = P == 0 ? _mm512_slli_epi32(a[2 * r + 1], 10)
+                          : P == 1 ? _mm512_slli_epi32(a[2 * r + 1], 3) : _mm512_srai_epi32(a[2 * r + 1], 4);
+        s[2 * r] = _mm512_add_epi32(s[2 * r], l), s[2 * r + 1] = _mm512_add_epi32(s[2 * r + 1], h);
+    }
+}
+
+/* rows m .. m+R-1 (R <= 6) against block b, one plane at a time (2R accumulators for the plane, 2R for the combined
+ * sums); out [R, 32]. The same integers and epilogue as x22_row_blocks, so the same bits. */
+VNNI_FN INLINE void x22_tile_rows(const x22_t *c, int64_t m, int64_t b, const int R, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4;
+    __m512 t[12];
+    __m512i s[12];
+    for (int i = 0; i < 2 * R; i++) t[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        const uint8_t *w = c->qv + (b * (K / 4) + g * C) * 2 * PACK;
+        const int8_t *x = c->xp + m * 3 * K + g * G;
+        for (int i = 0; i < 2 * R; i++) s[i] = _mm512_setzero_si512();
+        x22_plane(x, 3 * K, w, C, R, 0, s);
+        x22_plane(x + K, 3 * K, w, C, R, 1, s);
+        x22_plane(x + 2 * K, 3 * K, w, C, R, 2, s);
+        const uint16_t *sp = c->sm + (b * NG + g) * 2 * PACK;
+        const __m512 d0 = half16(sp), d1 = half16(sp + 16), m0 = half16(sp + 32), m1 = half16(sp + 48);
+        for (int r = 0; r < R; r++) {
+            const __m512 sr = _mm512_set1_ps(c->sx[(m + r) * NG + g]), xg = _mm512_set1_ps(c->xs[(m + r) * NG + g]);
+            t[2 * r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[2 * r]), _mm512_mul_ps(d0, sr), t[2 * r]);
+            t[2 * r] = _mm512_fmadd_ps(xg, m0, t[2 * r]);
+            t[2 * r + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[2 * r + 1]), _mm512_mul_ps(d1, sr), t[2 * r + 1]);
+            t[2 * r + 1] = _mm512_fmadd_ps(xg, m1, t[2 * r + 1]);
+        }
+    }
+    for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
+}
+
+#define X22_TILE(r) x22_tile_rows(ctx, m, b, r, out)
+VNNI_FN static void tile_x22_vnni(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) {
+    (void)wf, (void)h;
+    SWITCH_ROWS(R, X22_TILE)
+}
+
+VNNI_FN static void rows_x22_vnni(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    switch (nb) {
+    case 4: x22_row_blocks(ctx, m, b, 4, out); break;
+    case 3: x22_row_blocks(ctx, m, b, 3, out); break;
+    case 2: x22_row_blocks(ctx, m, b, 2, out); break;
+    default: x22_row_blocks(ctx, m, b, 1, out); break;
+    }
+}
+
+static const steps_t X22_VNNI_STEPS = {PACK, 4, NULL, tile_x22_vnni, rows_x22_vnni};
+
+/* ---- x22-avx2: vpmaddubsw (nibbles u8 x plane s8 -> s16 pairs, |.| <= 2 * 15 * 128 = 3840: no saturation), summed
+ * in s16 over up to 8 chunks of four columns (<= 30720 < 2^15), then vpmaddwd by ones -> int32 per channel. A chunk's
+ * 64 bytes are two vectors: channels 0..7 and 8..15 (low nibbles), 16..23 and 24..31 (high ones). ---- */
+
+/* row m against block b; out [32] */
+AVX2_FN INLINE void x22_row_avx2(const x22_t *c, int64_t m, int64_t b, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4, bytes = K * (PACK / 2);
+    const int8_t *xp = c->xp + m * 3 * K;
+    const uint8_t *q = c->qv + b * bytes;
+    const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 t[4];
+    for (int i = 0; i < 4; i++) t[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        __m256i d[3][4]; /* int32 dot products per plane and vector */
+        for (int p = 0; p < 3; p++)
+            for (int i = 0; i < 4; i++) d[p][i] = _mm256_setzero_si256();
+        for (int64_t i0 = 0; i0 < C; i0 += 8) {
+            const int64_t i1 = i0 + 8 < C ? i0 + 8 : C;
+            __m256i a[3][4];
+            for (int p = 0; p < 3; p++)
+                for (int i = 0; i < 4; i++) a[p][i] = _mm256_setzero_si256();
+            for (int64_t i = i0; i < i1; i++) {
+                const int64_t k = g * G + 4 * i;
+                const uint8_t *w = q + k * (PACK / 2);
+                _mm_prefetch((const char *)(w + PREFETCH_AHEAD), _MM_HINT_T0);
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+                const __m256i n[4] = {_mm256_and_si256(v0, mask), _mm256_and_si256(v1, mask),
+                                      _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask),
+                                      _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask)};
+                for (int p = 0; p < 3; p++) {
+                    const __m256i xb = _mm256_set1_epi32(load4(xp + p * K + k));
+                    for (int j = 0; j < 4; j++) a[p][j] = _mm256_add_epi16(a[p][j], _mm256_maddubs_epi16(n[j], xb));
+                }
+            }
+            for (int p = 0; p < 3; p++)
+                for (int j = 0; j < 4; j++) d[p][j] = _mm256_add_epi32(d[p][j], _mm256_madd_epi16(a[p][j], ones));
+        }
+        const __m256 sr = _mm256_set1_ps(c->sx[m * NG + g]), xg = _mm256_set1_ps(c->xs[m * NG + g]);
+        const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK;
+        for (int j = 0; j < 4; j++) {
+            const __m256i is = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(d[0][j], 14), _mm256_slli_epi32(d[1][j], 7)),
+                                                d[2][j]);
+            t[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(half8(s + 8 * j), sr), t[j]);
+            t[j] = _mm256_fmadd_ps(xg, half8(s + PACK + 8 * j), t[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + 8 * j, t[j]);
+}
+
+/* the tile step: each row alone over the block (which stays in L1/L2 between rows) */
+AVX2_FN static void tile_x22_avx2(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) {
+    (void)wf, (void)h;
+    for (int r = 0; r < R; r++) x22_row_avx2(ctx, m + r, b, out + r * PACK);
+}
+
+AVX2_FN static void rows_x22_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    for (int j = 0; j < nb; j++) x22_row_avx2(ctx, m, b + j, out + j * PACK);
+}
+
+static const steps_t X22_AVX2_STEPS = {PACK, 4, NULL, tile_x22_avx2, rows_x22_avx2};
+
+#endif /* HAVE_X86 */
+
+static int is_x22(int path) { return path == PATH_X22_PORTABLE || path == PATH_X22_AVX2 || path == PATH_X22_VNNI; }
+
+/* 1 when this CPU runs `path`: the x22 paths need what avx2 / vnni need */
+static int int4_supported(int path) {
+    if (path == PATH_X22_PORTABLE) return 1;
+    if (path == PATH_X22_AVX2) return path_supported(PATH_AVX2);
+    if (path == PATH_X22_VNNI) return path_supported(PATH_VNNI);
+    return path_supported(path);
+}
+
+int int4_path_supported(int path) { return int4_supported(path); }
 
 /* the activations of one product, prepared once for both threads: xs = the sums of each row's groups (every
- * path), and on the vnni path xq / sx, the rows quantized per group (kernel_common.h); one allocation */
+ * path), and on the vnni path xq / sx, the rows quantized per group (kernel_common.h), on the x22 paths xq the
+ * planes [M, 3, K], sx and xs (quantize22); one allocation */
 typedef struct {
     float *xs, *sx;
     int8_t *xq;
@@ -265,11 +617,22 @@ typedef struct {
 } prepared_t;
 
 static int prepare(int path, const float *x, int64_t M, int64_t K, int64_t G, prepared_t *p) {
-    const int64_t NG = K / G, vnni = path == PATH_VNNI;
-    const size_t floats = (size_t)(M * NG) * (vnni ? 2 : 1) + 1, bytes = vnni ? (size_t)(M * K) : 0;
+    const int64_t NG = K / G, vnni = path == PATH_VNNI, x22 = is_x22(path);
+    const size_t floats = (size_t)(M * NG) * (vnni || x22 ? 2 : 1) + 1,
+                 bytes = vnni ? (size_t)(M * K) : x22 ? (size_t)(3 * M * K) : 0;
     p->buf = malloc(sizeof(float) * floats + bytes);
     if (!p->buf) return -2;
     p->xs = p->buf, p->sx = p->xs + M * NG, p->xq = (int8_t *)(p->xs + floats);
+    if (x22) {
+#if HAVE_X86
+        if (path == PATH_X22_VNNI) {
+            quantize22_512(x, M, K, G, p->xq, p->sx, p->xs);
+            return 0;
+        }
+#endif
+        quantize22(x, M, K, G, p->xq, p->sx, p->xs);
+        return 0;
+    }
     if (!vnni) {
         group_sums(x, M, K, G, p->xs);
         return 0;
@@ -287,12 +650,19 @@ static int prepare(int path, const float *x, int64_t M, int64_t K, int64_t G, pr
     return 0;
 }
 
-/* the product on prepared activations; q is [N32, K, 16] (vnni: [N32, K/4, 16, 4]) */
+/* the product on prepared activations; q is [N32, K, 16] (vnni and x22: [N32, K/4, 16, 4]) */
 static int run_prepared(int path, const float *x, const prepared_t *p, int64_t M, int64_t K, const uint8_t *q,
                         const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t n_begin, int64_t n_end) {
     if (M == 0 || n_begin == n_end) return 0;
     const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
+    const x22_t x22 = {p->xq, p->sx, p->xs, q, sm, K, G};
+    if (path == PATH_X22_PORTABLE) {
+        x22_portable(&x22, M, y, N, b_begin, b_end, n_end);
+        return 0;
+    }
 #if HAVE_X86
+    if (path == PATH_X22_VNNI) return drive(&X22_VNNI_STEPS, &x22, M, K, y, N, b_begin, b_end, n_end);
+    if (path == PATH_X22_AVX2) return drive(&X22_AVX2_STEPS, &x22, M, K, y, N, b_begin, b_end, n_end);
     if (path == PATH_VNNI) {
         const vnni_t ctx = {(const uint8_t *)p->xq, p->sx, p->xs, q, NULL, NULL, sm, K, G};
         return drive(&VNNI_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
@@ -306,8 +676,10 @@ static int run_prepared(int path, const float *x, const prepared_t *p, int64_t M
 }
 
 static int check(int path, int64_t M, int64_t K, int64_t G, int64_t N, int64_t n_begin, int64_t n_end) {
-    if (bad_args(M, K, G, N, n_begin, n_end) || (path == PATH_VNNI && G % 4 != 0)) return -1;
-    return path_supported(path) ? 0 : -3;
+    if (bad_args(M, K, G, N, n_begin, n_end)) return -1;
+    if ((path == PATH_VNNI || is_x22(path)) && G % 4 != 0) return -1;
+    if (is_x22(path) && G > 64) return -1; /* the int32 bound of the dot products (header) */
+    return int4_supported(path) ? 0 : -3;
 }
 
 int int4_linear_f32(int path, const float *x, int64_t M, int64_t K, const uint8_t *q, const uint16_t *sm, int64_t G,

@@ -8,6 +8,9 @@
  *   3 avx512    AVX-512 F/BW/VL (+ FMA, F16C): the same arithmetic per output as avx2, on 16 lanes;
  *   4 vnni      AVX-512 VNNI (vpdpbusd): activations quantized to int8 per row and group of G columns (llama.cpp's
  *               Q8_0 / Q8_1 activations), integer dot products per group, its own weight layout (kernels.py packs it).
+ *   5 x22-portable, 6 x22-avx2 (AVX2 + FMA + F16C), 7 x22-vnni (AVX-512 F/BW/VL + VNNI): int4_linear.c only,
+ *               activations quantized to 22-bit integers per row and group (three int8 planes), on vnni's packing;
+ *               the three give identical bits (int4_linear.c's header says the arithmetic).
  * Each x86 path is compiled with a target attribute, so the library is built for baseline x86-64 and runs a path
  * only where __builtin_cpu_supports says the CPU has it (a path it lacks returns -3).
  */
@@ -33,7 +36,8 @@
 #define BLOCK 16 /* channels widened together for the AVX2 tiled path */
 #define ROWS 6   /* rows of one register tile */
 
-enum { PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_VNNI = 4 };
+enum { PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_VNNI = 4, PATH_X22_PORTABLE = 5, PATH_X22_AVX2 = 6,
+       PATH_X22_VNNI = 7 };
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_X86 1
@@ -46,7 +50,7 @@ enum { PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_VNNI = 4 };
 #define HAVE_X86 0
 #endif
 
-/* 1 when this CPU (and this build) can run `path` */
+/* 1 when this CPU (and this build) can run `path` (1 .. 4; int4_linear.c maps the x22 paths onto these) */
 static int path_supported(int path) {
     if (path == PATH_PORTABLE) return 1;
 #if HAVE_X86

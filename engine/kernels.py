@@ -178,6 +178,7 @@ class QuantKernel:
     PATHS = {"portable": 1, "avx2": 2, "avx512": 3, "vnni": 4}
     EXACT = ("portable", "avx2", "avx512")  # float32 activations; avx2 and avx512 give identical bits
     NEEDS = {"avx2": "avx2, fma, f16c", "avx512": "avx512f, avx512bw, avx512vl", "vnni": "avx512_vnni"}
+    X22: tuple[str, ...] = ()  # int4's paths with 22-bit integer activations (the same bits on each)
     PREFIX = ""
 
     def __init__(self, path: Path, isa: str | None = None):
@@ -242,7 +243,10 @@ class QuantKernel:
 
     def _run(self, x, w, out, begin, mid, end) -> None:
         split = mid is not None
-        if self.isa == "vnni":
+        if self.isa in self.X22:  # the exact entry points with the x22 path code, on the vnni packing
+            fn = self._linear2 if split else self._linear
+            args = (self._code, x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in self.packed(w)])
+        elif self.isa == "vnni":
             fn = self._vnni2 if split else self._vnni
             args = (x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in self.packed(w)])
         else:
@@ -288,8 +292,13 @@ class Int8Linear(QuantKernel):
 
 
 class Int4Linear(QuantKernel):
-    """int4_linear.c: products of 4-bit weights (quant.Q4Weight)."""
+    """int4_linear.c: products of 4-bit weights (quant.Q4Weight). Beside QuantKernel's paths, the x22 ones
+    (int4_linear.c's header): activations quantized to 22-bit integers per row and group (three int8 planes),
+    integer dot products on vnni's packing; portable C, AVX2 (vpmaddubsw) and AVX-512 VNNI give identical bits."""
 
+    X22 = ("x22-portable", "x22-avx2", "x22-vnni")
+    PATHS = {**QuantKernel.PATHS, "x22-portable": 5, "x22-avx2": 6, "x22-vnni": 7}
+    NEEDS = {**QuantKernel.NEEDS, "x22-avx2": "avx2, fma, f16c", "x22-vnni": "avx512f, avx512bw, avx512vl, avx512_vnni"}
     PREFIX = "int4"
 
     def _bind(self, lib) -> None:
@@ -304,7 +313,7 @@ class Int4Linear(QuantKernel):
 
     @staticmethod
     def _pack(w) -> tuple:
-        """(qv [N32, K/4, 16, 4] uint8: the nibble bytes of four columns in one lane, sm)."""
+        """(qv [N32, K/4, 16, 4] uint8: the nibble bytes of four columns in one lane, sm): vnni's and x22's."""
         return _pack_vnni(w.q, 16, w.group_size), w.sm
 
 
