@@ -97,6 +97,16 @@ def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     return arena.empty(shape, dtype).zero_()
 
 
+def arena_for(nbytes: list[int]) -> Arena | None:
+    """An Arena with room for tensors of these sizes placed one after another (each from a page boundary), or None
+    where huge pages are unavailable (the tensors then stay on torch's pages)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        log.debug("huge pages: %s", reason)
+        return None
+    return Arena(sum(_page_round(n) for n in nbytes))
+
+
 def huge_bytes(t: torch.Tensor, smaps: Path = Path("/proc/self/smaps")) -> int:
     """AnonHugePages of the mapping that holds `t`'s first byte (/proc/self/smaps): how much of it the kernel backs
     with huge pages; 0 where it is none or there is no smaps."""

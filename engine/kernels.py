@@ -220,9 +220,14 @@ class QuantKernel:
         return (f"this CPU ({platform.machine()}) lacks {self.NEEDS.get(isa, isa)} for the {self.PREFIX} {isa} path "
                 f"(it runs {', '.join(self.supported())})")
 
-    def with_isa(self, isa: str):
-        """The same library running another code path (tests, benchmarks and the calibration force each one)."""
-        return type(self)(self.path, isa)
+    def with_isa(self, isa: str, packings: dict | None = None):
+        """The same library running another code path (tests, benchmarks and the calibration force each one).
+        `packings`: a dict of packed weights to share with other instances (vnni and int4's x22 paths read the same
+        layout: matmul.quant_routes packs a weight once for all its routes); its own by default."""
+        other = type(self)(self.path, isa)
+        if packings is not None:
+            other._packed = packings
+        return other
 
     def packed(self, w) -> tuple:
         """w's vnni packing, made on first use and kept while w lives here."""
@@ -230,6 +235,14 @@ class QuantKernel:
         if entry is None or entry[0] is not w:
             entry = self._packed[id(w)] = (w, self._pack(w))
         return entry[1]
+
+    def pack_all(self, weights: list, arena=None) -> None:
+        """Pack every weight now (not in the first request that needs it), the packed bytes placed in `arena`
+        (hugepages.Arena: huge pages, as the weights themselves) when given; each copy replaces the one before."""
+        for w in weights:
+            packing = self.packed(w)
+            if arena is not None:
+                self._packed[id(w)] = (w, (arena.place(packing[0]), *packing[1:]))
 
     def linear(self, x: torch.Tensor, w, out: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
         """out[:, begin:end] = x @ w.dequantize().T[:, begin:end]; x [M, K] and out [M, N] float32, contiguous.

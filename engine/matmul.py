@@ -248,6 +248,7 @@ def quant_routes(mode: str, int8: Int8Linear | None, int4: Int4Linear | None = N
     the x22 paths are one family, `x22`), and torch's kernels."""
     routes: dict[str, QuantRoute] = {}
     kernel = int4 if mode == "int4" else int8
+    packings: dict = {}  # the vnni layout's copies, shared by the routes that read it (vnni, x22), dropped with them
     if kernel is not None:
         for isa in kernel.supported():
             family = "exact" if isa in ("avx2", "avx512") else "x22" if isa.startswith("x22-") else isa
@@ -256,7 +257,8 @@ def quant_routes(mode: str, int8: Int8Linear | None, int4: Int4Linear | None = N
             lm_head = next((i for i in _X22_LM_HEAD.get(isa, (isa,)) if int8 is not None and int8.supports(i)), None)
             partner = int8.with_isa(lm_head) if mode == "int4" and lm_head else None
             routes[f"{mode}-{isa}"] = QuantRoute(f"{mode}-{isa}", family, **(
-                {"int4": kernel.with_isa(isa), "int8": partner} if mode == "int4" else {"int8": kernel.with_isa(isa)}),
+                {"int4": kernel.with_isa(isa, packings), "int8": partner} if mode == "int4"
+                else {"int8": kernel.with_isa(isa, packings)}),
                 ineligible=ineligible)
     routes["torch-fp32"] = QuantRoute("torch-fp32", "torch-fp32", ineligible=FP32_INELIGIBLE)
     if _dynq_engine():

@@ -18,6 +18,7 @@ from . import hugepages
 from .kernels import Int4Linear, LayerOps, PagedAttention, QuantKernel, StepKernels
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
+from .quant import Q4Weight
 
 MIN_SPLIT_PREFILL = 64  # prompt chunks at least this long split their attention over two threads
 
@@ -223,6 +224,9 @@ class Model:
             return self.plan
         plan = self._packed_plans.get(id(int4))
         if plan is None:
+            q4 = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                  if isinstance(w, Q4Weight)]
+            int4.pack_all(q4, hugepages.arena_for([w.q.numel() * w.q.element_size() for w in q4]))
             plan = self._packed_plans[id(int4)] = self.ops.decode_plan(
                 self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args,
                 int4_operands=int4.packed)

@@ -17,12 +17,18 @@ from tokenloop.engine.matmul import ROUTE_ENV
 from tokenloop.engine.runner import prepare
 
 
-def load(checkpoint, weights: str, huge: str, backend: str = "torch"):
+def x22_isa() -> str | None:
+    """An x22 path of int4 this CPU runs (22-bit activations on the packed copy of the weights), or None."""
+    kernel = kernels.load_int4()
+    return next((isa for isa in ("x22-vnni", "x22-avx2") if kernel is not None and kernel.supports(isa)), None)
+
+
+def load(checkpoint, weights: str, huge: str, backend: str = "torch", isa: str | None = None):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(hugepages.ENV, huge)
         if weights == "int4":  # an exact C route where there is one, without timing the routes (both engines alike)
             kernel = kernels.load_int4()
-            patch.setenv(ROUTE_ENV, f"int4-{kernel.isa}" if kernel is not None else "torch-fp32")
+            patch.setenv(ROUTE_ENV, f"int4-{isa or kernel.isa}" if kernel is not None else "torch-fp32")
         return Engine(checkpoint, EngineConfig(weights=weights, kv_cache_tokens=1024, block_size=BLOCK,
                                                matmul_backend=backend), start=False).model
 
@@ -73,3 +79,25 @@ def test_logits_are_equal_with_huge_pages_off_and_on(tmp_path, weights, backend)
     assert hugepages.huge_bytes(on.k_cache) > 0 and hugepages.huge_bytes(on.v_cache) > 0
     # off: no arena (checked on the weights above); the caches are torch.zeros, whose pages the kernel may still back
     # with huge pages (a CI run found 10 MiB of one such mapping huge-backed), so their backing is not asserted
+
+
+def test_the_x22_paths_packed_weights_are_on_huge_pages_too(tmp_path):
+    """int4's x22 paths multiply a packed copy of the weights (Int4Linear.packed), made at load for the fused plan:
+    the same bits with huge pages off and on, and with them on the copies are in their own arena, huge-backed."""
+    isa = x22_isa()
+    if isa is None:
+        pytest.skip(kernels.load_int4().missing("x22-avx2") if kernels.load_int4() else "no int4 kernel here")
+    checkpoint = make_tiny_model(tmp_path / "llama", "llama", tied=False, num_layers=3)
+    off, on = load(checkpoint, "int4", "off", isa=isa), load(checkpoint, "int4", "on", isa=isa)
+    for a, b in zip(run(off), run(on), strict=True):
+        assert torch.equal(a, b)
+    route, _ = on.matmul.route(1)
+    assert route.int4.isa == isa
+    packed = [route.int4.packed(p)[0] for w in on.layers for p in (w.qkv, w.o, w.gate_up, w.down)]
+    assert {t.data_ptr() for t in packed} <= {t.data_ptr() for t in on._plan_for(route.int4)._keep}
+    reason = hugepages.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"bits checked; no huge pages here: {reason}")
+    arenas = {t.untyped_storage().data_ptr() for t in packed}
+    assert len(arenas) == 1 and arenas != {on.layers[0].qkv.q.untyped_storage().data_ptr()}
+    assert hugepages.huge_bytes(packed[0]) > 0
