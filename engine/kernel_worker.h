@@ -8,6 +8,9 @@
 
 static job_t job;
 static _Atomic uint32_t posted, finished; /* job counters: the caller bumps `posted`, the worker `finished` */
+/* 1 while the worker / the caller sleeps (or is about to) on `posted` / `finished`: the other side makes the futex
+ * wake syscall only then, not after every job (both spin through most hand-offs within a step) */
+static _Atomic uint32_t worker_asleep, caller_asleep;
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER; /* one caller of the worker at a time */
 static pid_t worker_pid = 0;  /* the process that started the worker (a forked child starts its own) */
 static int64_t worker_spin_ns = 200000;
@@ -24,8 +27,11 @@ static void cpu_relax(void) {
 #endif
 }
 
-/* wait until *word != seen: spin up to spin_ns, then sleep (futex; a short nap where there is none) */
-static void wait_change(_Atomic uint32_t *word, uint32_t seen, int64_t spin_ns) {
+/* wait until *word != seen: spin up to spin_ns, then sleep (futex; a short nap where there is none), with *asleep
+ * set while it may sleep. The waker changes *word, then reads *asleep; the sleeper sets *asleep, then reads *word
+ * (both sequentially consistent): at least one of them sees the other's write, so a wake is never lost, and
+ * FUTEX_WAIT itself returns at once if *word changed after the read. */
+static void wait_change(_Atomic uint32_t *word, uint32_t seen, int64_t spin_ns, _Atomic uint32_t *asleep) {
     if (atomic_load_explicit(word, memory_order_acquire) != seen) return;
     const int64_t deadline = now_ns() + spin_ns;
     for (unsigned i = 1;; i++) {
@@ -37,7 +43,8 @@ static void wait_change(_Atomic uint32_t *word, uint32_t seen, int64_t spin_ns) 
             cpu_relax();
         }
     }
-    while (atomic_load_explicit(word, memory_order_acquire) == seen) {
+    atomic_store(asleep, 1);
+    while (atomic_load(word) == seen) {
 #if defined(__linux__)
         syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
 #else
@@ -45,13 +52,15 @@ static void wait_change(_Atomic uint32_t *word, uint32_t seen, int64_t spin_ns) 
         nanosleep(&nap, NULL);
 #endif
     }
+    atomic_store(asleep, 0);
 }
 
-static void wake(_Atomic uint32_t *word) {
+/* after changing *word: wake its waiter if it may be asleep (see wait_change) */
+static void wake(_Atomic uint32_t *word, _Atomic uint32_t *asleep) {
 #if defined(__linux__)
-    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    if (atomic_load(asleep)) syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 #else
-    (void)word;
+    (void)word, (void)asleep;
 #endif
 }
 
@@ -59,11 +68,11 @@ static void *worker_main(void *arg) {
     (void)arg;
     uint32_t seen = 0; /* ensure_worker zeroed the counters before starting this thread; a job may be posted already */
     for (;;) {
-        wait_change(&posted, seen, worker_spin_ns);
+        wait_change(&posted, seen, worker_spin_ns, &worker_asleep);
         seen = atomic_load_explicit(&posted, memory_order_acquire);
         job.rc = run_job(&job);
-        atomic_fetch_add_explicit(&finished, 1, memory_order_release);
-        wake(&finished);
+        atomic_fetch_add(&finished, 1);
+        wake(&finished, &caller_asleep);
     }
     return NULL;
 }
@@ -77,6 +86,8 @@ static int ensure_worker(void) {
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     atomic_store(&posted, 0);
     atomic_store(&finished, 0);
+    atomic_store(&worker_asleep, 0);
+    atomic_store(&caller_asleep, 0);
     const int rc = pthread_create(&thread, &attr, worker_main, NULL);
     pthread_attr_destroy(&attr);
     if (rc != 0) return -1;
@@ -101,10 +112,10 @@ static int run_split(job_t mine, job_t theirs) {
     }
     job = theirs;
     const uint32_t done_before = atomic_load_explicit(&finished, memory_order_acquire);
-    atomic_fetch_add_explicit(&posted, 1, memory_order_release);
-    wake(&posted);
+    atomic_fetch_add(&posted, 1);
+    wake(&posted, &worker_asleep);
     const int rc = run_job(&mine);
-    wait_change(&finished, done_before, 2000000);
+    wait_change(&finished, done_before, 2000000, &caller_asleep);
     const int theirs_rc = job.rc;
     pthread_mutex_unlock(&caller_lock);
     return rc != 0 ? rc : theirs_rc;

@@ -8,6 +8,7 @@ A path or route this CPU cannot run skips with the reason (pytest -rs prints it)
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import threading
@@ -268,6 +269,42 @@ def test_worker_thread_serves_concurrent_callers(mode):
     for t in threads:
         t.join(timeout=60)
     assert not errors and not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hand_offs_that_go_through_sleep_never_lose_a_wake(mode):
+    """kernel_worker.h wakes a sleeper with a futex only when it may be asleep: with the worker's spin at 0 every
+    product's hand-off goes through its sleep, and a split that leaves the worker most of a large product makes the
+    caller outlast its own 2 ms spin and sleep too. A lost wake would hang here (the join's timeout)."""
+    kernel = native(mode)
+    gen = torch.Generator().manual_seed(9)
+    big, small = quantized(mode, torch.randn(4096, 1024, generator=gen), 32), quantized(
+        mode, torch.randn(96, 64, generator=gen), 32)
+    xb, xs = torch.randn(64, 1024, generator=gen), torch.randn(2, 64, generator=gen)
+    want_b, want_s = torch.empty(64, 4096), torch.empty(2, 96)
+    kernel.linear(xb, big, want_b)
+    kernel.linear(xs, small, want_s)
+    bad = []
+
+    def run():
+        for i in range(400):
+            out = torch.empty(2, 96)
+            kernel._run(xs, small, out, 0, 32 * (i % 3), 96)  # the caller's part: none, one block or two
+            bad.extend([i] if not torch.equal(out, want_s) else [])
+            if i % 50 == 0:  # the worker takes 4064 of 4096 channels: the caller waits on it for milliseconds
+                out = torch.empty(64, 4096)
+                kernel._run(xb, big, out, 0, 32, 4096)
+                bad.extend([i] if not torch.equal(out, want_b) else [])
+    spin = getattr(kernel._lib, f"{kernel.PREFIX}_set_spin_us")
+    spin(0)
+    try:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "a hand-off hung: a wake was lost"
+    finally:
+        spin(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+    assert not bad
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 16])
