@@ -41,8 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.procstat import machine_busy_s, thread_names, threads_cpu_s  # noqa: E402
+from bench.procstat import thread_names, threads_cpu_s  # noqa: E402
 from bench.results import add_out_argument, describe, machine, write  # noqa: E402
+from tokenloop.engine.matmul import machine_busy_s  # noqa: E402
 
 TEXT = (ROOT / "README.md").read_text() if (ROOT / "README.md").is_file() else ""
 TEXT += " ".join([

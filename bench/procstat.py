@@ -39,9 +39,3 @@ def thread_names(pid: int | str = "self") -> dict[int, str]:
         except (FileNotFoundError, ProcessLookupError):
             pass
     return out
-
-
-def machine_busy_s() -> float:
-    """CPU seconds every process on the machine has used since boot (/proc/stat: all but idle and iowait)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK

@@ -105,7 +105,32 @@ def build(source: Path = SOURCE) -> Path:
     return target
 
 
-class PagedAttention:
+SPIN_ENV = "TOKENLOOP_SPIN_US"
+
+
+def _set_spin(lib, name: str) -> None:
+    """Set a library's worker spin (kernel_worker.h: how long its worker spins for the next job before it sleeps)
+    from TOKENLOOP_SPIN_US, microseconds (200 by default)."""
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = [ctypes.c_int64], None
+    fn(int(os.environ.get(SPIN_ENV, "200")))
+
+
+class _CodePaths:
+    """What every binding of a library with code paths shares: PATHS (name -> the C code), `_path_supported(code)`
+    (the library's answer, set by the binding), `supports(isa)` and `supported()` (those this CPU runs)."""
+
+    PATHS: dict[str, int] = {}
+    _path_supported = None
+
+    def supports(self, isa: str) -> bool:
+        return isa in self.PATHS and bool(self._path_supported(self.PATHS[isa]))
+
+    def supported(self) -> list[str]:
+        return [name for name in self.PATHS if self.supports(name)]
+
+
+class PagedAttention(_CodePaths):
     """ctypes binding of paged_attention.c. `isa` is the code path it runs: the fastest this CPU has
     (paged_best_path) unless one is named; PATHS lists them all, `supported()` those this CPU runs."""
 
@@ -114,8 +139,7 @@ class PagedAttention:
     def __init__(self, path: Path, isa: str | None = None):
         self.path = path
         self._lib = lib = ctypes.CDLL(str(path))
-        lib.paged_path_supported.argtypes = [ctypes.c_int]
-        lib.paged_path_supported.restype = ctypes.c_int
+        self._path_supported = _function(lib, "paged_path_supported", [ctypes.c_int])
         lib.paged_best_path.restype = ctypes.c_int
         self._decode = lib.paged_decode_f32_path
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -129,12 +153,6 @@ class PagedAttention:
                              f"{', '.join(self.supported())})")
         self.isa = isa
         self._code = self.PATHS[isa]
-
-    def supports(self, isa: str) -> bool:
-        return isa in self.PATHS and bool(self._lib.paged_path_supported(self.PATHS[isa]))
-
-    def supported(self) -> list[str]:
-        return [name for name in self.PATHS if self.supports(name)]
 
     def with_isa(self, isa: str) -> PagedAttention:
         """The same library running another code path (tests and benchmarks force each one with it)."""
@@ -169,7 +187,7 @@ def _pack_vnni(q: torch.Tensor, lanes: int, group_size: int) -> torch.Tensor:
     return q.view(nb, k // 4, 4, lanes).permute(0, 1, 3, 2).contiguous()
 
 
-class QuantKernel:
+class QuantKernel(_CodePaths):
     """ctypes binding of int8_linear.c or int4_linear.c on one code path (`isa`): the fastest exact one this CPU
     runs unless one is named. PATHS lists every path, `supported()` those this CPU runs, `missing(isa)` why one
     cannot run here. Exact paths (avx2, avx512) give the same bits; vnni quantizes the activations to int8 (its own
@@ -184,11 +202,8 @@ class QuantKernel:
     def __init__(self, path: Path, isa: str | None = None):
         self.path = path
         self._lib = lib = ctypes.CDLL(str(path))
-        self._supported = getattr(lib, f"{self.PREFIX}_path_supported")
-        self._supported.argtypes, self._supported.restype = [ctypes.c_int], ctypes.c_int
-        spin = getattr(lib, f"{self.PREFIX}_set_spin_us")
-        spin.argtypes = [ctypes.c_int64]
-        spin(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+        self._path_supported = _function(lib, f"{self.PREFIX}_path_supported", [ctypes.c_int])
+        _set_spin(lib, f"{self.PREFIX}_set_spin_us")
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         exact = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]  # path, x, M, K, q, scales, G, y, N, n0, n1
         self._linear = _function(lib, f"{self.PREFIX}_linear_f32", exact)
@@ -204,12 +219,6 @@ class QuantKernel:
     def _bind(self, lib) -> None:
         """Bind the library's other entry points: `_vnni` and `_vnni2` at least."""
         raise NotImplementedError
-
-    def supports(self, isa: str) -> bool:
-        return isa in self.PATHS and bool(self._supported(self.PATHS[isa]))
-
-    def supported(self) -> list[str]:
-        return [name for name in self.PATHS if self.supports(name)]
 
     def missing(self, isa: str) -> str:
         """Why this CPU cannot run `isa` ("" when it can)."""
@@ -349,9 +358,7 @@ class LayerOps:
         self._step = lib.decode_step_f32
         self._step.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]
         self._step.restype = ctypes.c_int
-        spin = lib.ops_set_spin_us
-        spin.argtypes = [i64]
-        spin(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+        _set_spin(lib, "ops_set_spin_us")
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor) -> None:
@@ -553,7 +560,7 @@ def load_int8() -> Int8Linear | None:
 F32_SOURCE = Path(__file__).with_name("f32_linear.c")
 
 
-class F32Linear:
+class F32Linear(_CodePaths):
     """ctypes binding of f32_linear.c: y = x @ w.T for float32 weights w [N, K] read in place and x [M, K] of a
     batch of rows (register tiles of channels by rows, x transposed once per call), on one code path (`isa`): the
     fastest this CPU runs unless one is named. avx2 and avx512 give the same bits, and a row's result does not depend
@@ -564,10 +571,8 @@ class F32Linear:
     def __init__(self, path: Path, isa: str | None = None):
         self.path = path
         self._lib = lib = ctypes.CDLL(str(path))
-        self._supported = _function(lib, "f32_path_supported", [ctypes.c_int])
-        spin = lib.f32_set_spin_us
-        spin.argtypes = [ctypes.c_int64]
-        spin(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+        self._path_supported = _function(lib, "f32_path_supported", [ctypes.c_int])
+        _set_spin(lib, "f32_set_spin_us")
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._gemm = _function(lib, "f32_gemm", [c_int, ptr, i64, i64, ptr, ptr, i64, i64, i64])
         self._gemm2 = _function(lib, "f32_gemm_2t", [c_int, ptr, i64, i64, ptr, ptr, i64, i64])
@@ -576,12 +581,6 @@ class F32Linear:
             raise ValueError(f"f32 kernel path {isa!r} is not available on this CPU (supported: "
                              f"{', '.join(self.supported())})")
         self.isa, self._code = isa, self.PATHS[isa]
-
-    def supports(self, isa: str) -> bool:
-        return isa in self.PATHS and bool(self._supported(self.PATHS[isa]))
-
-    def supported(self) -> list[str]:
-        return [name for name in self.PATHS if self.supports(name)]
 
     def with_isa(self, isa: str) -> F32Linear:
         """The same library running another code path (tests and benchmarks force each one with it)."""

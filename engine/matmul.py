@@ -71,6 +71,14 @@ LOAD_LIMIT = 0.15
 QUIET_SAMPLE_S = 0.3
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every process on the machine has used since boot: /proc/stat's first line, all of user nice
+    system idle iowait irq softirq steal but idle and iowait (bench/procstat.py uses it too)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 class OthersLoad:
     """The share of the machine's CPUs that other processes (and, on a VM, the hypervisor's steal) used from
     construction to `share()`: /proc/stat's busy time less this process's CPU time, over wall time x CPUs.
@@ -82,13 +90,9 @@ class OthersLoad:
     @staticmethod
     def _sample() -> tuple[float, float, float] | None:
         try:
-            with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:9]]
-            tick = os.sysconf("SC_CLK_TCK")
+            busy = machine_busy_s()
         except (OSError, ValueError):
             return None
-        # user nice system idle iowait irq softirq steal: busy is all but idle and iowait
-        busy = (sum(fields) - fields[3] - fields[4]) / tick
         return busy, time.process_time(), time.perf_counter()
 
     def share(self) -> float | None:
