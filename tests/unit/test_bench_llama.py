@@ -143,3 +143,17 @@ def test_the_table_and_summary_compare_the_fastest_mode_with_llama_server():
     assert summary["fp32_vs_transformers_uniform"] == 1.25 and summary["fp32_vs_transformers_mixed"] == 3.0
     assert "**2.10x**" in text and "**70 %**" in text and ">= 2.4x" in text
 
+
+
+def test_a_one_stream_scenario_reports_the_median_of_its_repeats():
+    single = engine_bench.make_scenarios(list(range(5000)))["single"]
+    rates = iter([150.0, 90.0, 120.0])
+
+    def run():
+        rate = next(rates)
+        return engine_bench.Result("tokenloop int4", "single", 128, 128 / rate, [0.05])
+    median = engine_bench.median_of(single, 3, run)
+    assert median.tokens_per_s == pytest.approx(120.0) and [r[0] for r in median.repeats] == pytest.approx([150, 90, 120])
+    assert engine_bench.spread(median) == ", median of 3 repeats (90.0-150.0)"
+    eight = engine_bench.make_scenarios(list(range(5000)))["eight"]
+    assert engine_bench.median_of(eight, 3, lambda: "once") == "once"  # several streams: one run
