@@ -247,13 +247,20 @@ def measured(name: str, pid: int | None, run):
     return result
 
 
+def rotated(scenario: Scenario, shift: int) -> Scenario:
+    """The scenario with each prompt rotated by `shift` tokens: the same length and tokens, no common prefix with
+    the unrotated one, so a repeat is not served from either system's prompt cache."""
+    return Scenario(scenario.name, [p[shift:] + p[:shift] for p in scenario.prompts], scenario.num_new,
+                    scenario.concurrency)
+
+
 def median_of(scenario: Scenario, repeats: int, run) -> Result:
-    """run() once, or for a one-stream scenario `repeats` times (one stream on this shared VM moves by up to 1.5x
-    between runs a minute apart: the bandwidth limit it is compared with is a best of 10): the median repeat by
-    tokens/s, with every repeat's figures in `repeats`."""
+    """run(scenario) once, or for a one-stream scenario `repeats` times, each with its prompt rotated (one stream on
+    this shared VM moves by up to 1.5x between runs a minute apart: the bandwidth limit it is compared with is a best
+    of 10): the median repeat by tokens/s, with every repeat's figures in `repeats`."""
     if scenario.concurrency != 1 or repeats <= 1:
-        return run()
-    done = [run() for _ in range(repeats)]
+        return run(scenario)
+    done = [run(rotated(scenario, i)) for i in range(repeats)]
     median = sorted(done, key=lambda r: r.tokens_per_s)[len(done) // 2]
     median.repeats = [(r.tokens_per_s, r.decode_tokens_per_s) for r in done]
     return median
@@ -267,7 +274,7 @@ def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: lis
         asyncio.run(wait_ready(port))
         warm = Scenario("warm-up", [scenarios[0].prompts[0][:16]], [4], 1)
         asyncio.run(run_grpc(port, warm))
-        return [median_of(s, repeats, lambda s=s: measured(s.name, server.pid, lambda: asyncio.run(run_grpc(port, s))))
+        return [median_of(s, repeats, lambda r: measured(r.name, server.pid, lambda: asyncio.run(run_grpc(port, r))))
                 for s in scenarios]
     finally:
         server.terminate()
@@ -303,7 +310,7 @@ def run_llama(url: str, scenarios: list[Scenario], corpus_text: str, corpus: lis
                   file=sys.stderr)
             continue
 
-        def once(s=s) -> Result:
+        def once(s: Scenario) -> Result:
             wall, done = measured(f"{s.name} ({LLAMA})", pid, lambda: client.run(s.prompts, s.num_new, s.concurrency))
             counts = [c.num_tokens for c in done]
             if counts != s.num_new:

@@ -149,11 +149,17 @@ def test_a_one_stream_scenario_reports_the_median_of_its_repeats():
     single = engine_bench.make_scenarios(list(range(5000)))["single"]
     rates = iter([150.0, 90.0, 120.0])
 
-    def run():
+    prompts = []
+
+    def run(scenario):
+        prompts.append(scenario.prompts[0])
         rate = next(rates)
         return engine_bench.Result("tokenloop int4", "single", 128, 128 / rate, [0.05])
     median = engine_bench.median_of(single, 3, run)
     assert median.tokens_per_s == pytest.approx(120.0) and [r[0] for r in median.repeats] == pytest.approx([150, 90, 120])
     assert engine_bench.spread(median) == ", median of 3 repeats (90.0-150.0)"
+    # each repeat the same tokens, no two with a common first token (no prompt-cache hit)
+    assert prompts[0] == single.prompts[0] and all(sorted(p) == sorted(prompts[0]) for p in prompts)
+    assert len({p[0] for p in prompts}) == 3
     eight = engine_bench.make_scenarios(list(range(5000)))["eight"]
-    assert engine_bench.median_of(eight, 3, lambda: "once") == "once"  # several streams: one run
+    assert engine_bench.median_of(eight, 3, lambda s: s.name) == "eight"  # several streams: one run
