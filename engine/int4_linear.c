@@ -14,7 +14,8 @@
  * FMA each on the integer-valued nibbles 0..15), then total += partial * d, then total += xs[g] * m. A row's
  * result does not depend on how many rows came with it, so greedy decoding stays batch invariant.
  *
- * Paths (`path` argument; int4_best_path() says which this CPU runs, int4_path_supported() which it can):
+ * Paths (`path` argument; int4_path_supported() says which this CPU runs; engine/kernels.py defaults to the fastest
+ * exact one, and the start-up calibration (engine/matmul.py) times them all):
  *   1 portable C: any CPU, any compiler; the channel loops are left to the compiler to vectorise.
  *   2 AVX2 + FMA + F16C (x86-64, chosen at run time from the CPU's flags, compiled with a target attribute so the
  *     library builds and loads on CPUs without it):
