@@ -129,6 +129,10 @@ class _CodePaths:
     def supported(self) -> list[str]:
         return [name for name in self.PATHS if self.supports(name)]
 
+    def with_isa(self, isa: str):
+        """The same library running another code path (tests, benchmarks and the calibration force each one)."""
+        return type(self)(self.path, isa)
+
 
 class PagedAttention(_CodePaths):
     """ctypes binding of paged_attention.c. `isa` is the code path it runs: the fastest this CPU has
@@ -153,10 +157,6 @@ class PagedAttention(_CodePaths):
                              f"{', '.join(self.supported())})")
         self.isa = isa
         self._code = self.PATHS[isa]
-
-    def with_isa(self, isa: str) -> PagedAttention:
-        """The same library running another code path (tests and benchmarks force each one with it)."""
-        return PagedAttention(self.path, isa)
 
     def decode(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                tables: torch.Tensor, lens: torch.Tensor, begin: int, end: int, block_size: int,
@@ -191,7 +191,7 @@ class QuantKernel(_CodePaths):
     """ctypes binding of int8_linear.c or int4_linear.c on one code path (`isa`): the fastest exact one this CPU
     runs unless one is named. PATHS lists every path, `supported()` those this CPU runs, `missing(isa)` why one
     cannot run here. Exact paths (avx2, avx512) give the same bits; vnni quantizes the activations to int8 (its own
-    numerics) and multiplies weights it packs on first use (`_packed`, one copy per weight)."""
+    numerics) and multiplies weights it packs on first use (`packings`, one copy per weight)."""
 
     PATHS = {"portable": 1, "avx2": 2, "avx512": 3, "vnni": 4}
     EXACT = ("portable", "avx2", "avx512")  # float32 activations; avx2 and avx512 give identical bits
@@ -214,7 +214,7 @@ class QuantKernel(_CodePaths):
             raise ValueError(f"{self.PREFIX} kernel path {isa!r} is not available on this CPU (supported: "
                              f"{', '.join(self.supported())})")
         self.isa, self._code = isa, self.PATHS[isa]
-        self._packed: dict[int, tuple] = {}  # id(weight) -> (weight, its vnni packing)
+        self.packings: dict[int, tuple] = {}  # id(weight) -> (weight, its vnni packing); may be shared (with_isa)
 
     def _bind(self, lib) -> None:
         """Bind the library's other entry points: `_vnni` and `_vnni2` at least."""
@@ -230,19 +230,19 @@ class QuantKernel(_CodePaths):
                 f"(it runs {', '.join(self.supported())})")
 
     def with_isa(self, isa: str, packings: dict | None = None):
-        """The same library running another code path (tests, benchmarks and the calibration force each one).
-        `packings`: a dict of packed weights to share with other instances (vnni and int4's x22 paths read the same
-        layout: matmul.quant_routes packs a weight once for all its routes); its own by default."""
-        other = type(self)(self.path, isa)
+        """`_CodePaths.with_isa`; `packings`: a dict of packed weights to share with other instances (vnni and int4's
+        x22 paths read the same layout: matmul.quant_routes packs a weight once for all its routes); its own by
+        default."""
+        other = super().with_isa(isa)
         if packings is not None:
-            other._packed = packings
+            other.packings = packings
         return other
 
     def packed(self, w) -> tuple:
         """w's vnni packing, made on first use and kept while w lives here."""
-        entry = self._packed.get(id(w))
+        entry = self.packings.get(id(w))
         if entry is None or entry[0] is not w:
-            entry = self._packed[id(w)] = (w, self._pack(w))
+            entry = self.packings[id(w)] = (w, self._pack(w))
         return entry[1]
 
     def pack_all(self, weights: list, arena=None) -> None:
@@ -251,7 +251,7 @@ class QuantKernel(_CodePaths):
         for w in weights:
             packing = self.packed(w)
             if arena is not None:
-                self._packed[id(w)] = (w, (arena.place(packing[0]), *packing[1:]))
+                self.packings[id(w)] = (w, (arena.place(packing[0]), *packing[1:]))
 
     def linear(self, x: torch.Tensor, w, out: torch.Tensor, begin: int = 0, end: int | None = None) -> None:
         """out[:, begin:end] = x @ w.dequantize().T[:, begin:end]; x [M, K] and out [M, N] float32, contiguous.
@@ -265,15 +265,13 @@ class QuantKernel(_CodePaths):
 
     def _run(self, x, w, out, begin, mid, end) -> None:
         split = mid is not None
-        if self.isa in self.X22:  # the exact entry points with the x22 path code, on the vnni packing
-            fn = self._linear2 if split else self._linear
-            args = (self._code, x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in self.packed(w)])
-        elif self.isa == "vnni":
+        if self.isa == "vnni":
             fn = self._vnni2 if split else self._vnni
             args = (x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in self.packed(w)])
-        else:
+        else:  # the exact entry points with the path's code; an x22 path multiplies the vnni packing
             fn = self._linear2 if split else self._linear
-            args = (self._code, x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in self._operands(w)])
+            operands = self.packed(w) if self.isa in self.X22 else self._operands(w)
+            args = (self._code, x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in operands])
         rc = fn(*args, w.group_size, out.data_ptr(), w.num_out, begin, *((mid,) if split else ()), end)
         if rc != 0:
             raise RuntimeError(f"{fn.__name__} failed (code {rc})")
@@ -581,10 +579,6 @@ class F32Linear(_CodePaths):
             raise ValueError(f"f32 kernel path {isa!r} is not available on this CPU (supported: "
                              f"{', '.join(self.supported())})")
         self.isa, self._code = isa, self.PATHS[isa]
-
-    def with_isa(self, isa: str) -> F32Linear:
-        """The same library running another code path (tests and benchmarks force each one with it)."""
-        return F32Linear(self.path, isa)
 
     @staticmethod
     def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:

@@ -145,7 +145,7 @@ class Model:
         self._plan_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size)
         self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args) \
             if self.ops is not None and self.paged is not None else None
-        self._packed_plans: dict[int, object] = {}  # by id(Int4Linear): plans over that kernel's x22 packing
+        self._packed_plans: dict[int, object] = {}  # by id(Int4Linear.packings): the plan over that x22 packing
         if self.plan is not None:  # pack the int4 weights for an x22 route now, not in the first request
             for route, _ in set(matmul.qroutes.values()):
                 self._plan_for(route.int4)
@@ -219,15 +219,16 @@ class Model:
     def _plan_for(self, int4: Int4Linear | None):
         """The fused plan for products on `int4`'s path: the model's own, or, for an x22 path, one over the packing
         that path multiplies (Int4Linear.packed: one more copy of the int4 weights, shared with the per-operation
-        path's products), built on first use."""
+        path's products), built on first use. The x22 routes of one calibration share their packings, so they share
+        one plan (the path codes are the StepKernels'): the weights are packed and placed once."""
         if int4 is None or int4.isa not in Int4Linear.X22:
             return self.plan
-        plan = self._packed_plans.get(id(int4))
+        plan = self._packed_plans.get(id(int4.packings))
         if plan is None:
             q4 = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
                   if isinstance(w, Q4Weight)]
             int4.pack_all(q4, hugepages.arena_for([w.q.numel() * w.q.element_size() for w in q4]))
-            plan = self._packed_plans[id(int4)] = self.ops.decode_plan(
+            plan = self._packed_plans[id(int4.packings)] = self.ops.decode_plan(
                 self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args,
                 int4_operands=int4.packed)
         return plan

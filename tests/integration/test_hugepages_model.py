@@ -95,6 +95,11 @@ def test_the_x22_paths_packed_weights_are_on_huge_pages_too(tmp_path):
     assert route.int4.isa == isa
     packed = [route.int4.packed(p)[0] for w in on.layers for p in (w.qkv, w.o, w.gate_up, w.down)]
     assert {t.data_ptr() for t in packed} <= {t.data_ptr() for t in on._plan_for(route.int4)._keep}
+    # another x22 path on the same packings (two buckets' routes of one calibration): the same plan, packed once
+    other = route.int4.with_isa("x22-portable", route.int4.packings)
+    assert on._plan_for(other) is on._plan_for(route.int4)
+    assert [route.int4.packed(p)[0].data_ptr() for w in on.layers for p in (w.qkv, w.o, w.gate_up, w.down)] == \
+        [t.data_ptr() for t in packed]
     reason = hugepages.unavailable_reason()
     if reason is not None:
         pytest.skip(f"bits checked; no huge pages here: {reason}")
