@@ -89,11 +89,9 @@ class Arena:
 def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros on huge pages (its own Arena, zeroed after the madvise, so the pages fault in huge now);
     torch.zeros itself where huge pages are unavailable."""
-    reason = unavailable_reason()
-    if reason is not None:
-        log.debug("huge pages: %s; the KV cache stays on torch's pages", reason)
+    arena = arena_for([math.prod(shape) * torch.empty((), dtype=dtype).element_size()])
+    if arena is None:
         return torch.zeros(shape, dtype=dtype)
-    arena = Arena(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
     return arena.empty(shape, dtype).zero_()
 
 
@@ -102,7 +100,7 @@ def arena_for(nbytes: list[int]) -> Arena | None:
     where huge pages are unavailable (the tensors then stay on torch's pages)."""
     reason = unavailable_reason()
     if reason is not None:
-        log.debug("huge pages: %s", reason)
+        log.debug("huge pages: %s; tensors stay on torch's pages", reason)
         return None
     return Arena(sum(_page_round(n) for n in nbytes))
 
@@ -138,14 +136,12 @@ def move_weights(weights: dict, skip: tuple[str, ...] = ("embed",)) -> dict:
     itself, one at a time, so each original can go as soon as its copy is made (a load peaks at the weights plus
     one entry, not twice the weights); returns `weights`. A tensor shared by two names (a tied lm_head is the
     embedding itself) is placed once and stays shared. Unchanged where huge pages are unavailable."""
-    reason = unavailable_reason()
-    if reason is not None:
-        log.debug("huge pages: %s; the weights stay on torch's pages", reason)
-        return weights
     shared = {id(weights[name]) for name in weights if name not in skip}
     chosen = [name for name in weights if name not in skip or id(weights[name]) in shared]
-    sizes = {id(t): _page_round(t.numel() * t.element_size()) for name in chosen for t in _tensors(weights[name])}
-    arena = Arena(sum(sizes.values()))
+    sizes = {id(t): t.numel() * t.element_size() for name in chosen for t in _tensors(weights[name])}
+    arena = arena_for(list(sizes.values()))
+    if arena is None:
+        return weights
     moved: dict[int, torch.Tensor] = {}  # id of an original (all alive at the start: ids unique) -> its copy
 
     def place(t: torch.Tensor) -> torch.Tensor:
