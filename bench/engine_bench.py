@@ -214,14 +214,15 @@ async def stream_all(port: int, prompts: list[list[int]], num_new: list[int],
 
 async def run_grpc(port: int, scenario: Scenario) -> Result:
     wall, ttfts, counts, cached = await stream_all(port, scenario.prompts, scenario.num_new, scenario.concurrency)
-    if len(counts) == 1 and counts[0] > 1:  # one stream: the rate decode_profile.py's decode steps compare with
-        per_token = (wall - ttfts[0]) / (counts[0] - 1)
-        print(f"{scenario.name}: after the first token {per_token * 1e3:.2f} ms per token ({1 / per_token:.1f} tok/s; "
-              f"the tokens/s below also counts the prefill and first token, {ttfts[0] * 1e3:.0f} ms)",
-              file=sys.stderr, flush=True)
     if counts != [n for n in scenario.num_new] and sorted(counts) != sorted(scenario.num_new):
         raise RuntimeError(f"{scenario.name}: the server returned {sum(counts)} tokens, expected {sum(scenario.num_new)}")
-    return Result("tokenloop", scenario.name, sum(counts), wall, ttfts, sum(cached))
+    result = Result("tokenloop", scenario.name, sum(counts), wall, ttfts, sum(cached))
+    rate = result.decode_tokens_per_s  # one stream: the rate decode_profile.py's decode steps compare with
+    if rate is not None:
+        print(f"{scenario.name}: after the first token {1e3 / rate:.2f} ms per token ({rate:.1f} tok/s; "
+              f"the tokens/s below also counts the prefill and first token, {ttfts[0] * 1e3:.0f} ms)",
+              file=sys.stderr, flush=True)
+    return result
 
 
 def cpu_by_thread_name(pid: int) -> dict[str, float]:
