@@ -20,8 +20,8 @@
  * falls in or the thread split: avx2 and avx512 give the same bits, and a row's result does not depend on its batch
  * (portable C may round differently where the compiler does not fuse or reorders).
  *
- * Two threads: f32_gemm_2t transposes x once, then runs channels [0, mid) here and [mid, N) on this library's worker
- * thread (kernel_worker.h).
+ * Two threads: f32_gemm_2t transposes x once, then runs channels [0, mid) here and [mid, N) on the process's kernel
+ * worker thread (kernel_worker.c, shared by every kernel library).
  *
  * Built at run time by tokenloop/engine/kernels.py for baseline x86-64 (each path under its own target attribute,
  * -ffast-math at compile time only). Returns 0, or < 0: -1 bad arguments, -2 no memory, -3 a path this CPU lacks.
@@ -200,7 +200,7 @@ int f32_gemm(int path, const float *x, int64_t M, int64_t K, const float *w, flo
     return rc;
 }
 
-/* ---- one worker thread for f32_gemm_2t ---- */
+/* ---- the second half of f32_gemm_2t, on the process's kernel worker (kernel_worker.h) ---- */
 
 typedef struct {
     int path;
@@ -209,18 +209,13 @@ typedef struct {
     const float *w;
     float *y;
     int64_t N, n_begin, n_end;
-    int rc;
 } job_t;
 
 static int run_job(const job_t *j) {
     return gemm_packed(j->path, j->xt, j->M, j->K, j->w, j->y, j->N, j->n_begin, j->n_end);
 }
 
-#define WORKER_THREAD_NAME "tokenloop-f32"
 #include "kernel_worker.h"
-
-/* How long (microseconds) the worker spins for its next job before it sleeps. */
-void f32_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
 
 /* y = x @ w.T over all N channels on two threads: x transposed once, here; channels [0, mid) here, [mid, N) on the
  * worker thread */
@@ -230,7 +225,7 @@ int f32_gemm_2t(int path, const float *x, int64_t M, int64_t K, const float *w, 
     if (M == 0 || N == 0) return 0;
     float *xt = transpose_x(x, M, K, tile_rows(path));
     if (!xt) return -2;
-    const job_t mine = {path, xt, M, K, w, y, N, 0, mid, 0};
+    const job_t mine = {path, xt, M, K, w, y, N, 0, mid};
     job_t theirs = mine;
     theirs.n_begin = mid, theirs.n_end = N;
     const int rc = run_split(mine, theirs);

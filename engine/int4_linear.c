@@ -47,9 +47,9 @@
  *     The error of xi is at float32's own level (2^-22 of the group's max, rounding), so the products stay within
  *     float32 rounding of the exact path's, unlike vnni's int8 activations; a row's bits depend only on that row.
  *
- * Two threads: int4_linear_f32_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on this
- * library's own worker thread in one call (a worker that spins briefly, then sleeps on a futex: the scheme of
- * int8_linear.c, which has its own). Returns 0, or < 0 on bad arguments, no memory, or a path this CPU lacks.
+ * Two threads: int4_linear_f32_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on the
+ * process's kernel worker thread in one call (kernel_worker.c: one worker for every kernel library, which spins
+ * briefly for its next job, then sleeps on a futex). Returns 0, or < 0 on bad arguments, no memory, or a path this CPU lacks.
  */
 #include "kernel_common.h"
 
@@ -694,7 +694,7 @@ int int4_linear_f32(int path, const float *x, int64_t M, int64_t K, const uint8_
     return rc;
 }
 
-/* ---- one worker thread for int4_linear_f32_2t (kernel_worker.h; this library's own thread) ---- */
+/* ---- the second half of int4_linear_f32_2t, on the process's kernel worker (kernel_worker.h) ---- */
 
 typedef struct {
     int path;
@@ -706,19 +706,14 @@ typedef struct {
     int64_t G;
     float *y;
     int64_t N, n_begin, n_end;
-    int rc;
 } job_t;
 
 static int run_job(const job_t *j);
-#define WORKER_THREAD_NAME "tokenloop-i4"
 #include "kernel_worker.h"
 
 static int run_job(const job_t *j) {
     return run_prepared(j->path, j->x, j->p, j->M, j->K, j->q, j->sm, j->G, j->y, j->N, j->n_begin, j->n_end);
 }
-
-/* How long (microseconds) the worker spins for its next job before it sleeps. */
-void int4_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
 
 /* int4_linear_f32 over channels [n_begin, n_end), split at `mid` (a multiple of 32): [n_begin, mid) here,
  * [mid, n_end) on the worker thread; when the worker is busy with another caller, all of it here. The
@@ -731,7 +726,7 @@ int int4_linear_f32_2t(int path, const float *x, int64_t M, int64_t K, const uin
     if (M == 0 || n_begin == n_end) return 0;
     prepared_t p;
     if ((rc = prepare(path, x, M, K, G, &p)) != 0) return rc;
-    job_t mine = {path, x, &p, M, K, q, sm, G, y, N, n_begin, mid, 0};
+    job_t mine = {path, x, &p, M, K, q, sm, G, y, N, n_begin, mid};
     job_t theirs = mine;
     theirs.n_begin = mid, theirs.n_end = n_end;
     rc = run_split(mine, theirs);

@@ -30,8 +30,8 @@
  *   vpdpbusd, four columns of a channel in one 32-bit lane: qv [N32, K/4, 32, 4] (kernels.py packs them from q).
  *   Numerics differ from the float32-activation paths; the quality tests force this route to check its contract.
  *
- * Two threads: *_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on this library's worker
- * thread (kernel_worker.h), in one call; the same arithmetic per output channel either way.
+ * Two threads: *_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on the process's kernel
+ * worker thread (kernel_worker.c, shared by every kernel library), in one call; the same arithmetic per output channel either way.
  *
  * Built at run time by tokenloop/engine/kernels.py for baseline x86-64 (each path under its own target attribute,
  * -ffast-math at compile time only). Returns 0, or < 0: -1 bad arguments, -2 no memory, -3 a path this CPU lacks.
@@ -304,7 +304,7 @@ int int8_vnni_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *qv,
     return rc;
 }
 
-/* ---- one worker thread for the *_2t products ---- */
+/* ---- the second half of the *_2t products, on the process's kernel worker (kernel_worker.h) ---- */
 
 typedef struct {
     int kind; /* 0: int8_linear_f32 on `path`, 1: f32_linear_f32 (w in `fw`), 2: vnni_quantized */
@@ -320,15 +320,10 @@ typedef struct {
     const int32_t *comp;
     float *y;
     int64_t N, n_begin, n_end;
-    int rc;
 } job_t;
 
 static int run_job(const job_t *j);
-#define WORKER_THREAD_NAME "tokenloop-i8"
 #include "kernel_worker.h"
-
-/* How long (microseconds) the worker spins for its next job before it sleeps. */
-void int8_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
 
 static int run_job(const job_t *j) {
     if (j->kind == 1) return f32_linear_f32(j->x, j->M, j->K, j->fw, j->y, j->N, j->n_begin, j->n_end);
@@ -349,7 +344,7 @@ static int split_at(job_t mine, int64_t mid) {
  * [mid, n_end) on the worker thread. */
 int int8_linear_f32_2t(int path, const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
                        float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end) {
-    const job_t job = {0, path, x, M, K, NULL, q, scale, G, NULL, NULL, NULL, y, N, n_begin, n_end, 0};
+    const job_t job = {0, path, x, M, K, NULL, q, scale, G, NULL, NULL, NULL, y, N, n_begin, n_end};
     return split_at(job, mid);
 }
 
@@ -360,7 +355,7 @@ int int8_vnni_linear_f32_2t(const float *x, int64_t M, int64_t K, const int8_t *
     float *sx;
     uint8_t *xu = quantize_x(x, M, K, G, &sx);
     if (!xu) return bad_args(M, K, G, N, n_begin, n_end) ? -1 : -2;
-    const job_t job = {2, PATH_VNNI, x, M, K, NULL, qv, scale, G, xu, sx, comp, y, N, n_begin, n_end, 0};
+    const job_t job = {2, PATH_VNNI, x, M, K, NULL, qv, scale, G, xu, sx, comp, y, N, n_begin, n_end};
     const int rc = split_at(job, mid);
     free(xu);
     return rc;
@@ -369,7 +364,7 @@ int int8_vnni_linear_f32_2t(const float *x, int64_t M, int64_t K, const int8_t *
 /* f32_linear_f32 over channels [0, N) on two threads, split at `mid` */
 int f32_linear_f32_2t(const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N, int64_t mid) {
     if (mid < 0 || mid > N) return -1;
-    const job_t mine = {1, PATH_PORTABLE, x, M, K, w, NULL, NULL, 1, NULL, NULL, NULL, y, N, 0, mid, 0};
+    const job_t mine = {1, PATH_PORTABLE, x, M, K, w, NULL, NULL, 1, NULL, NULL, NULL, y, N, 0, mid};
     job_t theirs = mine;
     theirs.n_begin = mid, theirs.n_end = N;
     return run_split(mine, theirs);

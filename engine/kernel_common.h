@@ -17,20 +17,10 @@
 #ifndef TOKENLOOP_KERNEL_COMMON_H
 #define TOKENLOOP_KERNEL_COMMON_H
 
-#define _GNU_SOURCE
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#endif
 
 #define PACK 32  /* output channels per packed block */
 #define BLOCK 16 /* channels widened together for the AVX2 tiled path */

@@ -42,6 +42,9 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11")
 DISPATCHED_FLAGS = ("-O3", "-mtune=native", "-ffast-math", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared",)
 FLAGS = COMPILE_FLAGS + LINK_FLAGS
+# the process's one kernel worker thread (kernel_worker.c): every library that includes kernel_worker.h links it
+WORKER_SOURCE = Path(__file__).with_name("kernel_worker.c")
+WORKER_FLAGS = ("-O2", "-fPIC", "-std=c11", "-pthread")
 _lock = threading.Lock()
 _loaded: dict[str, PagedAttention | Int8Linear | Int4Linear | LayerOps | None] = {}
 
@@ -71,19 +74,27 @@ def compiler() -> str | None:
 
 
 def compile_flags_for(source: Path) -> tuple[str, ...]:
+    if source.name == WORKER_SOURCE.name:
+        return WORKER_FLAGS
     dispatched = source.name in (INT8_SOURCE.name, INT4_SOURCE.name, "f32_linear.c") and platform.machine() in ("x86_64", "AMD64")
     return DISPATCHED_FLAGS if dispatched else COMPILE_FLAGS
 
 
-def build(source: Path = SOURCE) -> Path:
-    """Compile `source` into the cache (if not already there); returns the shared library's path."""
+def build(source: Path = SOURCE, compile_flags: tuple[str, ...] | None = None) -> Path:
+    """Compile `source` into the cache (if not already there), with its own flags (compile_flags_for) unless others
+    are given; returns the shared library's path."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may #include
-    compile_flags = compile_flags_for(source)
+    compile_flags = compile_flags_for(source) if compile_flags is None else tuple(compile_flags)
+    # linked by path (no soname): the library loads the worker library from where it was built, so the path is
+    # part of the digest; sources without kernel_worker.c beside them (an older tree, for an A/B) carry their own
+    worker = source.parent / WORKER_SOURCE.name
+    needs = worker.is_file() and source.name != worker.name and b'#include "kernel_worker.h"' in source.read_bytes()
+    libs = [str(build(worker))] if needs else []
     digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(compile_flags + LINK_FLAGS).encode(),
-                                        cc.encode(),
+                                        cc.encode(), *(lib.encode() for lib in libs),
                                         platform.machine().encode(), cpu_id().encode()])).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{digest}.so"
     if target.is_file():
@@ -93,7 +104,7 @@ def build(source: Path = SOURCE) -> Path:
     os.close(fd)
     obj = tmp[:-3] + ".o"
     try:
-        for cmd in ([cc, *compile_flags, "-c", str(source), "-o", obj], [cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
+        for cmd in ([cc, *compile_flags, "-c", str(source), "-o", obj], [cc, *LINK_FLAGS, obj, "-o", tmp, *libs, "-lm", "-pthread"]):
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if result.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
@@ -108,12 +119,13 @@ def build(source: Path = SOURCE) -> Path:
 SPIN_ENV = "TOKENLOOP_SPIN_US"
 
 
-def _set_spin(lib, name: str) -> None:
-    """Set a library's worker spin (kernel_worker.h: how long its worker spins for the next job before it sleeps)
-    from TOKENLOOP_SPIN_US, microseconds (200 by default)."""
-    fn = getattr(lib, name)
+def set_spin_us(lib, spin_us: int | None = None) -> None:
+    """Set the kernel worker's spin (kernel_worker.c: how long the process's one worker spins for its next job
+    before it sleeps), in microseconds: `spin_us`, else TOKENLOOP_SPIN_US, else 200. `lib` is any library that links
+    the worker."""
+    fn = lib.tl_set_spin_us
     fn.argtypes, fn.restype = [ctypes.c_int64], None
-    fn(int(os.environ.get(SPIN_ENV, "200")))
+    fn(int(os.environ.get(SPIN_ENV, "200")) if spin_us is None else spin_us)
 
 
 class _CodePaths:
@@ -203,7 +215,7 @@ class QuantKernel(_CodePaths):
         self.path = path
         self._lib = lib = ctypes.CDLL(str(path))
         self._path_supported = _function(lib, f"{self.PREFIX}_path_supported", [ctypes.c_int])
-        _set_spin(lib, f"{self.PREFIX}_set_spin_us")
+        set_spin_us(lib)
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         exact = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64]  # path, x, M, K, q, scales, G, y, N, n0, n1
         self._linear = _function(lib, f"{self.PREFIX}_linear_f32", exact)
@@ -356,7 +368,7 @@ class LayerOps:
         self._step = lib.decode_step_f32
         self._step.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]
         self._step.restype = ctypes.c_int
-        _set_spin(lib, "ops_set_spin_us")
+        set_spin_us(lib)
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor) -> None:
@@ -570,7 +582,7 @@ class F32Linear(_CodePaths):
         self.path = path
         self._lib = lib = ctypes.CDLL(str(path))
         self._path_supported = _function(lib, "f32_path_supported", [ctypes.c_int])
-        _set_spin(lib, "f32_set_spin_us")
+        set_spin_us(lib)
         i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         self._gemm = _function(lib, "f32_gemm", [c_int, ptr, i64, i64, ptr, ptr, i64, i64, i64])
         self._gemm2 = _function(lib, "f32_gemm_2t", [c_int, ptr, i64, i64, ptr, ptr, i64, i64])

@@ -21,19 +21,9 @@
  * Built at run time by tokenloop/engine/kernels.py like the other kernels (-O3 -march=native -ffast-math at
  * compile time only); without it model.py runs the same operations in torch.
  */
-#define _GNU_SOURCE
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#endif
 
 void add_rms_norm_f32(float *h, const float *delta, const float *weight, float eps, float *out, int64_t T,
                       int64_t D) {
@@ -99,7 +89,7 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
  * fused step gives the Python path's bits: the same functions on the same inputs.
  *
  * Per layer: h += delta, x = RMSNorm(h) -> qkv = x W_qkv^T (+ bias) -> rope + K/V cache write -> q copied out of
- * qkv -> paged decode attention per group (split over this library's worker thread as Model._paged_decode splits
+ * qkv -> paged decode attention per group (split over the process's kernel worker thread as Model._paged_decode splits
  * it over the matmul helper) -> o = attn W_o^T -> h += o, x = RMSNorm(h) -> gate_up -> SiLU * up -> down = delta.
  * After the last layer h += delta. */
 
@@ -137,7 +127,7 @@ typedef struct {
     linear_fn linear[2];
     linear2_fn linear2[2];
     int64_t path[2];
-    int64_t split; /* products over two threads (the libraries' own workers), channels split as linear2 does */
+    int64_t split; /* products over two threads (the kernel worker), channels split as linear2 does */
     paged_fn paged;
     int64_t paged_path;
     int64_t split_attention; /* a group with 0 < split < num_seqs runs its halves on two threads */
@@ -151,7 +141,7 @@ typedef struct {
     int64_t out_start, num_seqs, split;
 } dgroup_t;
 
-/* ---- this library's worker thread: the second half of a split attention (kernel_worker.h) ---- */
+/* ---- the second half of a split attention, on the process's kernel worker (kernel_worker.h) ---- */
 
 typedef struct {
     paged_fn fn;
@@ -163,20 +153,15 @@ typedef struct {
     int64_t max_blocks, H, KV, E, block_size;
     float scale;
     int64_t b_begin, n_end; /* sequences b_begin .. n_end-1 (kernel_worker.h's run_split names the end n_end) */
-    int rc;
 } job_t;
 
 static int run_job(const job_t *j);
-#define WORKER_THREAD_NAME "tokenloop-ops"
 #include "kernel_worker.h"
 
 static int run_job(const job_t *j) {
     return j->fn(j->path, j->q, j->out, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, j->b_begin,
                  j->n_end, j->H, j->KV, j->E, j->block_size, j->scale);
 }
-
-/* How long (microseconds) the worker spins for its next job before it sleeps. */
-void ops_set_spin_us(int64_t spin_us) { worker_spin_ns = spin_us < 0 ? 0 : spin_us * 1000; }
 
 /* y [T, N] = x [T, K] @ w^T, as QuantRoute.product runs it (linear2 splits at N / 2 rounded down to 32 channels) */
 static int product(const dkernels_t *k, const dweight_t *w, const float *x, int64_t T, float *y) {
@@ -218,7 +203,7 @@ int decode_step_f32(const dmodel_t *m, const dkernels_t *k, float *h, int64_t T,
             const dgroup_t *g = groups + gi;
             const job_t mine = {k->paged, (int)k->paged_path, q + g->out_start * HE, attn + g->out_start * HE,
                                 w->k_cache, w->v_cache, g->tables, g->lens, g->max_blocks, H, KV, E, m->block_size,
-                                m->scale, 0, g->num_seqs, 0};
+                                m->scale, 0, g->num_seqs};
             if (k->split_attention && 0 < g->split && g->split < g->num_seqs) {
                 job_t first = mine, second = mine;
                 first.n_end = g->split, second.b_begin = g->split;

@@ -8,10 +8,9 @@ A path or route this CPU cannot run skips with the reason (pytest -rs prints it)
 from __future__ import annotations
 
 import json
-import os
 import platform
-import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,16 +294,32 @@ def test_hand_offs_that_go_through_sleep_never_lose_a_wake(mode):
                 out = torch.empty(64, 4096)
                 kernel._run(xb, big, out, 0, 32, 4096)
                 bad.extend([i] if not torch.equal(out, want_b) else [])
-    spin = getattr(kernel._lib, f"{kernel.PREFIX}_set_spin_us")
-    spin(0)
+    kernels.set_spin_us(kernel._lib, 0)
     try:
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         thread.join(timeout=120)
         assert not thread.is_alive(), "a hand-off hung: a wake was lost"
     finally:
-        spin(int(os.environ.get("TOKENLOOP_SPIN_US", "200")))
+        kernels.set_spin_us(kernel._lib)
     assert not bad
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc/self/task")
+def test_every_kernel_library_posts_to_one_worker_thread():
+    """kernel_worker.c: the int4, int8 and float32 libraries' two-thread products run their second halves on the
+    process's one kernel worker, not on a worker per library (which spun beside the next library's two threads)."""
+    f32 = kernels.load_f32()
+    if f32 is None or native("int8") is None:
+        pytest.skip(NO_CC)
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(96, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    for mode in MODES:
+        native(mode).linear2(x, quantized(mode, w), torch.empty(3, 96))
+    f32.linear2(x, w, torch.empty(3, 96))
+    names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    assert names.count("tokenloop-kw") == 1, names
+    assert not {"tokenloop-i4", "tokenloop-i8", "tokenloop-f32", "tokenloop-ops"} & set(names), names
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 5, 16])
@@ -324,16 +339,13 @@ def test_float32_kernel_matches_torch_on_two_threads(num_tokens, shape):
 
 @pytest.mark.skipif(kernels.compiler() is None or platform.machine() != "x86_64", reason="needs cc on x86-64")
 @pytest.mark.parametrize("mode", MODES)
-def test_a_baseline_x86_64_build_still_dispatches_to_every_path(mode, tmp_path):
+def test_a_baseline_x86_64_build_still_dispatches_to_every_path(mode):
     """Built for any x86-64 (-march=x86-64: SSE2 only), the library runs each SIMD path where the CPU has it (a
     target attribute, chosen at run time) and the portable one everywhere."""
     kernel = native(mode)
-    cc, obj, lib = kernels.compiler(), tmp_path / "k.o", tmp_path / "k.so"
     flags = [f for f in kernels.DISPATCHED_FLAGS if not f.startswith(("-march", "-mtune"))] + ["-march=x86-64"]
     source = kernels.INT4_SOURCE if mode == "int4" else kernels.INT8_SOURCE
-    subprocess.run([cc, *flags, "-c", str(source), "-o", str(obj)], check=True, timeout=120)
-    subprocess.run([cc, *kernels.LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True, timeout=120)
-    baseline = type(kernel)(lib)
+    baseline = type(kernel)(kernels.build(source, tuple(flags)))
     assert baseline.supported() == kernel.supported() and baseline.isa == kernel.isa
     gen = torch.Generator().manual_seed(8)
     w, x = quantized(mode, torch.randn(200, 192, generator=gen)), torch.randn(9, 192, generator=gen)
