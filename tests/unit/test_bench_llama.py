@@ -161,5 +161,9 @@ def test_a_one_stream_scenario_reports_the_median_of_its_repeats():
     # each repeat the same tokens, no two with a common first token (no prompt-cache hit)
     assert prompts[0] == single.prompts[0] and all(sorted(p) == sorted(prompts[0]) for p in prompts)
     assert len({p[0] for p in prompts}) == 3
+    # the warm-up request starts like no repeat (its tokens would otherwise come from the prompt cache)
+    warm = engine_bench.warm_up_prompt(single)
+    assert len(warm) == 16 and set(warm) <= set(single.prompts[0])
+    assert all(warm[0] != engine_bench.rotated(single, shift).prompts[0][0] for shift in range(16))
     eight = engine_bench.make_scenarios(list(range(5000)))["eight"]
     assert engine_bench.median_of(eight, 3, lambda s: s.name) == "eight"  # several streams: one run
