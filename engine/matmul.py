@@ -325,12 +325,14 @@ class MatmulPolicy:
 
     @classmethod
     def calibrate(cls, weights: torch.Tensor | list[torch.Tensor], native: Int8Linear | None = None,
-                  f32: F32Linear | None = None) -> MatmulPolicy:
+                  f32: F32Linear | None = None, use_cache: bool | None = None) -> MatmulPolicy:
         """Time each backend for every bucket (numpy and native only for float32/float64; native2 only for float32
         and up to NATIVE_MAX_TOKENS; f32c2 for float32: `f32`, else the kernel load_f32 builds).
         `weights`: [N, D] matrices of one shape, e.g. every layer's gate_up; buckets up to COLD_TOKENS are timed
         over all of them (a step streams them from memory), larger ones on the first. Each backend wins only the
-        buckets where it measures fastest."""
+        buckets where it measures fastest. The choice is cached as calibrate_quant's is (per CPU, kernel builds,
+        library versions, dtype and weight shapes; provisional when timed on a busy machine): a restart chooses the
+        same backends, so the same bits, and skips the ~4 s of timing."""
         weights = weights if isinstance(weights, list) else [weights]
         weight = weights[0]
         if weight.dtype not in (torch.float32, torch.float64):
@@ -339,24 +341,33 @@ class MatmulPolicy:
         native = native if split and weight.dtype == torch.float32 else None
         f32 = (f32 or load_f32()) if split and weight.dtype == torch.float32 else None
         probe = cls({b: Backend.NUMPY2 for b in BUCKETS}, native=native, f32=f32) if split else None
-        buckets = {}
-        with torch.inference_mode():
-            for b in BUCKETS:
-                x = torch.randn(b, weight.shape[1], dtype=weight.dtype)
-                over = weights if b <= COLD_TOKENS else [weight]
 
-                def each(fn, over=over):
-                    return lambda: [fn(w) for w in over]
-                candidates = {Backend.TORCH: each(lambda w, x=x: F.linear(x, w)),
-                              Backend.NUMPY: each(lambda w, x=x: np.matmul(x.numpy(), w.numpy().T))}
-                if probe is not None and b >= MIN_SPLIT_TOKENS:
-                    candidates[Backend.NUMPY2] = each(lambda w, x=x: probe.linear(x, w, Backend.NUMPY2))
-                if native is not None and b <= NATIVE_MAX_TOKENS:
-                    candidates[Backend.NATIVE2] = each(lambda w, x=x: probe.linear(x, w, Backend.NATIVE2))
-                if f32 is not None:
-                    candidates[Backend.F32C2] = each(lambda w, x=x: probe.linear(x, w, Backend.F32C2))
-                buckets[b] = _fastest(candidates, rounds=3 if len(over) > 1 else 7)
-        return cls(buckets, probe._helper if probe is not None else None, native=native, f32=f32)
+        def time_backends() -> dict:
+            buckets = {}
+            with torch.inference_mode():
+                for b in BUCKETS:
+                    x = torch.randn(b, weight.shape[1], dtype=weight.dtype)
+                    over = weights if b <= COLD_TOKENS else [weight]
+
+                    def each(fn, over=over):
+                        return lambda: [fn(w) for w in over]
+                    candidates = {Backend.TORCH: each(lambda w, x=x: F.linear(x, w)),
+                                  Backend.NUMPY: each(lambda w, x=x: np.matmul(x.numpy(), w.numpy().T))}
+                    if probe is not None and b >= MIN_SPLIT_TOKENS:
+                        candidates[Backend.NUMPY2] = each(lambda w, x=x: probe.linear(x, w, Backend.NUMPY2))
+                    if native is not None and b <= NATIVE_MAX_TOKENS:
+                        candidates[Backend.NATIVE2] = each(lambda w, x=x: probe.linear(x, w, Backend.NATIVE2))
+                    if f32 is not None:
+                        candidates[Backend.F32C2] = each(lambda w, x=x: probe.linear(x, w, Backend.F32C2))
+                    buckets[b] = _fastest(candidates, rounds=3 if len(over) > 1 else 7).value
+            return {"buckets": buckets}
+
+        key = ["float", str(weight.dtype), np.__version__, native.path.name if native else "-",
+               f32.path.name if f32 else "-"]
+        path = cache_dir() / f"matmul-{str(weight.dtype).split('.')[-1]}-{_cache_key(key, weights)}.json"
+        record, chosen = _cached_choice(path, _read_float_record, time_backends, use_cache)
+        buckets = {b: Backend(v) for b, v in record["buckets"].items()}
+        return cls(buckets, probe._helper if probe is not None else None, native=native, f32=f32, chosen=chosen)
 
     @classmethod
     def calibrate_int8(cls, weights: QWeight | list[QWeight], int8: Int8Linear | None) -> MatmulPolicy:
@@ -398,26 +409,9 @@ class MatmulPolicy:
                        qroutes={b: (routes[forced], split) for b in BUCKETS}, chosen=f"forced by {ROUTE_ENV}")
         if kernel is None:  # without the C kernel: torch multiplies by the weight widened on the fly
             return cls(dict.fromkeys(BUCKETS, Backend.TORCH), int8=int8, int4=int4)
-        use_cache = os.environ.get(CACHE_ENV, "").lower() != "off" if use_cache is None else use_cache
-        path = cache_dir() / f"matmul-{mode}-{_cache_key(mode, weights, kernel)}.json"
-        record = _read_record(path, routes) if use_cache else None
-        chosen = f"cached in {path}"
-        under_load = _provisional(record) if record is not None else 0.0
-        retime = bool(under_load) and quiet_now()
-        if under_load and not retime:
-            chosen += f" (timed while other processes used {under_load:.0%} of the CPUs; timed again " \
-                      "at a start on a quiet machine)"
-        if record is None or retime:
-            started, load = time.perf_counter(), OthersLoad()
-            record = _choose(_time_routes(routes, weights), routes)
-            record["others_load"] = load.share()
-            chosen = f"timed in {time.perf_counter() - started:.1f} s" + (" (the cached choice was timed under load)"
-                                                                        if retime else "")
-            if _provisional(record):
-                chosen += f" while other processes used {record['others_load']:.0%} of the CPUs: cached as provisional"
-                log.warning("matmul: routes %s", chosen)
-            if use_cache:
-                _write_record(path, record)
+        path = cache_dir() / f"matmul-{mode}-{_cache_key([mode, kernel.path.name], weights)}.json"
+        record, chosen = _cached_choice(path, lambda p: _read_record(p, routes),
+                                        lambda: _choose(_time_routes(routes, weights), routes), use_cache)
         qroutes = {b: (routes[name], split) for b, (name, split) in record["buckets"].items()}
         return cls(dict.fromkeys(BUCKETS, Backend.TORCH), int8=int8, int4=int4, qroutes=qroutes,
                    timings=record["times"], chosen=chosen)
@@ -462,7 +456,8 @@ class MatmulPolicy:
         """The float backends per bucket; with quantized weights, each bucket's route, threads and the times of
         every candidate (ms, * = not eligible), and how the routes were chosen."""
         if self.int8 is None and self.int4 is None and not self.timings:
-            return ", ".join(f"<={b}: {backend.value}" for b, backend in self.buckets.items())
+            return ", ".join(f"<={b}: {backend.value}" for b, backend in self.buckets.items()) + (
+                f" ({self.chosen})" if self.chosen else "")
         parts = []
         for b in BUCKETS:
             route, split = self.qroutes[b]
@@ -528,10 +523,50 @@ def _choose(times: dict[int, dict[str, float]], routes: dict[str, QuantRoute]) -
     return {"family": family, "buckets": buckets, "times": times}
 
 
-def _cache_key(mode: str, weights: list, kernel) -> str:
-    what = [mode, cpu_id(), str(os.cpu_count()), torch.__version__, kernel.path.name, str(len(weights)),
-            *(f"{tuple(w.shape)}/{w.group_size}" for w in weights[:1])]
+def _cache_key(what: list[str], weights: list) -> str:
+    """What a cached choice depends on: `what` (the mode, the kernel builds) and this CPU (model and flags), its
+    count, torch's version and the weights' number and shape."""
+    shape = [f"{tuple(w.shape)}/{getattr(w, 'group_size', '-')}" for w in weights[:1]]
+    what = [what[0], cpu_id(), str(os.cpu_count()), torch.__version__, *what[1:], str(len(weights)), *shape]
     return hashlib.sha256("\0".join(what).encode()).hexdigest()[:16]
+
+
+def _cached_choice(path, read, time_choice, use_cache: bool | None) -> tuple[dict, str]:
+    """A calibration's record: read from `path` (read(path) -> record or None), or timed now (time_choice() -> a
+    JSON-able record) and written there; and how it was chosen. A record timed while other processes used more than
+    LOAD_LIMIT of the CPUs is provisional: it serves until a start finds the machine quiet, which times again.
+    use_cache None: TOKENLOOP_MATMUL_CACHE (off: time at every start, never read or write)."""
+    use_cache = os.environ.get(CACHE_ENV, "").lower() != "off" if use_cache is None else use_cache
+    record = read(path) if use_cache else None
+    chosen = f"cached in {path}"
+    under_load = _provisional(record) if record is not None else 0.0
+    retime = bool(under_load) and quiet_now()
+    if under_load and not retime:
+        chosen += f" (timed while other processes used {under_load:.0%} of the CPUs; timed again " \
+                  "at a start on a quiet machine)"
+    if record is None or retime:
+        started, load = time.perf_counter(), OthersLoad()
+        record = time_choice()
+        record["others_load"] = load.share()
+        chosen = f"timed in {time.perf_counter() - started:.1f} s" + (" (the cached choice was timed under load)"
+                                                                    if retime else "")
+        if _provisional(record):
+            chosen += f" while other processes used {record['others_load']:.0%} of the CPUs: cached as provisional"
+            log.warning("matmul: routes %s", chosen)
+        if use_cache:
+            _write_record(path, record)
+    return record, chosen
+
+
+def _read_float_record(path) -> dict | None:
+    """calibrate's cached record: {"buckets": {bucket: Backend value}, "others_load": share}, or None."""
+    try:
+        raw = json.loads(path.read_text())
+        record = {"buckets": {int(b): Backend(v).value for b, v in raw["buckets"].items()},
+                  "others_load": raw.get("others_load")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return record if set(record["buckets"]) == set(BUCKETS) else None
 
 
 def _provisional(record: dict) -> float:

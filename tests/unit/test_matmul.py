@@ -30,7 +30,7 @@ def test_calibration_never_picks_numpy_for_bfloat16():
 
 
 def test_calibration_covers_every_bucket():
-    policy = MatmulPolicy.calibrate(torch.randn(64, 32))
+    policy = MatmulPolicy.calibrate(torch.randn(64, 32), use_cache=False)
     assert set(policy.buckets) == set(BUCKETS)
 
 
@@ -47,7 +47,7 @@ def test_calibration_times_the_native_gemm_and_uses_it_where_it_wins(monkeypatch
         timed.append(set(candidates))
         return Backend.F32C2 if Backend.F32C2 in candidates else real(candidates, rounds)
     monkeypatch.setattr(matmul, "_fastest", fastest)
-    policy = MatmulPolicy.calibrate(torch.randn(64, 32))
+    policy = MatmulPolicy.calibrate(torch.randn(64, 32), use_cache=False)
     if len(timed) == len(BUCKETS):  # two CPUs or more: the two-thread backends are candidates
         assert all(Backend.F32C2 in c and Backend.TORCH in c and Backend.NUMPY2 in c for c in timed)
         assert set(policy.buckets.values()) == {Backend.F32C2} and policy.f32 is f32

@@ -1,4 +1,5 @@
-"""The quantized routes' cache (engine/matmul.py calibrate_quant): a choice timed on a busy machine is provisional."""
+"""The calibrations' cache (engine/matmul.py calibrate_quant and calibrate): a choice is timed once per CPU, kernel
+build and weight shape, and one timed on a busy machine is provisional."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tokenloop.engine import kernels, matmul
-from tokenloop.engine.matmul import ROUTE_ENV, MatmulPolicy
+from tokenloop.engine.matmul import CACHE_ENV, ROUTE_ENV, Backend, MatmulPolicy
 from tokenloop.engine.quant import quantize
 
 
@@ -85,3 +86,25 @@ def test_a_machine_with_a_busy_process_is_not_quiet():
         assert not matmul.quiet_now()
     finally:
         busy.wait()
+
+
+def test_the_float32_choice_is_cached_as_the_quantized_one(tmp_path, monkeypatch):
+    """fp32's backends per bucket (MatmulPolicy.calibrate) are timed once and read back at the next start: the same
+    backends, so the same bits, without the timing; a damaged file is timed again."""
+    monkeypatch.setattr(matmul, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(matmul, "OthersLoad", FakeLoad)
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    weights = [torch.randn(64, 32) for _ in range(2)]
+    first = MatmulPolicy.calibrate(weights)
+    assert first.chosen.startswith("timed in") and first.chosen in first.describe()
+    monkeypatch.setattr(matmul, "_fastest", lambda *args, **kwargs: pytest.fail("timed again"))
+    again = MatmulPolicy.calibrate(weights)
+    assert again.chosen.startswith("cached in") and again.buckets == first.buckets
+    [path] = tmp_path.glob("matmul-float32-*.json")
+    path.write_text('{"buckets": {"1": "torch"}}')  # a bucket short
+    monkeypatch.setattr(matmul, "_fastest", lambda candidates, rounds=7: Backend.TORCH)
+    retimed = MatmulPolicy.calibrate(weights)
+    assert retimed.chosen.startswith("timed in") and set(retimed.buckets.values()) == {Backend.TORCH}
+    assert MatmulPolicy.calibrate(weights).chosen.startswith("cached in")
+    assert MatmulPolicy.calibrate(weights, use_cache=False).chosen.startswith("timed in")
+    assert MatmulPolicy.calibrate([w.double() for w in weights]).chosen.startswith("timed in")  # another key
