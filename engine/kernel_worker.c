@@ -21,9 +21,8 @@
 #include <sys/syscall.h>
 #endif
 
-#define TL_NO_WORKER 0x544c4e57 /* tl_split's answer when the worker is another caller's (kernel_worker.h) */
-
-typedef int (*tl_job_fn)(const void *job);
+#define TL_WORKER_IMPL
+#include "kernel_worker.h" /* TL_NO_WORKER, tl_job_fn and the prototypes this file defines */
 
 static tl_job_fn job_fn;
 static const void *job_arg;

@@ -86,14 +86,15 @@ def build(source: Path = SOURCE, compile_flags: tuple[str, ...] | None = None) -
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    text = source.read_bytes()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may #include
     compile_flags = compile_flags_for(source) if compile_flags is None else tuple(compile_flags)
     # linked by path (no soname): the library loads the worker library from where it was built, so the path is
     # part of the digest; sources without kernel_worker.c beside them (an older tree, for an A/B) carry their own
     worker = source.parent / WORKER_SOURCE.name
-    needs = worker.is_file() and source.name != worker.name and b'#include "kernel_worker.h"' in source.read_bytes()
+    needs = worker.is_file() and source.name != worker.name and b'#include "kernel_worker.h"' in text
     libs = [str(build(worker))] if needs else []
-    digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, " ".join(compile_flags + LINK_FLAGS).encode(),
+    digest = hashlib.sha256(b"\0".join([text, *headers, " ".join(compile_flags + LINK_FLAGS).encode(),
                                         cc.encode(), *(lib.encode() for lib in libs),
                                         platform.machine().encode(), cpu_id().encode()])).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{digest}.so"
