@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,6 +62,16 @@ class ForwardBatch:
     hidden_rows: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     embeds: list[tuple[object, int]] = field(default_factory=list)  # (sequence, its rows in `hidden`), in row order
+
+
+@dataclass(slots=True)
+class ReusedBatch:
+    """The model's last decode-only ForwardBatch, kept for the next step (runner.prepare_decodes): a step of the same
+    `shape` (sequences, block-table width) refills `array`, which holds the values of every index tensor of `batch`."""
+
+    shape: tuple[int, int] | None = None
+    array: np.ndarray | None = None
+    batch: ForwardBatch | None = None
 
 
 @dataclass(slots=True)
@@ -150,6 +161,9 @@ class Model:
             for route, _ in set(matmul.qroutes.values()):
                 self._plan_for(route.int4)
         self.fuse_decode = True  # False: decode steps take the per-operation path too (tests and benchmarks)
+        self.reused_batch = ReusedBatch()  # runner.run's decode-only batch, refilled step after step
+        self._embed_np = self.embed.numpy() if self.plan is not None else None  # [V, D]: fused steps' embeddings
+        self._decode_rows: tuple[torch.Tensor, np.ndarray, torch.Tensor] | None = None  # _forward_fused's h, x
         self._step_kernels: dict[tuple[object, bool], StepKernels | None] = {}  # by (QuantRoute, split)
 
     @classmethod
@@ -158,9 +172,18 @@ class Model:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the batch, write its K/V into the cache; returns float32 logits [S, V]."""
+        """Run the batch, write its K/V into the cache; returns float32 logits [S, V]. A step that one C call covers
+        (fused_kernels) runs outside inference mode: it makes three tensors from tensors that need no gradient and
+        records nothing (entering the mode took ~40 us of a one-stream step)."""
+        kernels = self.fused_kernels(batch) if self.ops is not None else None
+        if kernels is not None:
+            return self._forward_fused(batch, kernels)
+        return self._forward(batch)
+
+    @torch.inference_mode()
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` for every step the fused call does not cover."""
         if self.ops is not None:
             return self._forward_ops(batch)
         c, num_tokens = self.config, batch.input_ids.shape[0]
@@ -236,24 +259,30 @@ class Model:
     def _forward_fused(self, batch: ForwardBatch, kernels: StepKernels) -> torch.Tensor:
         """`_forward_ops` for a decode-only step, every layer in one C call: the same functions in the same order
         (layer_ops.c, decode_step_f32), so the same bits."""
-        h = self.embed[batch.input_ids]  # [T, D], a new tensor: updated in place
+        num_tokens = batch.input_ids.shape[0]
+        if self._decode_rows is None or self._decode_rows[0].shape[0] != num_tokens:
+            h = torch.empty(num_tokens, self.config.hidden_size)
+            self._decode_rows = (h, h.numpy(), torch.empty_like(h))
+        h, h_np, x = self._decode_rows  # [T, D] each, reused while T stays: h is the residual stream, x its norm
+        np.take(self._embed_np, batch.input_ids.numpy(), axis=0, out=h_np)  # the embeddings, updated in place
         self.ops.decode_step(kernels.plan, kernels, h, batch.positions, batch.slot_mapping, batch.groups)
-        return self._logits(h, batch)
+        return self._logits(h, batch, x)
 
-    def _logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The final norm and lm_head over the rows that sample (C RMSNorm); the embedding rows' hidden states."""
+    def _logits(self, h: torch.Tensor, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and lm_head over the rows that sample (C RMSNorm); the embedding rows' hidden states.
+        `out` [T, D]: where the norm may go when every row samples."""
         self._final_hidden(h, batch)
-        rows = h[batch.logits_rows]  # [S, D]
-        x = torch.empty_like(rows)
+        # [S, D]; every row samples (a decode-only step): h itself (the norm writes x)
+        every = batch.logits_rows.shape[0] == h.shape[0]
+        rows = h if every else h[batch.logits_rows]
+        x = out if every and out is not None else torch.empty_like(rows)
         self.ops.add_rms_norm(rows, None, self.norm, self.config.rms_norm_eps, x)
-        return self.matmul.linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
+        logits = self.matmul.linear(x, self.lm_head, self.matmul.backend(x.shape[0]))  # [S, V]
+        return logits if logits.dtype is torch.float32 else logits.float()
 
     def _forward_ops(self, batch: ForwardBatch) -> torch.Tensor:
         """`forward` with the layer's small operations in C (layer_ops.c): the residual stream h is updated in place
         and each residual add is fused into the RMSNorm after it. The same operations, in the same order."""
-        kernels = self.fused_kernels(batch)
-        if kernels is not None:
-            return self._forward_fused(batch, kernels)
         c, num_tokens = self.config, batch.input_ids.shape[0]
         backend = self.matmul.backend(num_tokens)
         linear, ops, eps = self.matmul.linear, self.ops, c.rms_norm_eps

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .model import AttentionGroup, ForwardBatch, Model, fresh_group
+from .model import AttentionGroup, ForwardBatch, Model, ReusedBatch, fresh_group
 from .sequence import Sequence
 
 
@@ -27,13 +28,7 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
         row += n
     lens, split = None, 0
     if max_q == 1:  # decodes: context lengths for the native kernel, and where half the context is reached
-        lens = torch.tensor(contexts, dtype=torch.long)
-        half, total = sum(contexts) / 2, 0
-        for split, n in enumerate(contexts):  # noqa: B007 - `split` is used after the loop
-            if total + n / 2 >= half:
-                break
-            total += n
-        split = max(split, 1) if len(contexts) > 1 else 0
+        lens, split = torch.tensor(contexts, dtype=torch.long), _split(contexts)
     mask = None
     if max_q > 1 or (decode_mask and min(contexts) != max_blocks * block_size):
         pos = torch.arange(max_blocks * block_size)  # [C]
@@ -46,8 +41,65 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
         kv_blocks=tables, mask=mask, out_start=row_start, num_seqs=len(seqs), max_q=max_q, lens=lens, split=split)
 
 
-def prepare(scheduled: list[tuple[Sequence, int]], block_size: int,
-            decode_mask: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
+def _split(contexts: list[int]) -> int:
+    """Where a decode group's sequences hold about half its context before and half after (the attention's two
+    threads); 0 for one sequence."""
+    half, total = sum(contexts) / 2, 0
+    for split, n in enumerate(contexts):  # noqa: B007 - `split` is used after the loop
+        if total + n / 2 >= half:
+            break
+        total += n
+    return max(split, 1) if len(contexts) > 1 else 0
+
+
+def prepare_decodes(seqs: list[Sequence], block_size: int, reuse: ReusedBatch | None = None) -> ForwardBatch:
+    """`prepare` for a step of plain decodes (one token each, no adapter, no embedding, no decode mask), in their
+    scheduled order: the same batch, its index tensors views of one numpy array. With `reuse`, a step of the same
+    shape (sequences, table blocks) as the one before refills that array and returns the same batch object: a batch
+    is valid until the next one is built (runner.run consumes it at once). After the kernels have streamed the
+    weights through the caches, each torch operation here cost ~5-10 us of cache misses."""
+    num = len(seqs)
+    positions = [s.num_computed_tokens for s in seqs]
+    max_blocks = (max(positions) + block_size) // block_size  # the longest context, num_computed + 1, in blocks
+    flat = [s.token_ids[p] for s, p in zip(seqs, positions)]  # [T] input ids
+    flat += positions  # [T]
+    flat += [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions)]  # slots
+    flat += range(num)  # [T] rows: each sequence's query row and logits row
+    contexts = [p + 1 for p in positions]
+    flat += contexts  # [B]
+    for s in seqs:  # [B, NB] block tables, 0 on padding
+        table = s.block_table[:max_blocks]
+        flat += table
+        flat += [0] * (max_blocks - len(table))
+    if reuse is not None and reuse.shape == (num, max_blocks):
+        reuse.array[:] = flat
+        reuse.batch.groups[0].split = _split(contexts)
+        return reuse.batch
+    array = np.array(flat, dtype=np.int64)
+    tensor = torch.from_numpy(array)
+    ids, pos, slots, rows, lens = (tensor[i * num:(i + 1) * num] for i in range(5))
+    group = AttentionGroup(query_rows=rows, valid=None, kv_blocks=tensor[5 * num:].view(num, max_blocks), mask=None,
+                           out_start=0, num_seqs=num, max_q=1, lens=lens, split=_split(contexts))
+    batch = ForwardBatch(input_ids=ids, positions=pos, slot_mapping=slots, groups=[group], logits_rows=rows)
+    if reuse is not None:
+        reuse.shape, reuse.array, reuse.batch = (num, max_blocks), array, batch
+    return batch
+
+
+def prepare(scheduled: list[tuple[Sequence, int]], block_size: int, decode_mask: bool = True,
+            reuse: ReusedBatch | None = None) -> tuple[ForwardBatch, list[Sequence]]:
+    """Flat batch for `scheduled` (sequence, number of new tokens), and the sequences that sample after it:
+    `prepare_general`, or, for a step of plain decodes without a decode mask, `prepare_decodes` (the same batch,
+    built faster; `reuse`'s when given)."""
+    seqs = [s for s, n in scheduled if n == 1 and s.lora is None and s.embed is None and
+            s.num_computed_tokens + 1 == len(s.token_ids)]
+    if not decode_mask and seqs and len(seqs) == len(scheduled):  # plain decodes: each samples
+        return prepare_decodes(seqs, block_size, reuse), seqs
+    return prepare_general(scheduled, block_size, decode_mask)
+
+
+def prepare_general(scheduled: list[tuple[Sequence, int]], block_size: int,
+                    decode_mask: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
     """Flat batch for `scheduled` (sequence, number of new tokens); decodes first, then prefill chunks.
     `decode_mask` False leaves the decode group without an attention mask: a model with the native decode kernel
     never reads it (building it cost a few tensor operations per step).
@@ -114,7 +166,7 @@ def run(model: Model, scheduled: list[tuple[Sequence, int]],
         block_size: int) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
     """Forward `scheduled`; returns logits [S, V] for the sequences that sample, those sequences, and each embedding
     sequence with its new rows' final hidden states [n, D] (to pool)."""
-    batch, samplers = prepare(scheduled, block_size, decode_mask=model.paged is None)
+    batch, samplers = prepare(scheduled, block_size, decode_mask=model.paged is None, reuse=model.reused_batch)
     logits = model.forward(batch)
     pooled, row = [], 0
     for seq, n in batch.embeds:

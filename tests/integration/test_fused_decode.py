@@ -11,7 +11,7 @@ import torch
 
 from tests.integration.scheduled import BLOCK, Seq
 from tests.tiny_model import make_tiny_model
-from tokenloop.engine import kernels
+from tokenloop.engine import kernels, runner
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.matmul import ROUTE_ENV
@@ -114,3 +114,41 @@ def test_steps_the_fused_call_does_not_cover_keep_the_per_operation_path(tmp_pat
     fp32 = Engine(make_tiny_model(tmp_path / "f", "llama", num_layers=2), EngineConfig(kv_cache_tokens=512),
                   start=False).model
     assert fp32.plan is None and fp32.fused_kernels(decode) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_run_reuses_the_decode_batch_and_rows_and_gives_the_per_operation_steps_bits(tmp_path, weights):
+    """runner.run over plain decodes: runner.prepare_decodes's batch (refilled while its shape stays) and the fused
+    step's reused residual rows (Model._decode_rows) give, step after step, the logits and K/V of the per-operation
+    path over prepare_general's fresh batch; a sequence leaving changes the shapes; earlier logits stay as they were."""
+    model = engine(tmp_path, weights).model
+    gen = torch.Generator().manual_seed(3)
+    seqs = [Seq(torch.randint(3, 300, (n,), generator=gen).tolist(), 0, 1 + 12 * i) for i, n in enumerate((9, 30, 6))]
+    for s in seqs:
+        model.forward(prepare([(s, len(s.token_ids))], BLOCK)[0])
+        s.num_computed_tokens = len(s.token_ids)
+    kept, batches, rows = [], [], []
+    for step in range(6):  # the 30-token context crosses a block boundary at step 2; a sequence leaves at step 4
+        active = seqs if step < 4 else seqs[:2]
+        for s in active:
+            s.token_ids.append(int(torch.randint(3, 300, (1,), generator=gen)))
+        scheduled = [(s, 1) for s in active]
+        k0, v0 = model.k_cache.clone(), model.v_cache.clone()
+        logits, samplers, _ = runner.run(model, scheduled, BLOCK)
+        assert samplers == active
+        fused_k, fused_v = model.k_cache.clone(), model.v_cache.clone()
+        batches.append(model.reused_batch.batch)
+        rows.append(model._decode_rows[0])
+        model.k_cache.copy_(k0), model.v_cache.copy_(v0)
+        model.fuse_decode = False
+        want = model.forward(runner.prepare_general(scheduled, BLOCK)[0])
+        model.fuse_decode = True
+        assert torch.equal(logits, want), step
+        assert torch.equal(model.k_cache, fused_k) and torch.equal(model.v_cache, fused_v)
+        kept.append((logits, logits.clone()))
+        for s in active:
+            s.num_computed_tokens += 1
+    assert batches[0] is batches[1] and batches[1] is not batches[2] and batches[2] is batches[3] is not batches[4]
+    assert rows[0] is rows[3] and rows[3] is not rows[4] and rows[4] is rows[5]
+    assert all(torch.equal(a, b) for a, b in kept)

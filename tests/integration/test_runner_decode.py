@@ -1,8 +1,11 @@
 """runner.run leaves the decode group's attention mask out when the model reads context lengths instead (the native
 decode kernel), and keeps it for torch attention, which needs it: on a tiny random-weight checkpoint, the logits of
-decodes over contexts that end inside a block are the same as with the mask, on both attention backends."""
+decodes over contexts that end inside a block are the same as with the mask, on both attention backends. A step of
+plain decodes takes runner.prepare_decodes, which builds what the general path builds (and reuses its batch)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from tests.tiny_model import make_tiny_model
 from tokenloop.engine import kernels, runner
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
+from tokenloop.engine.model import ReusedBatch
 
 
 def decodes() -> list[tuple[Seq, int]]:
@@ -53,3 +57,60 @@ def test_prefill_chunks_keep_their_mask_without_the_decode_mask():
     chunk = Seq(list(range(3, 23)), 12, 1, num_blocks=8)
     batch, _ = runner.prepare([(chunk, 8)], BLOCK, decode_mask=False)
     assert batch.groups[0].max_q == 8 and batch.groups[0].mask is not None
+
+
+def same_batch(a, b) -> bool:
+    """Every field of two ForwardBatches equal (tensors: values and dtype)."""
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and \
+                torch.equal(x, y)
+        return x == y
+    fields = ("input_ids", "positions", "slot_mapping", "logits_rows", "lora_segments", "hidden_rows", "embeds")
+    group_fields = ("query_rows", "valid", "kv_blocks", "mask", "out_start", "num_seqs", "max_q", "fresh", "lens",
+                    "split")
+    return all(same(getattr(a, f), getattr(b, f)) for f in fields) and len(a.groups) == len(b.groups) and \
+        all(same(getattr(g, f), getattr(h, f)) for g, h in zip(a.groups, b.groups) for f in group_fields)
+
+
+def test_plain_decodes_take_the_fast_batch_equal_to_the_general_one_and_reused_while_its_shape_stays():
+    """runner.prepare_decodes (every sequence decodes one token and samples, no mask) builds what prepare_general
+    builds; with a ReusedBatch, a step of the same shape refills the same batch, a new shape gets a new one."""
+    scheduled = decodes()  # contexts 13, 22 and 30: 2 to 4 blocks; each block table is 8 long
+    reuse = ReusedBatch()
+    batches = []
+    for step in range(5):  # the longest context crosses a block boundary at step 3 (30 -> 33 tokens)
+        batch, samplers = runner.prepare(scheduled, BLOCK, decode_mask=False, reuse=reuse)
+        general, want = runner.prepare_general(scheduled, BLOCK, decode_mask=False)
+        assert samplers == want == [s for s, _ in scheduled]
+        assert same_batch(batch, general), step
+        assert same_batch(runner.prepare(scheduled, BLOCK, decode_mask=False)[0], general)  # without reuse
+        batches.append(batch)
+        for seq, _ in scheduled:
+            seq.token_ids.append(7 + step)
+            seq.num_computed_tokens += 1
+    assert batches[0] is batches[1] is batches[2] and batches[3] is not batches[2] and batches[4] is batches[3]
+    assert reuse.shape == (3, 5)
+    fewer, _ = runner.prepare(scheduled[1:], BLOCK, decode_mask=False, reuse=reuse)  # another shape
+    assert fewer is not batches[4] and same_batch(fewer, runner.prepare_general(scheduled[1:], BLOCK, False)[0])
+
+
+def test_steps_other_than_plain_decodes_take_the_general_path(monkeypatch):
+    """A one-token chunk that does not end its prompt (it samples nothing), an adapter's or an embedding's decode,
+    a decode mask, or a prefill chunk beside the decodes: prepare_general builds the batch."""
+    fast = []
+    real = runner.prepare_decodes
+    monkeypatch.setattr(runner, "prepare_decodes", lambda *args: fast.append(1) or real(*args))
+    chunk = Seq(list(range(3, 23)), 12, 1)  # 20 tokens, 12 computed: a one-token slice of its prompt
+    adapter, embedding = decodes()[0][0], decodes()[1][0]
+    adapter.lora, embedding.embed = SimpleNamespace(uid=1), SimpleNamespace(pooling="last")
+    cases = [([(chunk, 1)] + decodes(), False), ([(adapter, 1)] + decodes(), False),
+             ([(embedding, 1)] + decodes(), False), (decodes(), True), (decodes() + [(chunk, 4)], False)]
+    for scheduled, mask in cases:
+        batch, samplers = runner.prepare(scheduled, BLOCK, decode_mask=mask, reuse=ReusedBatch())
+        general, want = runner.prepare_general(scheduled, BLOCK, decode_mask=mask)
+        assert samplers == want and same_batch(batch, general)
+        assert chunk not in samplers and embedding not in samplers
+    assert not fast
+    runner.prepare(decodes(), BLOCK, decode_mask=False)
+    assert fast == [1]
