@@ -197,17 +197,22 @@ def sample_batch(logits: torch.Tensor, seqs: list[Sequence],
     """Choose the next token of each sequence. logits [S, V] float32, row i belongs to seqs[i]; the rows of
     `structured` sequences are masked in place. A row that cannot be sampled gets a RowFailure, alone."""
     failures = guided.mask_logits(logits, seqs)  # row -> error where a structure's matcher failed
-    # one batched max serves every unmodified row (argmax: the greedy ones), in numpy: torch's max(-1) with indices
-    # takes ~45 us a row of 49152 here, numpy ~6 (both give the first of equal maxima and propagate NaN)
-    values = logits.detach().numpy()
-    best, greedy_ids = values.max(-1).tolist(), values.argmax(-1).tolist()
+    # one batched argmax serves every unmodified row, in numpy: torch's max(-1) with indices takes ~45 us a row of
+    # 49152 here, numpy ~6 (both give the first of equal maxima and propagate NaN). The value at the argmax is the
+    # row's maximum (the first NaN where there is one), with no second pass over the logits
+    values = (logits.detach() if logits.requires_grad else logits).numpy()
     out: list[Sample | RowFailure] = []
-    for i, seq in enumerate(seqs):
+    for i, (seq, token) in enumerate(zip(seqs, values.argmax(-1).tolist())):
         if i in failures:
             out.append(RowFailure(failures[i], invalid=False))
             continue
+        best = values.item(i, token)
+        first = seq.argmax_from
+        if first is not None and len(seq.token_ids) - seq.num_prompt_tokens >= first and -math.inf < best < math.inf:
+            out.append(Sample(token))  # a plain greedy row: what sample_row gives it, with no row tensor
+            continue
         try:
-            out.append(sample_row(logits[i], seq, eos_token_ids, best[i], greedy_ids[i]))
+            out.append(sample_row(logits[i], seq, eos_token_ids, best, token))
         except Exception as exc:  # noqa: BLE001 - one row's failure must not fail its neighbours
             log.exception("sampling failed for request %d", seq.executor_id)
             out.append(RowFailure(f"sampling failed: {type(exc).__name__}: {exc}", invalid=False))

@@ -13,6 +13,19 @@ from ..core.request import EmbedParams, FinishReason, ValidRequest
 _seq_ids = itertools.count()
 
 
+def plain_greedy_from(request: ValidRequest) -> int | None:
+    """How many output tokens a sequence of `request` has before each next token is the plain argmax of its logits
+    (sampler.sample_row changes nothing in the row then): greedy, no penalty, no log probabilities, no structure;
+    min_new_tokens holds back stop tokens and EOS until then. None: never."""
+    sampling, output = request.sampling, request.output
+    if not sampling.greedy or sampling.repetition_penalty != 1.0 or sampling.presence_penalty or \
+            sampling.frequency_penalty or output.logprobs or output.top_logprobs or request.structured is not None \
+            or request.embed is not None:
+        return None
+    stopping = request.stopping
+    return stopping.min_new_tokens if stopping.stop_token_ids or not stopping.ignore_eos else 0
+
+
 class SequenceStatus(enum.Enum):
     """Where a sequence is in its life."""
 
@@ -43,6 +56,9 @@ class Sequence:
     lora: object | None = None  # lora.LoraWeights of a request that names an adapter; None: the base model
     embed: EmbedParams | None = None  # an embedding request's pooling: it samples nothing (ValidRequest.embed)
     pooled: torch.Tensor | None = None  # [D] float32: the last token's final hidden state, or the sum over the prompt
+    # output tokens from which its next token is its logits' argmax and nothing more (the sampler's fast path); None:
+    # never (sampled, penalties, log probabilities, a structure, an embedding). See plain_greedy_from.
+    argmax_from: int | None = None
 
     @classmethod
     def from_request(cls, executor_id: int, seq_index: int, request: ValidRequest) -> Sequence:
@@ -53,6 +69,7 @@ class Sequence:
             seq.generator = torch.Generator().manual_seed((request.sampling.seed * 1_000_003 + seq_index) % (1 << 63))
         if request.structured is not None:  # one matcher per sequence, copied from the compiled grammar
             seq.matcher = request.structured.grammar.matcher()
+        seq.argmax_from = plain_greedy_from(request)
         return seq
 
     def __len__(self) -> int:

@@ -189,3 +189,46 @@ def test_greedy_takes_the_first_of_equal_maxima_as_torch_argmax_does():
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -3.0, -1.0, -2.0]])
     samples = sampler.sample_batch(logits, [seq_for(temperature=0.0) for _ in range(3)], (99,))
     assert [s.token_id for s in samples] == [1, 0, 0] == logits.argmax(-1).tolist()
+
+
+# -- the plain-greedy fast path ------------------------------------------------------------------------------------
+
+def test_plain_greedy_from_names_the_rows_that_are_their_argmax():
+    """Sequence.argmax_from (sequence.plain_greedy_from): from which output length a row is sampled by its argmax
+    alone; None whenever sample_row would change or report anything."""
+    assert seq_for(temperature=0.0).argmax_from == 0  # EOS is never held back without min_new_tokens
+    assert seq_for(temperature=0.0, min_new_tokens=3).argmax_from == 3  # EOS held back until 3 tokens
+    assert seq_for(temperature=0.0, min_new_tokens=3, ignore_eos=True).argmax_from == 0  # nothing held back
+    assert seq_for(temperature=0.0, min_new_tokens=3, ignore_eos=True, stop_token_ids=(7,)).argmax_from == 3
+    for kw in (dict(temperature=0.7), dict(repetition_penalty=1.1), dict(presence_penalty=0.5),
+               dict(frequency_penalty=0.5), dict(logprobs=True), dict(top_logprobs=2)):
+        assert seq_for(**{"temperature": 0.0, **kw}).argmax_from is None, kw
+    assert Sequence(1, 0, [1, 2], 2).argmax_from is None  # built by hand: the general path
+
+
+def test_the_fast_path_gives_what_the_general_path_gives(monkeypatch):
+    """Plain greedy rows (ties, NaN, +inf, all -inf, min_new_tokens before and after) sampled with the fast path
+    and with it switched off (argmax_from None: sample_row for every row) give the same samples and failures."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0], [0.0, nan, 5.0, 1.0], [1.0, inf, 0.0, 0.0], [-inf, -inf, -inf, -inf],
+                           [0.0, 9.0, 8.0, 1.0], [0.0, 9.0, 8.0, 1.0], [3.0, -1.0, 3.0, 2.0], [0.5, 0.25, 1.0, 1.0]])
+
+    def seqs() -> list[Sequence]:
+        return [seq_for(temperature=0.0) for _ in range(4)] + [
+            seq_for(temperature=0.0, min_new_tokens=1, stop_token_ids=(2,)),  # holds back EOS 1 and stop token 2
+            seq_for(output=[3], temperature=0.0, min_new_tokens=1, stop_token_ids=(2,)),  # no longer
+            seq_for(temperature=0.0, logprobs=True), seq_for(seed=5)]
+
+    fast_seqs, slow_seqs = seqs(), seqs()
+    assert [s.argmax_from for s in fast_seqs] == [0, 0, 0, 0, 1, 1, None, None]
+    for s in slow_seqs:
+        s.argmax_from = None
+    rows = []
+    real = sampler.sample_row
+    monkeypatch.setattr(sampler, "sample_row", lambda raw, seq, *a: rows.append(seq) or real(raw, seq, *a))
+    fast = sampler.sample_batch(logits.clone(), fast_seqs, (1,))
+    assert [fast_seqs.index(s) for s in rows] == [1, 2, 3, 4, 6, 7]  # rows 0 and 5 took the fast path
+    slow = sampler.sample_batch(logits.clone(), slow_seqs, (1,))
+    assert fast == slow
+    assert [getattr(s, "token_id", None) for s in fast] == [1, None, None, None, 3, 1, 0, fast[7].token_id]
+    assert [s.invalid for s in fast[1:4]] == [False, False, False]  # non-finite logits: INTERNAL
