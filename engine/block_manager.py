@@ -148,19 +148,21 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens of `seq`; all or nothing. False when out of blocks."""
-        if not self.can_append(seq, num_new_tokens):
-            return False
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need <= 0:  # a decode inside its last block (most steps)
+            return True
+        if need > self.num_free_blocks:
+            return False
         for _ in range(need):
             seq.block_table.append(self._take_free())
         return True
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that `seq`'s computed tokens have filled, for later prefix hits."""
-        if not self.enable_prefix_caching:
-            return
         num_full = seq.num_computed_tokens // self.block_size
         first = seq.num_cached_blocks
+        if not self.enable_prefix_caching or num_full <= first:  # no block filled since the last call (most steps)
+            return
         prev = self.blocks[seq.block_table[first - 1]].hash if first else None
         run: list[StoredBlock] = []  # newly cached consecutive blocks, announced as one event
         run_parent = None

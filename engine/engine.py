@@ -338,16 +338,19 @@ class Engine:
         samples = sample_batch(logits, samplers, self.eos_token_ids) if samplers else []
         self._num_failures = 0
         self.scheduler.advance(scheduled)
-        steps += self._embedded(pooled)
+        if pooled:
+            steps += self._embedded(pooled)
         failed = {seq.executor_id: s for seq, s in zip(samplers, samples) if isinstance(s, RowFailure)}
         for request_id, failure in failed.items():  # the request's own values (or its row) failed: it alone ends
             log.warning("request %d failed in sampling: %s", request_id, failure.message)
             kind = ErrorKind.INVALID_ARGUMENT if failure.invalid else ErrorKind.INTERNAL
             steps += error_steps(request_id, self._forget(request_id), self.scheduler, failure.message, kind)
-        kept = [(seq, s) for seq, s in zip(samplers, samples) if seq.executor_id not in failed]
-        steps += steps_for_samples([q for q, _ in kept], [s for _, s in kept], self.scheduler, self.eos_token_ids,
-                                   self.max_context_length)
-        for seq, _ in kept:
+        kept, kept_samples = samplers, samples
+        if failed:
+            kept = [seq for seq in samplers if seq.executor_id not in failed]
+            kept_samples = [s for seq, s in zip(samplers, samples) if seq.executor_id not in failed]
+        steps += steps_for_samples(kept, kept_samples, self.scheduler, self.eos_token_ids, self.max_context_length)
+        for seq in kept:
             if seq.is_finished and all(s.is_finished for s in self._requests.get(seq.executor_id, ())):
                 self._forget(seq.executor_id)
         self._latencies.append(time.perf_counter() - start)
@@ -444,7 +447,7 @@ class Engine:
             self._outputs.extend(steps)
             st = self._stats
             st.num_running = len(running)
-            st.num_waiting = len({s.executor_id for s in sched.waiting} - running)
+            st.num_waiting = len({s.executor_id for s in sched.waiting} - running) if sched.waiting else 0
             st.kv_blocks_used = blocks.num_used_blocks
             st.num_preemptions = sched.num_preemptions
             st.num_steps += 1

@@ -223,9 +223,11 @@ class Model:
         path: a step with LoRA rows or a prefill row, weights that are not all quantized, or a route that is not
         one of the engine's batch-invariant C kernel families (exact float32 activations, or int4's x22; not the
         torch routes nor vnni). `kernels.plan` is the plan over the weight layout the route's int4 path reads."""
-        if self.plan is None or not self.fuse_decode or batch.lora_segments or \
-                not all(g.max_q == 1 and g.lens is not None for g in batch.groups):
+        if self.plan is None or not self.fuse_decode or batch.lora_segments:
             return None
+        for g in batch.groups:
+            if g.max_q != 1 or g.lens is None:
+                return None
         route, split = self.matmul.route(batch.input_ids.shape[0])
         key = (route, split)
         if key not in self._step_kernels:

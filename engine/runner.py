@@ -44,12 +44,14 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
 def _split(contexts: list[int]) -> int:
     """Where a decode group's sequences hold about half its context before and half after (the attention's two
     threads); 0 for one sequence."""
+    if len(contexts) <= 1:
+        return 0
     half, total = sum(contexts) / 2, 0
     for split, n in enumerate(contexts):  # noqa: B007 - `split` is used after the loop
         if total + n / 2 >= half:
             break
         total += n
-    return max(split, 1) if len(contexts) > 1 else 0
+    return max(split, 1)
 
 
 def prepare_decodes(seqs: list[Sequence], block_size: int, reuse: ReusedBatch | None = None) -> ForwardBatch:
