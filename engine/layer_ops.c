@@ -90,7 +90,7 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
  *
  * Per layer: h += delta, x = RMSNorm(h) -> qkv = x W_qkv^T (+ bias) -> rope + K/V cache write -> q copied out of
  * qkv -> paged decode attention per group (split over the process's kernel worker thread as Model._paged_decode splits
- * it over the matmul helper) -> o = attn W_o^T -> h += o, x = RMSNorm(h) -> gate_up -> SiLU * up -> down = delta.
+ * it over the matmul helper; a group of one sequence, by kv heads, with the same bits per head) -> o = attn W_o^T -> h += o, x = RMSNorm(h) -> gate_up -> SiLU * up -> down = delta.
  * After the last layer h += delta. */
 
 typedef int (*linear_fn)(int path, const float *x, int64_t M, int64_t K, const void *q, const void *s, int64_t G,
@@ -99,7 +99,8 @@ typedef int (*linear2_fn)(int path, const float *x, int64_t M, int64_t K, const 
                           float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end);
 typedef int (*paged_fn)(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
                         const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin, int64_t b_end,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale);
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                        int64_t kv_begin, int64_t kv_end); /* paged_decode_heads_f32_path */
 
 /* one quantized weight [N, K]: kind 0 = int8 (q, scale), 1 = int4 (q, sm); groups of G columns */
 typedef struct {
@@ -153,6 +154,7 @@ typedef struct {
     int64_t max_blocks, H, KV, E, block_size;
     float scale;
     int64_t b_begin, n_end; /* sequences b_begin .. n_end-1 (kernel_worker.h's run_split names the end n_end) */
+    int64_t kv_begin, kv_end; /* of their kv heads (and those heads' queries) */
 } job_t;
 
 static int run_job(const job_t *j);
@@ -160,7 +162,15 @@ static int run_job(const job_t *j);
 
 static int run_job(const job_t *j) {
     return j->fn(j->path, j->q, j->out, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, j->b_begin,
-                 j->n_end, j->H, j->KV, j->E, j->block_size, j->scale);
+                 j->n_end, j->H, j->KV, j->E, j->block_size, j->scale, j->kv_begin, j->kv_end);
+}
+
+/* `first` here and `second` on the process's kernel worker (both of them here when the worker is another caller's) */
+static int run_both(const job_t *first, const job_t *second) {
+    const int rc = tl_split(run_job_any, first, second);
+    if (rc != TL_NO_WORKER) return rc;
+    const int rc1 = run_job(first), rc2 = run_job(second);
+    return rc1 != 0 ? rc1 : rc2;
 }
 
 /* y [T, N] = x [T, K] @ w^T, as QuantRoute.product runs it (linear2 splits at N / 2 rounded down to 32 channels) */
@@ -203,11 +213,15 @@ int decode_step_f32(const dmodel_t *m, const dkernels_t *k, float *h, int64_t T,
             const dgroup_t *g = groups + gi;
             const job_t mine = {k->paged, (int)k->paged_path, q + g->out_start * HE, attn + g->out_start * HE,
                                 w->k_cache, w->v_cache, g->tables, g->lens, g->max_blocks, H, KV, E, m->block_size,
-                                m->scale, 0, g->num_seqs};
+                                m->scale, 0, g->num_seqs, 0, KV};
             if (k->split_attention && 0 < g->split && g->split < g->num_seqs) {
                 job_t first = mine, second = mine;
                 first.n_end = g->split, second.b_begin = g->split;
                 rc = run_split(first, second);
+            } else if (k->split_attention && g->num_seqs == 1 && KV > 1) { /* one sequence: split by kv heads */
+                job_t first = mine, second = mine;
+                first.kv_end = second.kv_begin = KV / 2;
+                rc = run_both(&first, &second);
             } else {
                 rc = run_job(&mine);
             }

@@ -13,7 +13,9 @@
  *   tables   [B, NB]     int64 block table of each sequence
  *   lens     [B]         int64 context length: keys 0 .. lens[b]-1 (the current token's K/V is written)
  *
- * Only sequences b_begin .. b_end-1 are computed, so a caller can split one batch over threads.
+ * Only sequences b_begin .. b_end-1 are computed, so a caller can split one batch over threads; and
+ * paged_decode_heads_f32_path computes only kv heads kv_begin .. kv_end-1 (with their query heads), so that one
+ * sequence's attention splits over two threads too.
  *
  * Per sequence, in three steps:
  *   scores  s[h, c] = scale * <q_h, k_c>, W context rows at a time (W = the vector width): W dot products of one
@@ -79,7 +81,7 @@ enum { PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
 #define PREFETCH_LINE(p) __builtin_prefetch((p), 0, 3)
 #endif
 
-/* Row pointers of context rows c0 .. c0 + n - 1 (kv head 0's slice); rows n .. W - 1 repeat row c0, so a chunk can
+/* Row pointers of context rows c0 .. c0 + n - 1 (the first computed kv head's slice); rows n .. W - 1 repeat row c0, so a chunk can
  * always be computed whole (its extra lanes are masked afterwards). */
 static inline void chunk_rows(const float *cache, const int64_t *table, int64_t bs, int64_t KE, int64_t c0, int64_t n,
                               int64_t W, const float **rows) {
@@ -102,6 +104,8 @@ typedef struct {
     int64_t len;
 } seq_args;
 
+/* k_cache / v_cache point at the first kv head computed; H and K count the query and kv heads computed, KE is a
+ * cache row's stride (every kv head's) */
 typedef struct {
     const float *k_cache, *v_cache;
     int64_t H, K, G, E, KE, bs;
@@ -129,7 +133,7 @@ static inline void ahead(read_ahead *r, int64_t reading, int64_t max_rows) {
         const float *cache = r->at >= r->len && r->at < 2 * r->len ? s->v_cache : s->k_cache;
         const int64_t *table = r->at < 2 * r->len ? r->table : r->next_table;
         const char *p = (const char *)(cache + (table[r->blk] * s->bs + r->off) * s->KE);
-        for (int64_t o = 0; o < s->KE * (int64_t)sizeof(float); o += CACHE_LINE) PREFETCH_LINE(p + o);
+        for (int64_t o = 0; o < s->K * s->E * (int64_t)sizeof(float); o += CACHE_LINE) PREFETCH_LINE(p + o);
         r->at++;
         if (++r->off == s->bs) { /* no division per row: it would cost as much as the row's arithmetic */
             r->off = 0;
@@ -407,14 +411,18 @@ static float *work_area(int64_t floats) {
 
 typedef void (*seq_fn)(const seq_args *, const shape_args *, read_ahead *, float *, float *);
 
-int paged_decode_f32_path(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
-                          const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
-                          int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, float scale) {
+/* kv heads kv_begin .. kv_end-1 of sequences b_begin .. b_end-1 (and their G query heads each); the shape checked */
+static int decode_heads(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
+                        const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin, int64_t b_end,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                        int64_t kv_begin, int64_t kv_end) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || block_size < 1) return -1;
+    if (kv_begin < 0 || kv_end > num_kv_heads || kv_begin >= kv_end) return -1;
     if (!paged_path_supported(path)) return -4;
-    const int64_t H = num_heads, E = head_dim;
-    const shape_args s = {k_cache, v_cache, H, num_kv_heads, num_heads / num_kv_heads, E, num_kv_heads * head_dim, block_size, scale};
+    const int64_t G = num_heads / num_kv_heads, E = head_dim, HE = num_heads * head_dim;
+    const int64_t H = (kv_end - kv_begin) * G, first = kv_begin * G * E; /* the heads computed, and where they start */
+    const shape_args s = {k_cache + kv_begin * E, v_cache + kv_begin * E, H, kv_end - kv_begin, G, E,
+                          num_kv_heads * head_dim, block_size, scale};
     seq_fn run = seq_portable;
 #if HAVE_X86
     if (path == PATH_AVX512 && E % 16 == 0)
@@ -433,7 +441,7 @@ int paged_decode_f32_path(int path, const float *q, float *out, const float *k_c
     read_ahead r = {&s, NULL, NULL, 0, 0, 0, 0, 0};
     for (int64_t b = b_begin; b < b_end; b++) {
         const int next = b + 1 < b_end;
-        const seq_args a = {q + b * H * E, out + b * H * E, tables + b * max_blocks, lens[b]};
+        const seq_args a = {q + b * HE + first, out + b * HE + first, tables + b * max_blocks, lens[b]};
         r.table = a.table;
         r.len = a.len;
         r.next_table = next ? tables + (b + 1) * max_blocks : NULL;
@@ -446,6 +454,25 @@ int paged_decode_f32_path(int path, const float *q, float *out, const float *k_c
         }
     }
     return 0;
+}
+
+int paged_decode_f32_path(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
+                          const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
+                          int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale) {
+    return decode_heads(path, q, out, k_cache, v_cache, tables, max_blocks, lens, b_begin, b_end, num_heads,
+                        num_kv_heads, head_dim, block_size, scale, 0, num_kv_heads);
+}
+
+/* paged_decode_f32_path over kv heads kv_begin .. kv_end-1 only (their query heads' rows of `out` are written, the
+ * others left alone): one sequence's attention split over two threads by heads. A head's result is the same bits
+ * whichever heads come with it (every step is per head). */
+int paged_decode_heads_f32_path(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
+                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
+                                int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale, int64_t kv_begin, int64_t kv_end) {
+    return decode_heads(path, q, out, k_cache, v_cache, tables, max_blocks, lens, b_begin, b_end, num_heads,
+                        num_kv_heads, head_dim, block_size, scale, kv_begin, kv_end);
 }
 
 /* paged_decode_f32_path on the fastest path this CPU runs */

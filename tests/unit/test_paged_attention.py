@@ -81,6 +81,17 @@ def test_the_fastest_path_this_cpu_runs_is_the_default_and_a_missing_one_is_refu
 
 
 @needs_kernel
+def test_a_kv_head_range_outside_the_heads_or_empty_is_refused():
+    gen = torch.Generator().manual_seed(1)
+    k, v, q = torch.randn(16, 2, 16, generator=gen), torch.randn(16, 2, 16, generator=gen), torch.randn(1, 4, 16)
+    one = (k, v, torch.arange(4).view(1, 4), torch.tensor([5]), 0, 1, 4, 0.25)
+    for bad in ((1, 1), (0, 3), (-1, 1), (2, 1)):
+        with pytest.raises(RuntimeError, match="code -1"):
+            paged.decode(q, torch.zeros_like(q), *one, kv_heads=bad)
+    paged.decode(q, torch.zeros_like(q), *one, kv_heads=(1, 2))
+
+
+@needs_kernel
 def test_a_range_writes_only_its_rows_so_two_threads_can_split_a_batch():
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(64, 2, 16, generator=gen), torch.randn(64, 2, 16, generator=gen)
@@ -181,6 +192,14 @@ def test_a_sequence_gets_the_same_bits_alone_in_any_batch_and_any_split(isa, blo
         kernel.decode(q, parts, k_cache, v_cache, tables, lens, 0, split, block_size, 0.125)
         kernel.decode(q, parts, k_cache, v_cache, tables, lens, split, len(lens), block_size, 0.125)
         assert torch.equal(parts, whole), f"split at {split}"
+    for split in (1, 2):  # one sequence's heads over two threads (layer_ops.c): kv heads [0, split) and [split, 3)
+        for b in (0, 8, 11):
+            parts = torch.full_like(q[b:b + 1], float("nan"))
+            args = (k_cache, v_cache, tables[b:b + 1], lens[b:b + 1], 0, 1, block_size, 0.125)
+            kernel.decode(q[b:b + 1], parts, *args, kv_heads=(0, split))
+            assert parts[0, 3 * split:].isnan().all(), "a head range writes only its query heads"
+            kernel.decode(q[b:b + 1], parts, *args, kv_heads=(split, 3))
+            assert torch.equal(parts[0], whole[b]), f"sequence {b} split at kv head {split}"
     order = torch.randperm(len(lens), generator=gen)  # the same sequences, another batch order
     shuffled = torch.full_like(q, float("nan"))
     kernel.decode(q[order].contiguous(), shuffled, k_cache, v_cache, tables[order].contiguous(), lens[order], 0,
