@@ -174,8 +174,8 @@ class Model:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch, write its K/V into the cache; returns float32 logits [S, V]. A step that one C call covers
-        (fused_kernels) runs outside inference mode: it makes three tensors from tensors that need no gradient and
-        records nothing (entering the mode took ~40 us of a one-stream step)."""
+        (fused_kernels) runs outside inference mode: its C calls write preallocated rows and it records nothing for
+        autograd (entering the mode took ~40 us of a one-stream step)."""
         kernels = self.fused_kernels(batch) if self.ops is not None else None
         if kernels is not None:
             return self._forward_fused(batch, kernels)
