@@ -285,6 +285,7 @@ typedef struct {
     const uint8_t *qv; /* [N32, K/4, 16, 4] */
     const uint16_t *sm;
     int64_t K, G;
+    int nta; /* one row: the weights' prefetch is non-temporal (kernel_common.h, PREFETCH_AHEAD) */
 } x22_t;
 
 /* a group's scale sx and its inverse, from its amax: one function for the scalar and the AVX-512 quantization */
@@ -409,7 +410,7 @@ VNNI_FN static inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
 /* one block's six vpdpbusd on its 64 bytes at column k: A into r0..r2, B into r3..r5 (planes h, m, l) */
 #define X22_BLOCK(j, r0, r1, r2, r3, r4, r5)                                                                       \
     do {                                                                                                            \
-        _mm_prefetch((const char *)(q + (j) * bytes + ahead), _MM_HINT_T0);                                        \
+        PREFETCH_WEIGHTS(q + (j) * bytes + ahead, c->nta);                                                         \
         const __m512i v = _mm512_loadu_si512(q + (j) * bytes + k * (PACK / 2));                                    \
         const __m512i w1 = _mm512_and_si512(v, hi);                                                                 \
         r0 = dpbusd(r0, v, vh), r1 = dpbusd(r1, v, vm), r2 = dpbusd(r2, v, vl);                                     \
@@ -656,7 +657,7 @@ static int run_prepared(int path, const float *x, const prepared_t *p, int64_t M
                         const uint16_t *sm, int64_t G, float *y, int64_t N, int64_t n_begin, int64_t n_end) {
     if (M == 0 || n_begin == n_end) return 0;
     const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
-    const x22_t x22 = {p->xq, p->sx, p->xs, q, sm, K, G};
+    const x22_t x22 = {p->xq, p->sx, p->xs, q, sm, K, G, M == 1};
     if (path == PATH_X22_PORTABLE) {
         x22_portable(&x22, M, y, N, b_begin, b_end, n_end);
         return 0;
@@ -668,7 +669,7 @@ static int run_prepared(int path, const float *x, const prepared_t *p, int64_t M
         const vnni_t ctx = {(const uint8_t *)p->xq, p->sx, p->xs, q, NULL, NULL, sm, K, G};
         return drive(&VNNI_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
     }
-    const ctx_t ctx = {x, p->xs, q, NULL, sm, K, G};
+    const ctx_t ctx = {x, p->xs, q, NULL, sm, K, G, M == 1};
     if (path == PATH_AVX512) return drive(&AVX512_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
     if (path == PATH_AVX2) return drive(&AVX2_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
 #endif

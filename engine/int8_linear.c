@@ -256,7 +256,7 @@ int int8_linear_f32(int path, const float *x, int64_t M, int64_t K, const int8_t
     if (M == 0 || n_begin == n_end) return 0;
     const int64_t b_begin = n_begin / PACK, b_end = (n_end + PACK - 1) / PACK;
 #if HAVE_X86
-    const ctx_t ctx = {x, NULL, q, scale, NULL, K, G};
+    const ctx_t ctx = {x, NULL, q, scale, NULL, K, G, M == 1};
     if (path == PATH_AVX512) return drive(&AVX512_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
     if (path == PATH_AVX2) return drive(&AVX2_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
 #endif
