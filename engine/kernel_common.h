@@ -221,8 +221,9 @@ AVX512_FN static inline __m512i nibbles16(const uint8_t *p) {
  * stream of K * 16 or K * 32 bytes, a few KB, that the hardware prefetchers would only learn part way through).
  * For one row the hint is non-temporal (prefetchnta): that step reads each weight once, ~100 MB of them, and with T0
  * they pushed out of the caches what the step reads again (the K/V cache, the interpreter's working set between the
- * kernels); on the 2-vCPU AMD EPYC (Zen 4) one int4 stream through the server gained 3.5 % (docs/engine.md). Two to
- * five rows read each block once per row, so there the weights stay in L2 for the next row (T0). */
+ * kernels); on the 2-vCPU AMD EPYC (Zen 4) one int4 stream through the server ran 0.985-1.036x in four A/Bs
+ * (docs/engine.md). Two to five rows read each block once per row, so there the weights stay in L2 for the next
+ * row (T0). */
 #define PREFETCH_AHEAD 1024
 #define PREFETCH_WEIGHTS(p, nta) \
     ((nta) ? _mm_prefetch((const char *)(p), _MM_HINT_NTA) : _mm_prefetch((const char *)(p), _MM_HINT_T0))
