@@ -90,8 +90,8 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
  *
  * Per layer: h += delta, x = RMSNorm(h) -> qkv = x W_qkv^T (+ bias) -> rope + K/V cache write -> q copied out of
  * qkv -> paged decode attention per group (split over the process's kernel worker thread as Model._paged_decode splits
- * it over the matmul helper; a group of one sequence, by kv heads, with the same bits per head) -> o = attn W_o^T -> h += o, x = RMSNorm(h) -> gate_up -> SiLU * up -> down = delta.
- * After the last layer h += delta. */
+ * it over the matmul helper; a group of one sequence, by kv heads, with the same bits per head) -> o = attn W_o^T ->
+ * h += o, x = RMSNorm(h) -> gate_up -> SiLU * up -> down = delta. After the last layer h += delta. */
 
 typedef int (*linear_fn)(int path, const float *x, int64_t M, int64_t K, const void *q, const void *s, int64_t G,
                          float *y, int64_t N, int64_t n_begin, int64_t n_end);
@@ -153,7 +153,7 @@ typedef struct {
     const int64_t *tables, *lens;
     int64_t max_blocks, H, KV, E, block_size;
     float scale;
-    int64_t b_begin, n_end; /* sequences b_begin .. n_end-1 (kernel_worker.h's run_split names the end n_end) */
+    int64_t b_begin, b_end; /* sequences b_begin .. b_end-1 */
     int64_t kv_begin, kv_end; /* of their kv heads (and those heads' queries) */
 } job_t;
 
@@ -162,15 +162,7 @@ static int run_job(const job_t *j);
 
 static int run_job(const job_t *j) {
     return j->fn(j->path, j->q, j->out, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, j->b_begin,
-                 j->n_end, j->H, j->KV, j->E, j->block_size, j->scale, j->kv_begin, j->kv_end);
-}
-
-/* `first` here and `second` on the process's kernel worker (both of them here when the worker is another caller's) */
-static int run_both(const job_t *first, const job_t *second) {
-    const int rc = tl_split(run_job_any, first, second);
-    if (rc != TL_NO_WORKER) return rc;
-    const int rc1 = run_job(first), rc2 = run_job(second);
-    return rc1 != 0 ? rc1 : rc2;
+                 j->b_end, j->H, j->KV, j->E, j->block_size, j->scale, j->kv_begin, j->kv_end);
 }
 
 /* y [T, N] = x [T, K] @ w^T, as QuantRoute.product runs it (linear2 splits at N / 2 rounded down to 32 channels) */
@@ -216,12 +208,12 @@ int decode_step_f32(const dmodel_t *m, const dkernels_t *k, float *h, int64_t T,
                                 m->scale, 0, g->num_seqs, 0, KV};
             if (k->split_attention && 0 < g->split && g->split < g->num_seqs) {
                 job_t first = mine, second = mine;
-                first.n_end = g->split, second.b_begin = g->split;
+                first.b_end = g->split, second.b_begin = g->split;
                 rc = run_split(first, second);
             } else if (k->split_attention && g->num_seqs == 1 && KV > 1) { /* one sequence: split by kv heads */
                 job_t first = mine, second = mine;
                 first.kv_end = second.kv_begin = KV / 2;
-                rc = run_both(&first, &second);
+                rc = run_split(first, second);
             } else {
                 rc = run_job(&mine);
             }

@@ -81,8 +81,8 @@ enum { PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
 #define PREFETCH_LINE(p) __builtin_prefetch((p), 0, 3)
 #endif
 
-/* Row pointers of context rows c0 .. c0 + n - 1 (the first computed kv head's slice); rows n .. W - 1 repeat row c0, so a chunk can
- * always be computed whole (its extra lanes are masked afterwards). */
+/* Row pointers of context rows c0 .. c0 + n - 1 (the first computed kv head's slice); rows n .. W - 1 repeat row c0,
+ * so a chunk can always be computed whole (its extra lanes are masked afterwards). */
 static inline void chunk_rows(const float *cache, const int64_t *table, int64_t bs, int64_t KE, int64_t c0, int64_t n,
                               int64_t W, const float **rows) {
     int64_t blk = c0 / bs, off = c0 % bs;
@@ -411,11 +411,13 @@ static float *work_area(int64_t floats) {
 
 typedef void (*seq_fn)(const seq_args *, const shape_args *, read_ahead *, float *, float *);
 
-/* kv heads kv_begin .. kv_end-1 of sequences b_begin .. b_end-1 (and their G query heads each); the shape checked */
-static int decode_heads(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
-                        const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin, int64_t b_end,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                        int64_t kv_begin, int64_t kv_end) {
+/* paged_decode_f32_path over kv heads kv_begin .. kv_end-1 only (their query heads' rows of `out` are written, the
+ * others left alone): one sequence's attention split over two threads by heads. A head's result is the same bits
+ * whichever heads come with it (every step is per head). */
+int paged_decode_heads_f32_path(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
+                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
+                                int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale, int64_t kv_begin, int64_t kv_end) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || block_size < 1) return -1;
     if (kv_begin < 0 || kv_end > num_kv_heads || kv_begin >= kv_end) return -1;
     if (!paged_path_supported(path)) return -4;
@@ -456,23 +458,13 @@ static int decode_heads(int path, const float *q, float *out, const float *k_cac
     return 0;
 }
 
+/* paged_decode_heads_f32_path over every kv head */
 int paged_decode_f32_path(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
                           const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
                           int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t block_size, float scale) {
-    return decode_heads(path, q, out, k_cache, v_cache, tables, max_blocks, lens, b_begin, b_end, num_heads,
-                        num_kv_heads, head_dim, block_size, scale, 0, num_kv_heads);
-}
-
-/* paged_decode_f32_path over kv heads kv_begin .. kv_end-1 only (their query heads' rows of `out` are written, the
- * others left alone): one sequence's attention split over two threads by heads. A head's result is the same bits
- * whichever heads come with it (every step is per head). */
-int paged_decode_heads_f32_path(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
-                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
-                                int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                int64_t block_size, float scale, int64_t kv_begin, int64_t kv_end) {
-    return decode_heads(path, q, out, k_cache, v_cache, tables, max_blocks, lens, b_begin, b_end, num_heads,
-                        num_kv_heads, head_dim, block_size, scale, kv_begin, kv_end);
+    return paged_decode_heads_f32_path(path, q, out, k_cache, v_cache, tables, max_blocks, lens, b_begin, b_end,
+                                       num_heads, num_kv_heads, head_dim, block_size, scale, 0, num_kv_heads);
 }
 
 /* paged_decode_f32_path on the fastest path this CPU runs */
