@@ -220,7 +220,8 @@ class Model:
 
     def fused_kernels(self, batch: ForwardBatch) -> StepKernels | None:
         """What runs `batch` in one C call (layer_ops.c, decode_step_f32), or None when it takes the per-operation
-        path: a step with LoRA rows or a prefill row, weights that are not all quantized, or a route that is not
+        path: a step with LoRA rows or an attention group the decode kernel does not take (a prefill chunk past
+        runner.PAGED_PREFILL_CONTEXT: torch's SDPA), weights that are not all quantized, or a route that is not
         one of the engine's batch-invariant C kernel families (exact float32 activations, or int4's x22; not the
         torch routes nor vnni). `kernels.plan` is the plan over the weight layout the route's int4 path reads."""
         if self.plan is None or not self.fuse_decode or batch.lora_segments:

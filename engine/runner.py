@@ -41,6 +41,26 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
         kv_blocks=tables, mask=mask, out_start=row_start, num_seqs=len(seqs), max_q=max_q, lens=lens, split=split)
 
 
+# A prefill chunk whose context (cached tokens + the chunk) is at most this many tokens runs its attention on the
+# native decode kernel, each query row as a sequence of its own (`_rows_group`); longer ones take torch's SDPA, which
+# is faster past it (docs/engine.md, "Prefill attention on the decode kernel")
+PAGED_PREFILL_CONTEXT = 1024
+
+
+def _rows_group(seq: Sequence, n: int, row_start: int, block_size: int) -> AttentionGroup:
+    """A prefill chunk of `seq` (n new tokens from flat row `row_start`) as n one-query "sequences" over its block
+    table: row i attends to positions 0 .. start + i (lens), as a decode of that token would. The native kernel then
+    computes every row with the decode arithmetic: a row's result depends only on its query and context, not on the
+    chunk it came in."""
+    start = seq.num_computed_tokens
+    blocks = (start + n + block_size - 1) // block_size
+    contexts = list(range(start + 1, start + n + 1))
+    return AttentionGroup(query_rows=torch.empty(0, dtype=torch.long), valid=None,
+                          kv_blocks=torch.tensor(seq.block_table[:blocks], dtype=torch.long).repeat(n, 1),
+                          mask=None, out_start=row_start, num_seqs=n, max_q=1,
+                          lens=torch.tensor(contexts, dtype=torch.long), split=_split(contexts))
+
+
 def _split(contexts: list[int]) -> int:
     """Where a decode group's sequences hold about half its context before and half after (the attention's two
     threads); 0 for one sequence."""
@@ -89,7 +109,7 @@ def prepare_decodes(seqs: list[Sequence], block_size: int, reuse: ReusedBatch | 
 
 
 def prepare(scheduled: list[tuple[Sequence, int]], block_size: int, decode_mask: bool = True,
-            reuse: ReusedBatch | None = None) -> tuple[ForwardBatch, list[Sequence]]:
+            reuse: ReusedBatch | None = None, paged_prefill: bool = False) -> tuple[ForwardBatch, list[Sequence]]:
     """Flat batch for `scheduled` (sequence, number of new tokens), and the sequences that sample after it:
     `prepare_general`, or, for a step of plain decodes without a decode mask, `prepare_decodes` (the same batch,
     built faster; `reuse`'s when given)."""
@@ -97,14 +117,15 @@ def prepare(scheduled: list[tuple[Sequence, int]], block_size: int, decode_mask:
             s.num_computed_tokens + 1 == len(s.token_ids)]
     if not decode_mask and seqs and len(seqs) == len(scheduled):  # plain decodes: each samples
         return prepare_decodes(seqs, block_size, reuse), seqs
-    return prepare_general(scheduled, block_size, decode_mask)
+    return prepare_general(scheduled, block_size, decode_mask, paged_prefill)
 
 
-def prepare_general(scheduled: list[tuple[Sequence, int]], block_size: int,
-                    decode_mask: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
+def prepare_general(scheduled: list[tuple[Sequence, int]], block_size: int, decode_mask: bool = True,
+                    paged_prefill: bool = False) -> tuple[ForwardBatch, list[Sequence]]:
     """Flat batch for `scheduled` (sequence, number of new tokens); decodes first, then prefill chunks.
     `decode_mask` False leaves the decode group without an attention mask: a model with the native decode kernel
-    never reads it (building it cost a few tensor operations per step).
+    never reads it (building it cost a few tensor operations per step). `paged_prefill` (a model with that kernel):
+    prefill chunks whose context is at most PAGED_PREFILL_CONTEXT tokens become `_rows_group`s for it.
 
     Returns the batch and the sequences that sample after it (those whose last token is computed). Embedding
     sequences sample nothing: their rows go to `batch.hidden_rows` (every new row for mean pooling, the last prompt
@@ -150,7 +171,10 @@ def prepare_general(scheduled: list[tuple[Sequence, int]], block_size: int,
         while seq.num_computed_tokens and j < len(prefills) and prefills[j][1] == n and \
                 prefills[j][0].num_computed_tokens == seq.num_computed_tokens:
             j += 1
-        if seq.num_computed_tokens == 0:
+        if paged_prefill and seq.num_computed_tokens + n <= PAGED_PREFILL_CONTEXT:
+            j = i + 1  # one group per chunk: its rows are sequences of their own
+            groups.append(_rows_group(seq, n, row, block_size))
+        elif seq.num_computed_tokens == 0:
             groups.append(fresh_group(row, n))
         else:
             groups.append(_group([s for s, _ in prefills[i:j]], [n] * (j - i), row, block_size))
@@ -168,7 +192,8 @@ def run(model: Model, scheduled: list[tuple[Sequence, int]],
         block_size: int) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
     """Forward `scheduled`; returns logits [S, V] for the sequences that sample, those sequences, and each embedding
     sequence with its new rows' final hidden states [n, D] (to pool)."""
-    batch, samplers = prepare(scheduled, block_size, decode_mask=model.paged is None, reuse=model.reused_batch)
+    batch, samplers = prepare(scheduled, block_size, decode_mask=model.paged is None, reuse=model.reused_batch,
+                              paged_prefill=model.paged is not None)
     logits = model.forward(batch)
     pooled, row = [], 0
     for seq, n in batch.embeds:

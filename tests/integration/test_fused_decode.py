@@ -1,8 +1,9 @@
 """One C call per decode step (layer_ops.c, decode_step_f32; Model._forward_fused) against the per-operation path
 (Model._forward_ops with fuse_decode off), on a tiny random-weight checkpoint: the logits and the K/V cache must be
 bit-equal, for int8 and int4, one and many sequences, products on one thread and on two, and the attention split over
-two threads. Steps the fused call does not cover (a prefill row, LoRA rows, fp32 weights, a torch route) keep the
-per-operation path."""
+two threads. Steps the fused call does not cover (a prefill chunk on torch's SDPA, LoRA rows, fp32 weights, a torch
+route) keep the per-operation path; prefill chunks on the decode kernel (runner's paged_prefill) are
+tests/integration/test_paged_prefill.py's."""
 
 from __future__ import annotations
 
