@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.fused_steps import engine, needs_kernels, step_both_ways
 from tests.integration.scheduled import BLOCK, Seq
-from tests.integration.test_fused_decode import engine, needs_kernels, step_both_ways
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
