@@ -398,10 +398,12 @@ def must_show(results: list[Result], bandwidth: dict | None) -> tuple[dict, str]
     for mode in ("int4", "int8"):
         single = by.get((f"tokenloop {mode}", "single"))
         if bandwidth and single:
-            # the request's tokens/s (its prefill and first token counted) and the decode rate after the first token
-            for key, what, rate, index in ((f"{mode}_bandwidth_share", "whole request", single.tokens_per_s, 0),
-                                           (f"{mode}_decode_bandwidth_share", "after the first token",
-                                            single.decode_tokens_per_s, 1)):
+            # the decode rate after the first token (the memory-bandwidth utilisation over the time per output token:
+            # the figure issue 32's 60 % is held against) and, for comparison, the request's tokens/s (its prefill and
+            # first token counted; a prefill is compute-bound)
+            for key, what, rate, index in ((f"{mode}_decode_bandwidth_share", "after the first token",
+                                            single.decode_tokens_per_s, 1),
+                                           (f"{mode}_bandwidth_share", "whole request", single.tokens_per_s, 0)):
                 if rate is None:
                     continue
                 part = figures[key] = bw.share(bandwidth, mode, rate)
@@ -410,7 +412,7 @@ def must_show(results: list[Result], bandwidth: dict | None) -> tuple[dict, str]
                              f"{spread(single, index)} "
                              f"= {bandwidth['weight_bytes_per_token'][mode] * rate / 1e9:.1f} GB/s of "
                              f"{bandwidth['limit_bytes_per_s'] / 1e9:.1f}: **{100 * part:.0f} %** | "
-                             + (">= 60 % |" if mode == "int4" else "(for comparison) |"))
+                             + (">= 60 % |" if mode == "int4" and index == 1 else "(for comparison) |"))
     for scenario, target in (("uniform", 1.2), ("mixed", 2.4)):
         fp32 = by.get(("tokenloop fp32", scenario)) or by.get(("tokenloop", scenario))
         ref = by.get(("transformers", scenario))

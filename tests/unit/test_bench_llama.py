@@ -140,6 +140,9 @@ def test_the_table_and_summary_compare_the_fastest_mode_with_llama_server():
     assert decode == pytest.approx(1399 / 9.95) and results[3].decode_tokens_per_s is None
     assert summary["int4_decode_bandwidth_share"] == pytest.approx(bandwidth.share(figures, "int4", decode))
     assert "(after the first token)" in text and "(whole request)" in text
+    decode_row = next(line for line in text.splitlines() if "int4, one stream (after the first token)" in line)
+    whole_row = next(line for line in text.splitlines() if "int4, one stream (whole request)" in line)
+    assert decode_row.endswith(">= 60 % |") and whole_row.endswith("(for comparison) |")  # the target is per decode step
     assert summary["fp32_vs_transformers_uniform"] == 1.25 and summary["fp32_vs_transformers_mixed"] == 3.0
     assert "**2.10x**" in text and "**70 %**" in text and ">= 2.4x" in text
 
