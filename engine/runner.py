@@ -43,7 +43,7 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
 
 # A prefill chunk whose context (cached tokens + the chunk) is at most this many tokens runs its attention on the
 # native decode kernel, each query row as a sequence of its own (`_rows_group`); longer ones take torch's SDPA, which
-# is faster past it (docs/engine.md, "Prefill attention on the decode kernel")
+# is faster past it (docs/engine.md, "Prefill chunks on the decode kernel")
 PAGED_PREFILL_CONTEXT = 1024
 
 
@@ -167,14 +167,16 @@ def prepare_general(scheduled: list[tuple[Sequence, int]], block_size: int, deco
     i = 0
     while i < len(prefills):  # one group per chunk, or per run of equal chunks: padding unequal ones wastes work
         seq, n = prefills[i]
+        if paged_prefill and seq.num_computed_tokens + n <= PAGED_PREFILL_CONTEXT:
+            groups.append(_rows_group(seq, n, row, block_size))  # its rows are sequences of their own
+            row += n
+            i += 1
+            continue
         j = i + 1
         while seq.num_computed_tokens and j < len(prefills) and prefills[j][1] == n and \
                 prefills[j][0].num_computed_tokens == seq.num_computed_tokens:
             j += 1
-        if paged_prefill and seq.num_computed_tokens + n <= PAGED_PREFILL_CONTEXT:
-            j = i + 1  # one group per chunk: its rows are sequences of their own
-            groups.append(_rows_group(seq, n, row, block_size))
-        elif seq.num_computed_tokens == 0:
+        if seq.num_computed_tokens == 0:
             groups.append(fresh_group(row, n))
         else:
             groups.append(_group([s for s, _ in prefills[i:j]], [n] * (j - i), row, block_size))
