@@ -407,7 +407,7 @@ class LayerOps:
 
     def decode_step(self, plan: DecodePlan, step: StepKernels, h: torch.Tensor, positions: torch.Tensor,
                     slots: torch.Tensor, groups: list) -> None:
-        """Every layer of a decode-only step in one call (layer_ops.c, decode_step_f32): h [T, D] (the embeddings) is
+        """Every layer of a step in one call (layer_ops.c, decode_step_f32): h [T, D] (the embeddings) is
         updated in place to the last layer's output, the K/V of the step's tokens written to the caches. positions,
         slots [T] int64; groups: model.AttentionGroup with max_q 1 and lens (int64, contiguous tables)."""
         num_tokens = h.shape[0]

@@ -16,7 +16,8 @@
  *                     for the decode-attention kernel
  *   silu_mul_f32:     gate_up [T, 2I] -> out [T, I] = silu(gate) * up
  *
- *   decode_step_f32:  every decoder layer of a decode-only step in one call (below, "One call per decode step")
+ *   decode_step_f32:  every decoder layer of a step of one-query attention groups in one call (below, "One call per
+ *                     decode step")
  *
  * Built at run time by tokenloop/engine/kernels.py like the other kernels (-O3 -march=native -ffast-math at
  * compile time only); without it model.py runs the same operations in torch.
@@ -81,10 +82,11 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
 
 /* ---- One call per decode step ----
  *
- * A decode-only step (one new token per sequence, no LoRA, quantized weights on an exact C route) runs every layer
- * here instead of ~10 Python/ctypes calls per layer (model.py, _forward_fused). The order of operations and the
- * functions are those of the Python path (Model._forward_ops): the products go through the int8 / int4 libraries'
- * exported int{8,4}_linear_f32[_2t] and the attention through paged_attention.c's paged_decode_f32_path, reached
+ * A step whose attention groups are all one query per entry with lengths (decodes, and prompt chunks whose rows the
+ * runner makes sequences of their own: runner._rows_group), with no LoRA and quantized weights on an exact or x22 C
+ * route, runs every layer here instead of ~10 Python/ctypes calls per layer (model.py, _forward_fused). The order of
+ * operations and the functions are those of the Python path (Model._forward_ops): the products go through the int8 /
+ * int4 libraries' exported int{8,4}_linear_f32[_2t] and the attention through paged_decode_heads_f32_path, reached
  * through function pointers that Python takes from the loaded libraries (kernels.LayerOps.decode_step), so the
  * fused step gives the Python path's bits: the same functions on the same inputs.
  *

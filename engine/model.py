@@ -151,7 +151,7 @@ class Model:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        # every layer of a decode-only step in one C call (layer_ops.c, decode_step_f32): the per-weight pointers,
+        # every layer of a decode or prefill step in one C call (layer_ops.c, decode_step_f32): the per-weight pointers,
         # built once here; None where the weights are not all quantized or the native ops / attention are missing
         self._plan_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size)
         self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args) \
@@ -260,8 +260,9 @@ class Model:
         return plan
 
     def _forward_fused(self, batch: ForwardBatch, kernels: StepKernels) -> torch.Tensor:
-        """`_forward_ops` for a decode-only step, every layer in one C call: the same functions in the same order
-        (layer_ops.c, decode_step_f32), so the same bits."""
+        """`_forward_ops` for a step of one-query attention groups (decodes, and prompt chunks on the decode kernel),
+        every layer in one C call: the same functions in the same order (layer_ops.c, decode_step_f32), so the same
+        bits."""
         num_tokens = batch.input_ids.shape[0]
         if self._decode_rows is None or self._decode_rows[0].shape[0] != num_tokens:
             h = torch.empty(num_tokens, self.config.hidden_size)
