@@ -109,9 +109,9 @@ class Server:
     """`tokenloop serve` on a free port, its log collected."""
 
     def __init__(self, model: str, *flags: str):
-        from tests.e2e.live_server import _free_port, _tokenloop_command
-        self.port = _free_port()
-        self.proc = subprocess.Popen([*_tokenloop_command(), "serve", "--model", model, "--port", str(self.port),
+        from tests.e2e.live_server import free_port, tokenloop_command
+        self.port = free_port()
+        self.proc = subprocess.Popen([*tokenloop_command(), "serve", "--model", model, "--port", str(self.port),
                                       *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.ready = threading.Event()

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.results import write
-from tests.e2e.live_server import DEFAULT_MODEL, _free_port, _tokenloop_command
+from tests.e2e.live_server import DEFAULT_MODEL, free_port, tokenloop_command
 from tokenloop_client import AsyncClient
 from tokenloop_client import bench as load
 
@@ -94,8 +94,8 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(args.model, Path(tmp), args.num_adapters, args.rank)
-        port = _free_port()
-        cmd = [*_tokenloop_command(), "serve", "--model", str(args.model), "--port", str(port),
+        port = free_port()
+        cmd = [*tokenloop_command(), "serve", "--model", str(args.model), "--port", str(port),
                "--max-loras", str(max(8, args.num_adapters))]
         for name, path in adapters:
             cmd += ["--lora", f"{name}={path}"]

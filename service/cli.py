@@ -43,7 +43,7 @@ def _version() -> str:
         return "unknown"
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenloop", description="gRPC text-generation worker",
                                      epilog="`tokenloop serve --help` for the server's flags; docs/operations.md")
     parser.add_argument("-V", "--version", action="version", version=f"tokenloop {_version()}")
@@ -207,7 +207,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)

@@ -40,7 +40,7 @@ GUIDE_KINDS = {GUIDE_TYPES.GUIDE_TYPE_JSON: "json_object", GUIDE_TYPES.GUIDE_TYP
                GUIDE_TYPES.GUIDE_TYPE_STRUCTURAL_TAG: "structural_tag"}
 
 
-def _check_size(spec: str, field: str, max_bytes: int) -> None:
+def check_size(spec: str, field: str, max_bytes: int) -> None:
     size = len(spec) if len(spec) > max_bytes else len(spec.encode())  # a character is at least one byte
     if size > max_bytes:
         raise ValidationError("structure_too_large", f"`{field}` is {size} bytes; the limit is {max_bytes} "
@@ -60,7 +60,7 @@ def structured_of(request, max_bytes: int) -> StructuredOutput | None:
     spec = getattr(request, kind)
     if not spec:
         raise ValidationError("empty_structure", f"`{kind}` must not be empty")
-    _check_size(spec, kind, max_bytes)
+    check_size(spec, kind, max_bytes)
     return StructuredOutput(kind, spec)
 
 
@@ -79,7 +79,7 @@ def structured_of_guided(request, max_bytes: int) -> StructuredOutput | None:
     if not guided.guide:
         raise ValidationError("empty_structure", f"`guided_decoding.guide` must not be empty for "
                                                  f"{GUIDE_TYPES.Name(guided.guide_type)}")
-    _check_size(guided.guide, "guided_decoding.guide", max_bytes)
+    check_size(guided.guide, "guided_decoding.guide", max_bytes)
     return StructuredOutput(kind, guided.guide)
 
 

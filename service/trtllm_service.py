@@ -32,7 +32,7 @@ from .frontdoor import FrontDoor, add_with_raw_responses, unary
 from .kv_events import FellBehind, kv_event_stream
 from .structured import structured_of_guided
 from .trtllm_convert import TrtllmWriter
-from .validation import MAX_TOP_LOGPROBS, _check
+from .validation import MAX_TOP_LOGPROBS, check
 
 log = logging.getLogger("tokenloop.service")
 SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
@@ -54,35 +54,35 @@ UNSUPPORTED_SAMPLING = ("top_p_min", "top_p_reset_ids", "top_p_decay", "beam_sea
                         "prompt_ignore_length", "length_penalty", "early_stopping", "no_repeat_ngram_size")
 
 
-def _refuse(field: str, why: str) -> None:
-    _check(False, "unsupported_field", f"`{field}` cannot be honoured: {why}")
+def refuse(field: str, why: str) -> None:
+    check(False, "unsupported_field", f"`{field}` cannot be honoured: {why}")
 
 
 def _check_supported(request) -> None:
     """Refuse every field the executor cannot honour (INVALID_ARGUMENT naming the field)."""
     for name, why in UNSUPPORTED_REQUEST.items():
         if request.HasField(name):
-            _refuse(name, why)
+            refuse(name, why)
     if request.embedding_bias:
-        _refuse("embedding_bias", "logit biases are not supported by this executor")
+        refuse("embedding_bias", "logit biases are not supported by this executor")
     if request.bad or request.bad_token_ids:
-        _refuse("bad" if request.bad else "bad_token_ids", "the executor cannot ban words or tokens")
+        refuse("bad" if request.bad else "bad_token_ids", "the executor cannot ban words or tokens")
     if request.tokenized.query_token_ids:
-        _refuse("tokenized.query_token_ids", "star attention is not supported by this executor")
+        refuse("tokenized.query_token_ids", "star attention is not supported by this executor")
     s = request.sampling_config
-    _check(s.beam_width >= 0, "beam_width",
+    check(s.beam_width >= 0, "beam_width",
            f"`sampling_config.beam_width` must be >= 1 (0, unset, means 1); got {s.beam_width}")
     if s.beam_width > 1 or s.beam_width_array:
-        _refuse("sampling_config.beam_width", "beam search is not supported by this executor")
+        refuse("sampling_config.beam_width", "beam search is not supported by this executor")
     for name in UNSUPPORTED_SAMPLING:
         if s.HasField(name):
-            _refuse(f"sampling_config.{name}", "this executor does not implement it")
+            refuse(f"sampling_config.{name}", "this executor does not implement it")
     o = request.output_config
     if o.HasField("prompt_logprobs"):
-        _refuse("output_config.prompt_logprobs", "prompt log probabilities are not computed by this executor")
+        refuse("output_config.prompt_logprobs", "prompt log probabilities are not computed by this executor")
     for name in ("return_context_logits", "return_generation_logits", "return_encoder_output"):
         if getattr(o, name):
-            _refuse(f"output_config.{name}", "this executor does not return raw logits or encoder outputs")
+            refuse(f"output_config.{name}", "this executor does not return raw logits or encoder outputs")
 
 
 def _stopping(validator, request, num_prompt: int) -> StoppingParams:
@@ -103,10 +103,10 @@ def lora_name(request, catalog) -> str:
         return ""
     lc = request.lora_config
     if lc.weights or lc.config_json:
-        _refuse("lora_config.weights" if lc.weights else "lora_config.config_json", "load the adapter on the worker (`--lora`, LoadLoraAdapter) and send its "
+        refuse("lora_config.weights" if lc.weights else "lora_config.config_json", "load the adapter on the worker (`--lora`, LoadLoraAdapter) and send its "
                 "`task_id` only")
     if catalog is None or not catalog.supported:
-        _refuse("lora_config", "LoRA adapters are not supported by this executor")
+        refuse("lora_config", "LoRA adapters are not supported by this executor")
     return catalog.name_of_task(lc.task_id)
 
 
@@ -116,11 +116,11 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
     _check_supported(request)
     lim = validator.limits
     n = request.sampling_config.num_return_sequences or 1
-    _check(n <= lim.max_n, "n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")
+    check(n <= lim.max_n, "n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")
     ids = validator.prompt_ids(request.tokenized.input_token_ids, "tokenized.input_token_ids")
     o = request.output_config
     top = o.logprobs if o.HasField("logprobs") else 0
-    _check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",
+    check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",
            f"`output_config.logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {top}")
     return ValidRequest(
         request_id=validator.request_id(request_id), prompt_token_ids=ids,
@@ -179,7 +179,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
 
     def model_info(self) -> tpb.GetModelInfoResponse:
         app = self.app
-        cfg = _read_config(app.config.model)
+        cfg = read_model_config(app.config.model)
         features = ["stop", "stop_token_ids", "ignore_eos", "logprobs", "num_return_sequences", "seed",
                     "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "guided_decoding"]
         return tpb.GetModelInfoResponse(
@@ -194,7 +194,7 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
         opts = self.app.config.executor_options
         tp, pp = int(opts.get("tensor_parallel_size") or 1), int(opts.get("pipeline_parallel_size") or 1)
         return tpb.GetServerInfoResponse(
-            version=_version(), backend="tensorrt" if self.app.config.backend == "trtllm" else "pytorch",
+            version=server_version(), backend="tensorrt" if self.app.config.backend == "trtllm" else "pytorch",
             tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1, world_size=tp * pp)
 
     @unary(ready=False)
@@ -227,14 +227,14 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
             raise DataLoss(str(exc)) from exc
 
 
-def _read_config(model_dir: str) -> dict:
+def read_model_config(model_dir: str) -> dict:
     try:
         return json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _version() -> str:
+def server_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
         return f"tokenloop {version('tokenloop')}"

@@ -63,13 +63,13 @@ def text_size(request) -> int:
     return 0
 
 
-def _check(ok: bool, rule: str, message: str) -> None:
+def check(ok: bool, rule: str, message: str) -> None:
     if not ok:
         raise ValidationError(rule, message)
 
 
 def _finite(value: float, name: str) -> float:
-    _check(math.isfinite(value), f"{name}_not_finite", f"`{name}` must be a finite number")
+    check(math.isfinite(value), f"{name}_not_finite", f"`{name}` must be a finite number")
     return value
 
 
@@ -84,15 +84,15 @@ class Validator:
 
     # -- inputs ----------------------------------------------------------------------------
     def chat_messages(self, chat) -> list[dict[str, str]]:
-        _check(len(chat.messages) > 0, "empty_chat", "`chat.messages` must not be empty")
+        check(len(chat.messages) > 0, "empty_chat", "`chat.messages` must not be empty")
         # before any per-message work: rendering 100,000 messages holds the GIL for ~0.4 s, and 16 MiB holds millions
         limit = self.limits.max_prompt_tokens
-        _check(len(chat.messages) <= limit, "too_many_chat_messages",
+        check(len(chat.messages) <= limit, "too_many_chat_messages",
                f"`chat.messages` may hold at most {limit} messages (the prompt limit in tokens); "
                f"got {len(chat.messages)}")
         messages = []
         for i, m in enumerate(chat.messages):
-            _check(m.role in CHAT_ROLES, "unknown_chat_role",
+            check(m.role in CHAT_ROLES, "unknown_chat_role",
                    f"`chat.messages[{i}].role` must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}")
             messages.append({"role": m.role, "content": m.content})
         return messages
@@ -101,7 +101,7 @@ class Validator:
         """The conversation rendered; special-token text in content stays text unless
         `--allow-special-tokens-in-chat` (`Tokenizer.render_chat`)."""
         messages = self.chat_messages(chat)
-        _check(self.tokenizer.chat_template is not None, "no_chat_template",
+        check(self.tokenizer.chat_template is not None, "no_chat_template",
                "`chat` input needs a model with a chat template; this model has none (send `text`)")
         try:
             return self.tokenizer.render_chat(messages, self.limits.allow_special_tokens_in_chat)
@@ -112,9 +112,9 @@ class Validator:
         """(prompt token ids, prompt text) of a request with a `text` / `token_ids` / `chat` input, within the
         prompt limit."""
         which = request.WhichOneof("input")
-        _check(which is not None, "empty_input", "`input` must be set: one of `text`, `token_ids`, `chat`")
+        check(which is not None, "empty_input", "`input` must be set: one of `text`, `token_ids`, `chat`")
         if which == "text":
-            _check(len(request.text) > 0, "empty_text", "`text` must not be empty")
+            check(len(request.text) > 0, "empty_text", "`text` must not be empty")
             chat = None
             text = request.text
         elif which == "chat":
@@ -128,7 +128,7 @@ class Validator:
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_bos))
         else:  # special-token text in a message's content: encoded as text
             ids = tuple(self.tokenizer.encode_chat(chat, add_special_tokens=add_bos)[0])
-        _check(len(ids) > 0, "empty_prompt", "the prompt encodes to no tokens")
+        check(len(ids) > 0, "empty_prompt", "the prompt encodes to no tokens")
         self.check_prompt_length(len(ids))
         return ids, text
 
@@ -149,15 +149,15 @@ class Validator:
     def prompt_ids(self, token_ids, field: str) -> tuple[int, ...]:
         """A prompt given as token ids (`field` names them): not empty, within the prompt limit, in the vocabulary."""
         ids = tuple(token_ids)
-        _check(len(ids) > 0, "empty_token_ids", f"`{field}` must not be empty")
+        check(len(ids) > 0, "empty_token_ids", f"`{field}` must not be empty")
         self.check_prompt_length(len(ids))  # before looking at every id
         bad = next((t for t in ids if t >= self.vocab_size), None)
-        _check(bad is None, "token_id_out_of_range", f"`{field}` must be < the vocabulary size {self.vocab_size}; got {bad}")
+        check(bad is None, "token_id_out_of_range", f"`{field}` must be < the vocabulary size {self.vocab_size}; got {bad}")
         return ids
 
     def check_prompt_length(self, num: int) -> None:
         """The prompt limit, for a prompt of `num` tokens (either API)."""
-        _check(num <= self.limits.max_prompt_tokens, "prompt_too_long",
+        check(num <= self.limits.max_prompt_tokens, "prompt_too_long",
                f"the prompt has {num} tokens; the limit is {self.limits.max_prompt_tokens}")
 
     # -- parameters ------------------------------------------------------------------------
@@ -170,19 +170,19 @@ class Validator:
         card = self.card
         temperature = _finite(s.temperature, f"{prefix}temperature") if s.HasField("temperature") else (
             card.default_temperature if card.default_temperature is not None else 1.0)
-        _check(temperature >= 0, "temperature", f"`{prefix}temperature` must be >= 0")
+        check(temperature >= 0, "temperature", f"`{prefix}temperature` must be >= 0")
         if temperature < GREEDY_BELOW_TEMPERATURE:
             temperature = 0.0  # greedy: the same token a tiny temperature would almost surely draw, computably
         top_p = _finite(s.top_p, f"{prefix}top_p") if s.HasField("top_p") else (card.default_top_p or 1.0)
-        _check(0 < top_p <= 1, "top_p", f"`{prefix}top_p` must be > 0 and <= 1")
-        _check(s.top_k >= 0, "top_k", f"`{prefix}top_k` must be >= 0 (0 disables it)")
-        _check(0 <= _finite(s.min_p, f"{prefix}min_p") <= 1, "min_p", f"`{prefix}min_p` must be between 0 and 1")
+        check(0 < top_p <= 1, "top_p", f"`{prefix}top_p` must be > 0 and <= 1")
+        check(s.top_k >= 0, "top_k", f"`{prefix}top_k` must be >= 0 (0 disables it)")
+        check(0 <= _finite(s.min_p, f"{prefix}min_p") <= 1, "min_p", f"`{prefix}min_p` must be between 0 and 1")
         rep = _finite(s.repetition_penalty, f"{prefix}repetition_penalty") if s.HasField("repetition_penalty") else 1.0
         low, high = REPETITION_PENALTY_RANGE
-        _check(low <= rep <= high, "repetition_penalty",
+        check(low <= rep <= high, "repetition_penalty",
                f"`{prefix}repetition_penalty` must be between {low:g} and {high:g} (1 disables it); got {rep:.3g}")
         for name in ("presence_penalty", "frequency_penalty"):
-            _check(-2 <= _finite(getattr(s, name), f"{prefix}{name}") <= 2, name,
+            check(-2 <= _finite(getattr(s, name), f"{prefix}{name}") <= 2, name,
                    f"`{prefix}{name}` must be between -2 and 2")
         seed = s.seed if s.HasField("seed") else random.getrandbits(63)
         return SamplingParams(temperature=temperature, top_k=s.top_k, top_p=top_p, min_p=s.min_p,
@@ -208,7 +208,7 @@ class Validator:
             return
         vocab = self.card.vocab_size or self.vocab_size  # the width of the model's logits
         held = set(stopping.stop_token_ids) | (set() if stopping.ignore_eos else set(self.card.eos_token_ids))
-        _check(sum(1 for t in held if t < vocab) < vocab, "no_token_allowed",
+        check(sum(1 for t in held if t < vocab) < vocab, "no_token_allowed",
                f"`{stop_field}`{'' if stopping.ignore_eos else ' with EOS'} cover the whole vocabulary ({vocab} "
                f"tokens): with `{min_field}` {stopping.min_new_tokens} no token could be generated")
 
@@ -219,51 +219,51 @@ class Validator:
         lim = self.limits
         room = lim.max_context_length - num_prompt
         if max_new is not None:
-            _check(1 <= max_new <= lim.max_new_tokens, "max_new_tokens",
+            check(1 <= max_new <= lim.max_new_tokens, "max_new_tokens",
                    f"`{max_field}` must be between 1 and {lim.max_new_tokens}; got {max_new}")
-            _check(max_new <= room, "context_exceeded",
+            check(max_new <= room, "context_exceeded",
                    f"the prompt ({num_prompt} tokens) plus `{max_field}` ({max_new}) exceeds the "
                    f"model's context of {lim.max_context_length} tokens")
         else:
             max_new = min(lim.default_max_new_tokens, room)
-        _check(min_new <= max_new, "min_new_tokens",
+        check(min_new <= max_new, "min_new_tokens",
                f"`{min_field}` ({min_new}) must be <= {max_field.rsplit('.', 1)[-1]} ({max_new})")
         return max_new
 
     def stop_lists(self, stop, stop_token_ids, prefix: str) -> None:
         """The rules on stop strings and stop token ids; `prefix` names the fields as the client's API does."""
         lim = self.limits
-        _check(len(stop) <= lim.max_stop_strings, "too_many_stop_strings",
+        check(len(stop) <= lim.max_stop_strings, "too_many_stop_strings",
                f"`{prefix}stop` may hold at most {lim.max_stop_strings} strings; got {len(stop)}")
         for i, text in enumerate(stop):
-            _check(0 < len(text) <= lim.max_stop_string_length, "stop_string_length",
+            check(0 < len(text) <= lim.max_stop_string_length, "stop_string_length",
                    f"`{prefix}stop[{i}]` must be 1 to {lim.max_stop_string_length} characters long")
-        _check(len(stop_token_ids) <= lim.max_stop_token_ids, "too_many_stop_token_ids",
+        check(len(stop_token_ids) <= lim.max_stop_token_ids, "too_many_stop_token_ids",
                f"`{prefix}stop_token_ids` may hold at most {lim.max_stop_token_ids} ids (--max-stop-token-ids); "
                f"got {len(stop_token_ids)}")
         bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
-        _check(bad is None, "stop_token_id_out_of_range",
+        check(bad is None, "stop_token_id_out_of_range",
                f"`{prefix}stop_token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
 
     def detokenize_ids(self, ids) -> None:
         """The rules on Detokenize's `token_ids`: how many (before looking at any), then each one's range."""
         limit = self.limits.max_detokenize_ids
-        _check(len(ids) <= limit, "too_many_detokenize_ids",
+        check(len(ids) <= limit, "too_many_detokenize_ids",
                f"`token_ids` may hold at most {limit} ids (--max-detokenize-ids); got {len(ids)}")
         bad = next((t for t in ids if t >= self.vocab_size), None)
-        _check(bad is None, "token_id_out_of_range",
+        check(bad is None, "token_id_out_of_range",
                f"`token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
 
     def output(self, request) -> OutputParams:
         o = request.output
-        _check(o.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+        check(o.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                f"`output.top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {o.top_logprobs}")
         skip = o.skip_special_tokens if o.HasField("skip_special_tokens") else True
         return OutputParams(logprobs=o.logprobs or o.top_logprobs > 0, top_logprobs=o.top_logprobs,
                             skip_special_tokens=skip, echo=o.echo)
 
     def request_id(self, request_id: str) -> str:
-        _check(len(request_id) <= self.limits.max_request_id_length and request_id.isprintable(),
+        check(len(request_id) <= self.limits.max_request_id_length and request_id.isprintable(),
                "request_id", f"`request_id` must be printable and at most {self.limits.max_request_id_length} "
                "characters")
         return request_id
@@ -273,7 +273,7 @@ class Validator:
         """Validate a `GenerateRequest`; raises ValidationError naming the first broken rule. A `structured`
         constraint is checked but not compiled (`App.grammars.admit` does that)."""
         n = request.n or 1
-        _check(1 <= n <= self.limits.max_n, "n", f"`n` must be between 1 and {self.limits.max_n}; got {n}")
+        check(1 <= n <= self.limits.max_n, "n", f"`n` must be between 1 and {self.limits.max_n}; got {n}")
         self.stop_lists(request.stopping.stop, request.stopping.stop_token_ids, "stopping.")  # before tokenizing
         structured = structured_of(request, self.limits.max_grammar_bytes)
         ids, text = self.prompt(request)

@@ -30,10 +30,10 @@ from . import embedding
 from .convert import SequenceWriter
 from .errors import Unimplemented, ValidationError
 from .frontdoor import FrontDoor, add_with_raw_responses, request_id_of, unary
-from .structured import _check_size
+from .structured import check_size
 from .trtllm_convert import FINISH_REASONS
-from .trtllm_service import TrtllmServicer, _read_config, _refuse, _version
-from .validation import MAX_TOP_LOGPROBS, _check
+from .trtllm_service import TrtllmServicer, read_model_config, refuse, server_version
+from .validation import MAX_TOP_LOGPROBS, check
 
 log = logging.getLogger("tokenloop.service")
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -55,16 +55,16 @@ def _check_supported(request) -> None:
     """Refuse every field the executor cannot honour (INVALID_ARGUMENT naming the field)."""
     for name, why in UNSUPPORTED_REQUEST.items():
         if request.HasField(name):
-            _refuse(name, why)
+            refuse(name, why)
     if request.extra_mm_inputs:
-        _refuse("extra_mm_inputs", UNSUPPORTED_REQUEST["mm_inputs"])
+        refuse("extra_mm_inputs", UNSUPPORTED_REQUEST["mm_inputs"])
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
-        _refuse("data_parallel_rank", "this worker has one data-parallel rank (0)")
+        refuse("data_parallel_rank", "this worker has one data-parallel rank (0)")
     s = request.sampling_params
     if s.logit_bias:
-        _refuse("sampling_params.logit_bias", "logit biases are not supported by this executor")
+        refuse("sampling_params.logit_bias", "logit biases are not supported by this executor")
     if s.HasField("prompt_logprobs"):
-        _refuse("sampling_params.prompt_logprobs", "prompt log probabilities are not computed by this executor")
+        refuse("sampling_params.prompt_logprobs", "prompt log probabilities are not computed by this executor")
 
 
 def generation_defaults(card: ModelCard) -> dict:
@@ -113,15 +113,15 @@ def structured_of_constraint(s, max_bytes: int) -> StructuredOutput | None:
         return StructuredOutput("json_object")
     if kind == "choice":
         choices = list(s.choice.choices)
-        _check(bool(choices), "empty_structure", f"`{field}.choices` must not be empty")
-        _check(all(choices), "empty_structure", f"`{field}.choices` must not hold an empty string")
+        check(bool(choices), "empty_structure", f"`{field}.choices` must not be empty")
+        check(all(choices), "empty_structure", f"`{field}.choices` must not hold an empty string")
         spec = "start: " + " | ".join(json.dumps(c) for c in choices)
-        _check_size(spec, f"{field}.choices", max_bytes)
+        check_size(spec, f"{field}.choices", max_bytes)
         return StructuredOutput("grammar", spec)
     spec = getattr(s, kind)
     if not spec:
         raise ValidationError("empty_structure", f"`{field}` must not be empty")
-    _check_size(spec, field, max_bytes)
+    check_size(spec, field, max_bytes)
     return StructuredOutput(kind, spec)
 
 
@@ -129,12 +129,12 @@ def prompt_ids(validator, request) -> tuple[int, ...]:
     """The prompt's token ids: `tokenized.input_ids` (smg sends these), or `text` encoded as tokenloop.v1's `text`
     is; `sampling_params.truncate_prompt_tokens` keeps the last N (-1: the prompt limit), as vLLM does."""
     which = request.WhichOneof("input")
-    _check(which is not None, "empty_input", "`input` must be set: one of `tokenized`, `text`")
+    check(which is not None, "empty_input", "`input` must be set: one of `tokenized`, `text`")
     s = request.sampling_params
     keep = None
     if s.HasField("truncate_prompt_tokens"):
         keep = s.truncate_prompt_tokens
-        _check(keep == -1 or keep >= 1, "truncate_prompt_tokens",
+        check(keep == -1 or keep >= 1, "truncate_prompt_tokens",
                f"`sampling_params.truncate_prompt_tokens` must be >= 1, or -1 for the prompt limit; got {keep}")
         keep = validator.limits.max_prompt_tokens if keep == -1 else keep
     if which == "text":
@@ -153,9 +153,9 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
     defaults = defaults or {}
     lim, s = validator.limits, request.sampling_params
     n = s.n or 1
-    _check(n <= lim.max_n, "n", f"`sampling_params.n` must be between 1 and {lim.max_n}; got {n}")
+    check(n <= lim.max_n, "n", f"`sampling_params.n` must be between 1 and {lim.max_n}; got {n}")
     top = s.logprobs if s.HasField("logprobs") else 0
-    _check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",
+    check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",
            f"`sampling_params.logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {top}"
            + (" (-1, every token of the vocabulary, is not supported)" if top == -1 else ""))
     validator.stop_lists(s.stop, s.stop_token_ids, "sampling_params.")  # before tokenizing
@@ -322,7 +322,7 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
 
     def model_info(self) -> vpb.GetModelInfoResponse:
         app = self.app
-        card, cfg, defaults = app.card, _read_config(app.config.model), self.defaults()
+        card, cfg, defaults = app.card, read_model_config(app.config.model), self.defaults()
         return vpb.GetModelInfoResponse(
             model_path=str(app.config.model), is_generation=True, max_context_length=card.max_context_length,
             vocab_size=app.validator.vocab_size, supports_vision=False, served_model_name=card.model_id,
@@ -352,7 +352,7 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
         load = self.app.load()
         block = load.kv_block_size
         return vpb.GetLoadsResponse(
-            timestamp=datetime.now(timezone.utc).isoformat(), version=_version(), dp_rank_count=1,
+            timestamp=datetime.now(timezone.utc).isoformat(), version=server_version(), dp_rank_count=1,
             loads=[vpb.SchedulerLoad(
                 dp_rank=0, num_running_reqs=load.num_running, num_waiting_reqs=load.num_waiting,
                 num_total_reqs=load.num_running + load.num_waiting, num_used_tokens=load.kv_blocks_used * block,

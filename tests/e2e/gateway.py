@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, LiveServer, _free_port, stop_process
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, LiveServer, free_port, stop_process
 
 SMG_VERSION = "1.13.0"
 READY_TIMEOUT_S = 90.0
@@ -38,7 +38,7 @@ class Router:
     """An `smg launch` child process in front of one gRPC worker."""
 
     def __init__(self, worker: str, log_path: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("w")

@@ -35,11 +35,11 @@ class LiveServer:
     """A `tokenloop serve` child process; `address` is HOST:PORT once it logged "ready"."""
 
     def __init__(self, model_dir: Path, extra_args: tuple[str, ...] = ()) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self._ready = threading.Event()
-        cmd = [*_tokenloop_command(), "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+        cmd = [*tokenloop_command(), "serve", "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(self.port), "--shutdown-grace", "5", *extra_args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1)
@@ -75,7 +75,7 @@ def stop_process(proc: subprocess.Popen | None, grace: float) -> None:
             proc.wait()
 
 
-def _tokenloop_command() -> list[str]:
+def tokenloop_command() -> list[str]:
     script = Path(sys.executable).parent / "tokenloop"
     if script.exists():
         return [str(script)]
@@ -83,7 +83,7 @@ def _tokenloop_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "tokenloop.service.cli"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -109,8 +109,8 @@ class Proc:
     """`tokenloop serve` with extra flags and environment; `lines` is its log."""
 
     def __init__(self, *args: str, env: dict | None = None):
-        self.port = _free_port()
-        cmd = [*_tokenloop_command(), "serve", "--model", str(DEFAULT_MODEL), "--port", str(self.port), *args]
+        self.port = free_port()
+        cmd = [*tokenloop_command(), "serve", "--model", str(DEFAULT_MODEL), "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.gateway import smg_binary
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port, _tokenloop_command, stop_process
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, free_port, stop_process, tokenloop_command
 
 pytestmark = pytest.mark.e2e
 
@@ -42,13 +42,13 @@ class Worker:
 
     def __init__(self, log_dir: Path, index: int, protocol: str = "both"):
         self.protocol = protocol  # --router-protocol
-        self.port, self.metrics_port = _free_port(), _free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_dir / f"worker{index}.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        cmd = [*_tokenloop_command(), "serve", "--model", str(DEFAULT_MODEL), "--host", "127.0.0.1",
+        cmd = [*tokenloop_command(), "serve", "--model", str(DEFAULT_MODEL), "--host", "127.0.0.1",
                "--port", str(self.port), "--metrics-port", str(self.metrics_port), "--num-threads", "1",
                "--shutdown-grace", "2", "--kv-events-heartbeat", "0.5", "--router-protocol", self.protocol]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT)
@@ -80,7 +80,7 @@ class Router:
     """`smg launch --policy POLICY` in front of the workers."""
 
     def __init__(self, workers: list[Worker], policy: str, log_path: Path, log_level: str = "info"):
-        self.port, self.metrics_port = _free_port(), _free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.log_path = log_path
         self.proc = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,

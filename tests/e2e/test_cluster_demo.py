@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, _free_port
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -20,10 +20,10 @@ def test_cluster_demo_narrates_and_its_kill_reads_as_intended():
         pytest.skip("the default model is not prepared: run `make model`")
     if not (ROOT / ".venv" / "bin" / "smg").exists():
         pytest.skip("smg is not installed in .venv (make setup installs it)")
-    base = _free_port()
+    base = free_port()
     while any(_busy(base + k) for k in (1, 2, 10, 11, 12)):  # workers on base..+2, metrics on base+10..+12
-        base = _free_port()
-    env = dict(os.environ, BASE_PORT=str(base), ROUTER_PORT=str(_free_port()))
+        base = free_port()
+    env = dict(os.environ, BASE_PORT=str(base), ROUTER_PORT=str(free_port()))
     run = subprocess.run(["bash", str(Path(ROOT) / "scripts" / "cluster_demo.sh")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1200, check=False)
     out = run.stdout + run.stderr

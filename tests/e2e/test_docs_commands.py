@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs_check import ROOT, all_blocks, environment, parse_marker, port_map, run_spec, substitute_ports
-from tests.e2e.live_server import DEFAULT_MODEL, _free_port, live_address
+from tests.e2e.live_server import DEFAULT_MODEL, free_port, live_address
 
 pytestmark = pytest.mark.e2e
 
@@ -91,7 +91,7 @@ def test_docs_block_runs_as_written(block, scratch):
     spec = run_spec(parse_marker(block.marker)[1])
     text = block.commands()
     shared = None if spec.own_server else int(live_address().rsplit(":", 1)[1])
-    ports = port_map(text, shared, _free_port)
+    ports = port_map(text, shared, free_port)
     env = environment(f"127.0.0.1:{ports[50051]}", ports[50051])
     reason = missing_tool(text, env)
     if reason:

@@ -13,7 +13,7 @@ import subprocess
 import grpc
 import pytest
 
-from tests.e2e.live_server import DEFAULT_MODEL, ROOT, Proc, _free_port, _tokenloop_command, gen, outcome
+from tests.e2e.live_server import DEFAULT_MODEL, ROOT, Proc, free_port, gen, outcome, tokenloop_command
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
@@ -79,8 +79,8 @@ def test_off_pins_nothing():
 
 def test_a_cpu_the_process_may_not_use_is_a_start_up_error():
     bad = max(CPUS) + 1000
-    done = subprocess.run([*_tokenloop_command(), "serve", "--model", str(DEFAULT_MODEL), "--port",
-                           str(_free_port()), "--front-cpu", str(bad)],
+    done = subprocess.run([*tokenloop_command(), "serve", "--model", str(DEFAULT_MODEL), "--port",
+                           str(free_port()), "--front-cpu", str(bad)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert f"--front-cpu {bad} is not one of the CPUs this process may use" in done.stdout + done.stderr

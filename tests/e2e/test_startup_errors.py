@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.e2e.live_server import ROOT, _tokenloop_command
+from tests.e2e.live_server import ROOT, tokenloop_command
 from tests.tiny_model import make_tiny_model
 from tests.tls_helpers import issue, make_ca, pem
 from tokenloop.trtllm import MISSING_TRTLLM
@@ -41,7 +41,7 @@ def copy_model(tiny, tmp_path, drop=(), **replace):
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*_tokenloop_command(), "serve", "--port", "0", *args], capture_output=True, text=True,
+    return subprocess.run([*tokenloop_command(), "serve", "--port", "0", *args], capture_output=True, text=True,
                           timeout=120)
 
 
@@ -99,7 +99,7 @@ def test_port_in_use(tiny):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        run = subprocess.run([*_tokenloop_command(), "serve", "--backend", "trtllm", "--model", str(tiny), "--port",
+        run = subprocess.run([*tokenloop_command(), "serve", "--backend", "trtllm", "--model", str(tiny), "--port",
                               str(port)], capture_output=True, text=True, timeout=120)
     assert_refused(run, f"--port {port}: 127.0.0.1:{port} is already in use by another process; choose another "
                         "--port")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.live_server import _free_port, _tokenloop_command
+from tests.e2e.live_server import free_port, tokenloop_command
 from tests.tiny_model import make_tiny_model
 from tests.tls_helpers import issue, make_ca, pem
 
@@ -28,9 +28,9 @@ def test_plaintext_clients_get_socket_closed_and_the_server_logs_them_rate_limit
     (tmp_path / "server.pem").write_bytes(pem(cert))
     (tmp_path / "server.key").write_bytes(pem(key))
     (tmp_path / "ca.pem").write_bytes(pem(ca[1]))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, TOKENLOOP_HANDSHAKE_LOG_INTERVAL_S="2")
-    server = subprocess.Popen([*_tokenloop_command(), "serve", "--model", str(model), "--port", str(port),
+    server = subprocess.Popen([*tokenloop_command(), "serve", "--model", str(model), "--port", str(port),
                                "--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

@@ -287,12 +287,12 @@ def test_negative_waits_are_refused_naming_the_flag(field, flag):
 
 
 def test_the_flags_reach_the_config():
-    from tokenloop.service.cli import _parser, config_from_args
+    from tokenloop.service.cli import build_parser, config_from_args
 
-    args = _parser().parse_args(["serve", "--slow-reader-grace", "0.5", "--max-queue-wait", "12"])
+    args = build_parser().parse_args(["serve", "--slow-reader-grace", "0.5", "--max-queue-wait", "12"])
     config = config_from_args(args)
     assert (config.slow_reader_grace, config.max_queue_wait) == (0.5, 12.0)
-    defaults = config_from_args(_parser().parse_args(["serve"]))
+    defaults = config_from_args(build_parser().parse_args(["serve"]))
     assert (defaults.slow_reader_grace, defaults.max_queue_wait) == (1.0, 30.0)
 
 

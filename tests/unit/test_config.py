@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloop.service.cli import _parser, config_from_args
+from tokenloop.service.cli import build_parser, config_from_args
 from tokenloop.service.config import ServerConfig
 
 
 def test_security_and_limit_flags_reach_the_config():
-    args = _parser().parse_args([
+    args = build_parser().parse_args([
         "serve", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem", "--api-key-file", "keys",
         "--log-format", "json", "--log-level", "DEBUG", "--max-stop-strings", "3", "--max-stop-string-length", "9",
         "--max-prompt-tokens", "100", "--max-n", "2", "--max-new-tokens", "50", "--max-message-bytes", "4096",

@@ -2,7 +2,8 @@
 
 `core/` imports no other tokenloop package; `looper/` and each executor package (`engine/`, `trtllm/`) import only
 `core/` (and `tokenloop.v1`, the generated contract); in `service/` only `service/executors.py` imports an executor
-package; no module imports a `_private` name from another package.
+package; no module imports a `_private` name from another package, nor (in the packages, the client and bench/)
+from another module; tests import `tokenloop.*`, never a folder name.
 """
 
 from __future__ import annotations
@@ -78,3 +79,62 @@ def test_the_checks_see_imports():
     looper = {t for p in modules("looper") for t, _, _ in imports(p, "looper")}
     server = {t for t, _, _ in imports(ROOT / BUILDS_EXECUTORS, "service")}
     assert "core" in looper and {"engine", "trtllm"} <= server
+
+
+def private_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """`from M import _name` statements of `path` that take a `_private` name from another module. A private module
+    of the importer's own package (`from . import _request`, `from ._gen import x`) is that package's own business:
+    the underscore on a module means "this package only"."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        for alias in node.names:
+            name = alias.name
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            own_module = node.level == 1 and not node.module and (path.parent / f"{name}.py").exists()
+            if not own_module:
+                bad.append(f"{path.relative_to(root)}:{node.lineno} imports {name} from "
+                           f"{'.' * node.level}{node.module or ''}")
+    return bad
+
+
+SHARING = (*PACKAGES, "bench", "clients/python/tokenloop_client")  # the code that must share by publishing
+
+
+# Imports the engine part of issue 42 is still to make public (engine/matmul.py owns these names).
+NOT_YET_PUBLIC = {"bench/decode_profile.py:199 imports _Helper from tokenloop.engine.matmul",
+                  "bench/decode_profile.py:199 imports _timings from tokenloop.engine.matmul"}
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """CONTRIBUTING.md, "Layers": a helper two modules need is public in the module that owns it."""
+    bad = [line for folder in SHARING for path in sorted((ROOT / folder).rglob("*.py"))
+           if "_gen" not in path.parts for line in private_imports(path)]
+    assert not set(bad) - NOT_YET_PUBLIC, "\n".join(bad)
+
+
+FOLDERS = {"core", "looper", "engine", "trtllm", "service"}  # folders that are packages only under tokenloop.*
+
+
+def test_tests_import_packages_by_their_tokenloop_name():
+    """`from service.cli import x` in a test would load a second copy of tokenloop.service.cli (another module
+    object, other globals): tests import `tokenloop.*` only."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in FOLDERS]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_sharing_checks_see_what_they_refuse(tmp_path):
+    """The check above reads real statements: a private name from another module fails, a private module of the
+    importer's own package does not."""
+    (tmp_path / "_own.py").write_text("")
+    probe = tmp_path / "probe.py"
+    probe.write_text("from . import _own\nfrom .other import _helper\nfrom tokenloop.x import public, _y\n")
+    assert private_imports(probe, tmp_path) == ["probe.py:2 imports _helper from .other",
+                                                "probe.py:3 imports _y from tokenloop.x"]

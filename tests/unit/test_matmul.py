@@ -67,9 +67,9 @@ def test_f32c2_leaves_other_dtypes_and_layouts_to_torch():
 @pytest.mark.parametrize("name", ["native2", "f32c2"])
 def test_the_native_backends_can_be_named_on_the_command_line(name):
     from tokenloop.engine.config import EngineConfig
-    from tokenloop.service.cli import _parser
+    from tokenloop.service.cli import build_parser
 
-    args = _parser().parse_args(["serve", "--matmul-backend", name])
+    args = build_parser().parse_args(["serve", "--matmul-backend", name])
     assert args.matmul_backend == name and EngineConfig(matmul_backend=name).matmul_backend == name
     policy = MatmulPolicy.fixed(Backend(name))
     assert {policy.backend(b) for b in BUCKETS} == {Backend(name)}

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from tokenloop.service import placement
-from tokenloop.service.cli import _parser, config_from_args
+from tokenloop.service.cli import build_parser, config_from_args
 from tokenloop.service.config import ServerConfig
 from tokenloop.service.placement import FrontPlacement, cpu_list
 
@@ -28,8 +28,8 @@ def test_refused_specs_name_the_flag_and_the_rule(spec):
 
 
 def test_the_flag_reaches_the_config():
-    assert config_from_args(_parser().parse_args(["serve"])).front_cpu == "auto"
-    assert config_from_args(_parser().parse_args(["serve", "--front-cpu", "off"])).front_cpu == "off"
+    assert config_from_args(build_parser().parse_args(["serve"])).front_cpu == "auto"
+    assert config_from_args(build_parser().parse_args(["serve", "--front-cpu", "off"])).front_cpu == "off"
 
 
 def test_cpu_list_uses_the_kernels_notation():

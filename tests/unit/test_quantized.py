@@ -448,10 +448,10 @@ def test_a_forced_route_runs_every_bucket(mode, monkeypatch):
 
 
 def test_the_cli_takes_weights_int4_and_refuses_other_modes(capsys):
-    from tokenloop.service.cli import _parser, config_from_args
+    from tokenloop.service.cli import build_parser, config_from_args
 
-    config = config_from_args(_parser().parse_args(["serve", "--weights", "int4"]))
+    config = config_from_args(build_parser().parse_args(["serve", "--weights", "int4"]))
     assert config.executor_options["weights"] == "int4"
     with pytest.raises(SystemExit):
-        _parser().parse_args(["serve", "--weights", "int2"])
+        build_parser().parse_args(["serve", "--weights", "int2"])
     assert "invalid choice: 'int2'" in capsys.readouterr().err

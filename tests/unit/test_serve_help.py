@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from service.cli import _parser, config_from_args, main
 from tests.conftest import ROOT
+from tokenloop.service.cli import build_parser, config_from_args, main
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["serve"]
 
 
@@ -63,5 +63,5 @@ def test_configuration_errors_name_the_flag(flags, message, capsys):
 
 
 def test_a_small_max_new_tokens_lowers_the_default_instead_of_failing():
-    config = config_from_args(_parser().parse_args(["serve", "--max-new-tokens", "50"]))
+    config = config_from_args(build_parser().parse_args(["serve", "--max-new-tokens", "50"]))
     assert (config.max_new_tokens, config.default_max_new_tokens) == (50, 50)
