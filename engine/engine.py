@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,6 +47,16 @@ def default_num_threads() -> int:
     """All cores but one: the gRPC front and the looper need one, and an OpenMP barrier that waits
     for a descheduled worker costs a whole scheduler time slice."""
     return max(1, (os.cpu_count() or 1) - 1)
+
+
+@dataclass(slots=True)
+class StepRun:
+    """A step's forward pass: the scheduled sequences that ran, the model's output for them, and the error steps of
+    the requests that failed in it (Engine._run_isolated)."""
+
+    scheduled: list[tuple[Sequence, int]]
+    output: runner.ModelOutput
+    failed: list[Step]
 
 
 class Engine:
@@ -326,35 +337,43 @@ class Engine:
             self._publish([])  # the removed events go out now, with stats that show the cache smaller
 
     def step(self) -> None:
-        """One iteration: schedule, run the model, sample, postprocess. A row that fails fails its request alone."""
+        """One iteration: schedule, run the model, sample, advance, postprocess, publish. A row that fails fails its
+        request alone (`_run_isolated`, `_sampled`)."""
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()  # 1. schedule
         if not scheduled:
             return
-        ran = self._forward(scheduled)
+        ran = self._run_isolated(scheduled)  # 2. run the model
         if ran is None:
             return
-        logits, samplers, pooled, steps = ran
-        samples = sample_batch(logits, samplers, self.eos_token_ids) if samplers else []
-        self._num_failures = 0
-        self.scheduler.advance(scheduled)
-        if pooled:
-            steps += self._embedded(pooled)
+        out = ran.output
+        samples = sample_batch(out.logits, out.samplers, self.eos_token_ids) if out.samplers else []  # 3. sample
+        self.scheduler.advance(ran.scheduled)  # 4. advance
+        steps = ran.failed + self._embedded(out.pooled) + self._sampled(out.samplers, samples)  # 5. postprocess
+        self._latencies.append(time.perf_counter() - start)
+        self._publish(steps)  # 6. publish
+
+    def _sampled(self, samplers: list[Sequence], samples: list) -> list[Step]:
+        """The steps of the sampled tokens; the requests that finished leave. A request whose own values (or row)
+        failed in sampling (RowFailure) ends alone, with its error."""
+        steps = []
         failed = {seq.executor_id: s for seq, s in zip(samplers, samples) if isinstance(s, RowFailure)}
-        for request_id, failure in failed.items():  # the request's own values (or its row) failed: it alone ends
-            log.warning("request %d failed in sampling: %s", request_id, failure.message)
-            kind = ErrorKind.INVALID_ARGUMENT if failure.invalid else ErrorKind.INTERNAL
-            steps += error_steps(request_id, self._forget(request_id), self.scheduler, failure.message, kind)
-        kept, kept_samples = samplers, samples
         if failed:
-            kept = [seq for seq in samplers if seq.executor_id not in failed]
-            kept_samples = [s for seq, s in zip(samplers, samples) if seq.executor_id not in failed]
-        steps += steps_for_samples(kept, kept_samples, self.scheduler, self.eos_token_ids, self.max_context_length)
-        for seq in kept:
+            for request_id, failure in failed.items():
+                log.warning("request %d failed in sampling: %s", request_id, failure.message)
+                kind = ErrorKind.INVALID_ARGUMENT if failure.invalid else ErrorKind.INTERNAL
+                steps += error_steps(request_id, self._forget(request_id), self.scheduler, failure.message, kind)
+            samples = [s for seq, s in zip(samplers, samples) if seq.executor_id not in failed]
+            samplers = [seq for seq in samplers if seq.executor_id not in failed]
+        steps += steps_for_samples(samplers, samples, self.scheduler, self.eos_token_ids, self.max_context_length)
+        self._retire_finished(samplers)
+        return steps
+
+    def _retire_finished(self, seqs: list[Sequence]) -> None:
+        """The requests whose sequences have all finished leave the engine (their adapters released)."""
+        for seq in seqs:
             if seq.is_finished and all(s.is_finished for s in self._requests.get(seq.executor_id, ())):
                 self._forget(seq.executor_id)
-        self._latencies.append(time.perf_counter() - start)
-        self._publish(steps)
 
     def _embedded(self, pooled: list[tuple[Sequence, torch.Tensor]]) -> list[Step]:
         """Pool the embedding sequences' new hidden states; one whose prompt is all computed ends with its vector
@@ -370,45 +389,42 @@ class Engine:
                 self._forget(seq.executor_id)
         return steps
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence], list, list[Step]] | None:
-        """The model over `scheduled`: logits [S, V], the S sequences that sample, the embedding sequences with their
-        new hidden states (runner.run), and the error steps of requests
-        that failed. When the batch fails, each sequence is run alone: those that fail alone fail their requests,
-        the rest go on (`scheduled` keeps only them). None when nothing is left to sample from. The step counts
-        towards the engine's death only when every sequence failed alone and a one-token probe fails too (a fault
-        no request explains)."""
-        block_size = self.block_manager.block_size
+    def _run_isolated(self, scheduled: list[tuple[Sequence, int]]) -> StepRun | None:
+        """The model over `scheduled`. When the batch fails, each sequence runs alone (`_run_each_alone`)."""
         try:
-            return *runner.run(self.model, scheduled, block_size), []
+            output = runner.run(self.model, scheduled, self.block_manager.block_size)
         except Exception as exc:  # noqa: BLE001 - find the rows at fault before failing anyone
             log.exception("engine forward failed for %d sequences; running each alone", len(scheduled))
-            batch_error = exc
-        parts, samplers, pooled, bad = [], [], [], {}
+            return self._run_each_alone(scheduled, exc)
+        self._num_failures = 0
+        return StepRun(scheduled, output, [])
+
+    def _run_each_alone(self, scheduled: list[tuple[Sequence, int]], batch_error: Exception) -> StepRun | None:
+        """Run each sequence of a failed batch alone: the requests of those that fail alone fail (their error steps
+        in `failed`), the rest go on. None when nothing is left to run. The step counts towards the engine's death
+        only when every sequence failed alone and a one-token probe fails too (a fault no request explains)."""
+        block_size = self.block_manager.block_size
+        outputs, bad = [], {}
         for seq, n in scheduled:
             try:
-                logits, sampled, hidden = runner.run(self.model, [(seq, n)], block_size)
+                outputs.append((seq, runner.run(self.model, [(seq, n)], block_size)))
             except Exception as exc:  # noqa: BLE001 - this sequence's forward fails alone
                 bad.setdefault(seq.executor_id, exc)
-                continue
-            parts.append(logits)
-            samplers += sampled
-            pooled += hidden
         ok = [(seq, n) for seq, n in scheduled if seq.executor_id not in bad]
         if not ok and not self._probe_runs():
             self._fail_step(scheduled, batch_error)  # raises once MAX_CONSECUTIVE_STEP_FAILURES steps failed so
             return None
-        steps = []
+        failed = []
         for request_id, exc in bad.items():
             log.warning("request %d fails alone in the model forward: %s: %s", request_id, type(exc).__name__, exc)
-            steps += error_steps(request_id, self._forget(request_id), self.scheduler,
-                                 f"generation failed: the model failed on this request: {type(exc).__name__}: {exc}")
+            failed += error_steps(request_id, self._forget(request_id), self.scheduler,
+                                  f"generation failed: the model failed on this request: {type(exc).__name__}: {exc}")
         if not ok:
-            self._publish(steps)
+            self._publish(failed)
             return None
-        scheduled[:] = ok
-        keep = [i for i, seq in enumerate(samplers) if seq.executor_id not in bad]
-        pooled = [(seq, h) for seq, h in pooled if seq.executor_id not in bad]
-        return torch.cat(parts)[keep], [samplers[i] for i in keep], pooled, steps
+        self._num_failures = 0
+        parts = [output for seq, output in outputs if seq.executor_id not in bad]
+        return StepRun(ok, runner.ModelOutput.concat(parts), failed)
 
     def _probe_runs(self) -> bool:
         """Whether the model still runs a one-token sequence of no request (in a free block, freed after): when

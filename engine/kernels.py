@@ -374,10 +374,13 @@ class LayerOps:
         set_spin_us(lib)
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     out: torch.Tensor) -> None:
-        """h [T, D] += delta (in place, when given); out [T, D] = RMSNorm(h) * weight. All float32, contiguous."""
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """h [T, D] += delta (in place, when given); out [T, D] = RMSNorm(h) * weight (a new tensor when out is
+        None), returned. All float32, contiguous."""
+        out = torch.empty_like(h) if out is None else out
         self._norm(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
                    h.shape[0], h.shape[1])
+        return out
 
     def rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
                    sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
@@ -391,9 +394,12 @@ class LayerOps:
         if rc != 0:
             raise RuntimeError(f"rope_store_f32 failed (code {rc})")
 
-    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
-        """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; gate_up [T, 2I] contiguous."""
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:] (a new tensor when out is None), returned; gate_up
+        [T, 2I] contiguous."""
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2) if out is None else out
         self._silu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
+        return out
 
     def decode_plan(self, layers: list, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,

@@ -83,9 +83,9 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
 /* ---- One call per decode step ----
  *
  * A step whose attention groups are all one query per entry with lengths (decodes, and prompt chunks whose rows the
- * runner makes sequences of their own: runner._rows_group), with no LoRA and quantized weights on an exact or x22 C
- * route, runs every layer here instead of ~10 Python/ctypes calls per layer (model.py, _forward_fused). The order of
- * operations and the functions are those of the Python path (Model._forward_ops): the products go through the int8 /
+ * runner makes sequences of their own: runner.prepare), with no LoRA and quantized weights on an exact or x22 C
+ * route, runs every layer here instead of ~10 Python/ctypes calls per layer (Model.forward's fast path). The order of
+ * operations and the functions are those of the Python layer loop (Model._layer): the products go through the int8 /
  * int4 libraries' exported int{8,4}_linear_f32[_2t] and the attention through paged_decode_heads_f32_path, reached
  * through function pointers that Python takes from the loaded libraries (kernels.LayerOps.decode_step), so the
  * fused step gives the Python path's bits: the same functions on the same inputs.

@@ -1,14 +1,14 @@
-"""The Llama-family transformer over a flat token batch, with a preallocated paged KV cache.
+"""The Llama-family transformer over a flat token batch (batch.ForwardBatch), with a preallocated paged KV cache.
 
 One forward pass serves every scheduled sequence at once: prefill chunks and decodes share the
-matrix products (rows of one flat batch); attention runs once for all decodes and once for all
-prefill chunks, each padded to a common length and fed to `scaled_dot_product_attention`.
-Notation: T tokens in the flat batch, D hidden size, H query heads, K kv heads, E head dim.
+matrix products (rows of one flat batch); attention runs per group (batch.AttentionGroup): one-query groups on the
+native decode kernel, others padded to a common length and fed to `scaled_dot_product_attention`.
+Notation: T tokens in the flat batch, D hidden size, H query heads, K kv heads, E head dim, I intermediate size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -16,62 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from . import hugepages
+from .batch import AttentionGroup, ForwardBatch, ReusedBatch
 from .kernels import Int4Linear, LayerOps, PagedAttention, QuantKernel, StepKernels
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
 from .quant import Q4Weight
+from .torch_ops import TorchLayerOps, rms_norm
 
 MIN_SPLIT_PREFILL = 64  # prompt chunks at least this long split their attention over two threads
-
-
-@dataclass(slots=True)
-class AttentionGroup:
-    """Sequences whose queries are padded to one length Q for one attention call (B sequences)."""
-
-    query_rows: torch.Tensor  # [B*Q] flat-batch row of each padded query (padding repeats a valid row)
-    valid: torch.Tensor | None  # [B*Q] bool, False on padded queries; None when there is no padding
-    kv_blocks: torch.Tensor  # [B, NB] block table of each sequence (0 on padding); C = NB * block_size
-    mask: torch.Tensor | None  # [B, 1, Q, C] bool, True where a query may attend; None: attend to all
-    out_start: int  # the group's valid queries are flat rows out_start .. out_start + num_valid - 1
-    num_seqs: int
-    max_q: int
-    fresh: bool = False  # one sequence with nothing cached before these rows: causal over the new K/V
-    lens: torch.Tensor | None = None  # [B] int64 context lengths (decode groups: for the native kernel)
-    split: int = 0  # decode groups: sequences 0..split-1 and split..B-1 hold about half the context each
-
-
-def fresh_group(row_start: int, num_tokens: int) -> AttentionGroup:
-    """A prefill chunk that starts a sequence: attends causally to its own new K/V, no cache read."""
-    return AttentionGroup(query_rows=torch.empty(0, dtype=torch.long), valid=None,
-                          kv_blocks=torch.empty(0, dtype=torch.long), mask=None, out_start=row_start, num_seqs=1,
-                          max_q=num_tokens, fresh=True)
-
-
-@dataclass(slots=True)
-class ForwardBatch:
-    """Everything one forward pass needs; built by the runner from scheduled sequences."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
-    groups: list[AttentionGroup]
-    logits_rows: torch.Tensor  # [S] rows whose next-token logits are wanted
-    # rows start..end-1 run with a LoRA adapter (lora.LoraWeights); rows in no segment run the base model
-    lora_segments: list[tuple[int, int, object]] = field(default_factory=list)
-    # embedding requests: rows whose final hidden states (after the final norm) `forward` puts in `hidden` [R, D]
-    hidden_rows: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None
-    embeds: list[tuple[object, int]] = field(default_factory=list)  # (sequence, its rows in `hidden`), in row order
-
-
-@dataclass(slots=True)
-class ReusedBatch:
-    """The model's last decode-only ForwardBatch, kept for the next step (runner.prepare_decodes): a step of the same
-    `shape` (sequences, block-table width) refills `array`, which holds the values of every index tensor of `batch`."""
-
-    shape: tuple[int, int] | None = None
-    array: np.ndarray | None = None
-    batch: ForwardBatch | None = None
+TORCH_OPS = TorchLayerOps()  # the layer operations of a model without the C ones
 
 
 @dataclass(slots=True)
@@ -87,15 +40,6 @@ class LayerWeights:
     down: torch.Tensor
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32, as transformers computes it (so outputs match bit for bit)."""
-    if x.dtype != torch.bfloat16:  # the fused kernel gives the same bits in float32 and float64
-        return F.rms_norm(x, weight.shape, weight, eps)
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def add_lora(y: torch.Tensor, x: torch.Tensor, segments: list, layer: int, proj: str) -> torch.Tensor:
     """Add each segment's low-rank update to the projection output, in place: y[s:e] += (x[s:e] A^T) B^T.
     x: [T, D_in], y: [T, D_out], A^T: [D_in, R], B^T: [R, D_out]; one pair of small products per adapter in the
@@ -106,13 +50,6 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, segments: list, layer: int, proj:
         if ab is not None:
             y[start:end].addmm_(x[start:end] @ ab[0], ab[1])
     return y
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, half-split layout. x: [T, heads, E]; cos, sin: [T, 1, E]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Model:
@@ -160,10 +97,11 @@ class Model:
         if self.plan is not None:  # pack the int4 weights for an x22 route now, not in the first request
             for route, _ in set(matmul.qroutes.values()):
                 self._plan_for(route.int4)
-        self.fuse_decode = True  # False: decode steps take the per-operation path too (tests and benchmarks)
-        self.reused_batch = ReusedBatch()  # runner.run's decode-only batch, refilled step after step
+        self.fuse_decode = True  # False: every step takes the layer loop (tests and benchmarks)
+        self.reused_batch = ReusedBatch()  # runner.prepare's plain-decode batch, refilled step after step
         self._embed_np = self.embed.numpy() if self.plan is not None else None  # [V, D]: fused steps' embeddings
-        self._decode_rows: tuple[torch.Tensor, np.ndarray, torch.Tensor] | None = None  # _forward_fused's h, x
+        # the fused step's residual rows h, h's numpy view, and x (the final norm's rows), reused while T stays
+        self.fused_rows: tuple[torch.Tensor, np.ndarray, torch.Tensor] | None = None
         self._step_kernels: dict[tuple[object, bool], StepKernels | None] = {}  # by (QuantRoute, split)
 
     @classmethod
@@ -173,61 +111,93 @@ class Model:
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the batch, write its K/V into the cache; returns float32 logits [S, V]. A step that one C call covers
-        (fused_kernels) runs outside inference mode: its C calls write preallocated rows and it records nothing for
-        autograd (entering the mode took ~40 us of a one-stream step)."""
-        kernels = self.fused_kernels(batch) if self.ops is not None else None
-        if kernels is not None:
-            return self._forward_fused(batch, kernels)
-        return self._forward(batch)
+        """Run the batch, write its K/V into the cache; returns float32 logits [S, V].
 
-    @torch.inference_mode()
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """`forward` for every step the fused call does not cover."""
-        if self.ops is not None:
-            return self._forward_ops(batch)
-        c, num_tokens = self.config, batch.input_ids.shape[0]
-        backend = self.matmul.backend(num_tokens)
-        linear = self.matmul.linear
-        loras = batch.lora_segments
-        h = self.embed[batch.input_ids]  # [T, D]
-        cos = self.cos[batch.positions].unsqueeze(1)  # [T, 1, E]
-        sin = self.sin[batch.positions].unsqueeze(1)
-        for i, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, c.rms_norm_eps)
-            qkv = linear(x, w.qkv, backend)  # [T, (H+2K)*E]
-            if loras:
-                add_lora(qkv, x, loras, i, "qkv")
-            if w.qkv_bias is not None:
-                qkv = qkv + w.qkv_bias
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            qk = rotate(qk.view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)  # [T, H+K, E]
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)  # [T, H, E], [T, K, E]
-            self.k_cache[i].index_copy_(0, batch.slot_mapping, k)
-            self.v_cache[i].index_copy_(0, batch.slot_mapping, v.view(num_tokens, c.num_kv_heads, c.head_dim))
-            attn = self._attention(i, q, k, v.view(num_tokens, c.num_kv_heads, c.head_dim), batch.groups)
-            o = linear(attn, w.o, backend)
-            h = h + (add_lora(o, attn, loras, i, "o") if loras else o)
-            x = rms_norm(h, w.post_norm, c.rms_norm_eps)
-            gate_up = linear(x, w.gate_up, backend)
-            gate, up = (add_lora(gate_up, x, loras, i, "gate_up") if loras else gate_up).chunk(2, dim=-1)  # [T, I]
-            act = (F.silu(gate) * up).contiguous()
-            down = linear(act, w.down, backend)
-            h = h + (add_lora(down, act, loras, i, "down") if loras else down)
+        Every step runs the same decoder layers (`_layer`) over the residual stream, on the C operations
+        (kernels.LayerOps) or their torch twins (torch_ops). Fast path: a step that one C call covers
+        (`fused_kernels`) runs every layer in that call (layer_ops.c, decode_step_f32: the same functions in the same
+        order, so the same bits) over residual rows reused while T stays, outside inference mode: its C calls write
+        preallocated rows and record nothing for autograd (entering the mode took ~40 us of a one-stream step)."""
+        fused = self.fused_kernels(batch)
+        if fused is not None:  # fast path: every layer in one C call
+            h, x = self._fused_rows(batch)
+            self.ops.decode_step(fused.plan, fused, h, batch.positions, batch.slot_mapping, batch.groups)
+            return self._logits(h, batch, self.ops, x)
+        with torch.inference_mode():
+            ops = self.ops if self.ops is not None else TORCH_OPS
+            h = self.embed[batch.input_ids]  # [T, D], the residual stream: a new tensor, updated in place
+            x = torch.empty_like(h) if self.ops is not None else None  # the norms' rows, which the C ops write
+            # the rotated queries in contiguous rows, written by rope_store, for the native decode kernel (no copy)
+            paged_q = torch.empty(h.shape[0], self.config.num_heads, self.config.head_dim) \
+                if self.paged is not None and any(g.one_query for g in batch.groups) else None
+            backend = self.matmul.backend(h.shape[0])
+            delta = None  # each layer's output, added to h by the next layer's first norm
+            for i in range(len(self.layers)):
+                delta = self._layer(i, h, delta, x, batch, ops, backend, paged_q)
+            h.add_(delta)
+            return self._logits(h, batch, ops)
+
+    def _layer(self, i: int, h: torch.Tensor, delta: torch.Tensor | None, x: torch.Tensor | None,
+               batch: ForwardBatch, ops: LayerOps | TorchLayerOps, backend, paged_q: torch.Tensor | None) -> torch.Tensor:
+        """Decoder layer i: h [T, D] += delta (the layer before's output), then attention and the MLP, the attention's
+        output added to h in place; returns the MLP's output [T, D] (the next norm adds it). x: the norms' output
+        rows (the C ops write them; None with the torch ops)."""
+        c, w, linear, loras = self.config, self.layers[i], self.matmul.linear, batch.lora_segments
+        num_tokens, eps = h.shape[0], c.rms_norm_eps
+        x = ops.add_rms_norm(h, delta, w.input_norm, eps, x)
+        qkv = linear(x, w.qkv, backend)  # [T, (H+2K)*E]
+        if loras:
+            add_lora(qkv, x, loras, i, "qkv")
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        ops.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.cos, self.sin, batch.positions,
+                       batch.slot_mapping, self.k_cache[i], self.v_cache[i], paged_q)  # in place, K/V cached
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q = qkv[:, :q_end].view(num_tokens, c.num_heads, c.head_dim)  # [T, H, E]
+        k = qkv[:, q_end:k_end].view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, K, E]
+        v = qkv[:, k_end:].view(num_tokens, c.num_kv_heads, c.head_dim)
+        attn = self._attention(i, q, k, v, batch.groups, paged_q)  # [T, H*E]
+        o = linear(attn, w.o, backend)
+        x = ops.add_rms_norm(h, add_lora(o, attn, loras, i, "o") if loras else o, w.post_norm, eps, x)
+        gate_up = linear(x, w.gate_up, backend)  # [T, 2I]
+        if loras:
+            add_lora(gate_up, x, loras, i, "gate_up")
+        act = ops.silu_mul(gate_up)  # [T, I]
+        down = linear(act, w.down, backend)
+        return add_lora(down, act, loras, i, "down") if loras else down
+
+    def _fused_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused step's residual rows h [T, D], filled with the batch's embeddings, and rows x [T, D] for the final
+        norm: both reused while T stays (`fused_rows`)."""
+        num_tokens = batch.input_ids.shape[0]
+        if self.fused_rows is None or self.fused_rows[0].shape[0] != num_tokens:
+            h = torch.empty(num_tokens, self.config.hidden_size)
+            self.fused_rows = (h, h.numpy(), torch.empty_like(h))
+        h, h_np, x = self.fused_rows
+        np.take(self._embed_np, batch.input_ids.numpy(), axis=0, out=h_np)  # the embeddings, in place
+        return h, x
+
+    def _logits(self, h: torch.Tensor, batch: ForwardBatch, ops: LayerOps | TorchLayerOps,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and lm_head over the rows that sample; the embedding rows' hidden states. `out` [T, D]:
+        where the norm may go when every row samples."""
         self._final_hidden(h, batch)
-        x = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [S, D]
-        return linear(x, self.lm_head, self.matmul.backend(x.shape[0])).float()  # [S, V]
+        every = batch.logits_rows.shape[0] == h.shape[0]  # a decode-only step: h itself, no gather
+        rows = h if every else h[batch.logits_rows]  # [S, D]
+        x = ops.add_rms_norm(rows, None, self.norm, self.config.rms_norm_eps, out if every else None)
+        logits = self.matmul.linear(x, self.lm_head, self.matmul.backend(x.shape[0]))  # [S, V]
+        return logits if logits.dtype is torch.float32 else logits.float()
 
     def fused_kernels(self, batch: ForwardBatch) -> StepKernels | None:
-        """What runs `batch` in one C call (layer_ops.c, decode_step_f32), or None when it takes the per-operation
-        path: a step with LoRA rows or an attention group the decode kernel does not take (a prefill chunk past
-        runner.PAGED_PREFILL_CONTEXT: torch's SDPA), weights that are not all quantized, or a route that is not
+        """What runs `batch` in one C call (layer_ops.c, decode_step_f32), or None when it takes the layer loop: a
+        step with LoRA rows or an attention group the decode kernel does not take (a prefill chunk past
+        runner.PAGED_PREFILL_CONTEXT: torch's SDPA), a model without the C ops, weights that are not all quantized, or a route that is not
         one of the engine's batch-invariant C kernel families (exact float32 activations, or int4's x22; not the
         torch routes nor vnni). `kernels.plan` is the plan over the weight layout the route's int4 path reads."""
-        if self.plan is None or not self.fuse_decode or batch.lora_segments:
+        if self.plan is None or self.ops is None or not self.fuse_decode or batch.lora_segments:
             return None
         for g in batch.groups:
-            if g.max_q != 1 or g.lens is None:
+            if not g.one_query:
                 return None
         route, split = self.matmul.route(batch.input_ids.shape[0])
         key = (route, split)
@@ -244,8 +214,8 @@ class Model:
 
     def _plan_for(self, int4: Int4Linear | None):
         """The fused plan for products on `int4`'s path: the model's own, or, for an x22 path, one over the packing
-        that path multiplies (Int4Linear.packed: one more copy of the int4 weights, shared with the per-operation
-        path's products), built on first use. The x22 routes of one calibration share their packings, so they share
+        that path multiplies (Int4Linear.packed: one more copy of the int4 weights, shared with the layer loop's
+        products), built on first use. The x22 routes of one calibration share their packings, so they share
         one plan (the path codes are the StepKernels'): the weights are packed and placed once."""
         if int4 is None or int4.isa not in Int4Linear.X22:
             return self.plan
@@ -258,71 +228,6 @@ class Model:
                 self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args,
                 int4_operands=int4.packed)
         return plan
-
-    def _forward_fused(self, batch: ForwardBatch, kernels: StepKernels) -> torch.Tensor:
-        """`_forward_ops` for a step of one-query attention groups (decodes, and prompt chunks on the decode kernel),
-        every layer in one C call: the same functions in the same order (layer_ops.c, decode_step_f32), so the same
-        bits."""
-        num_tokens = batch.input_ids.shape[0]
-        if self._decode_rows is None or self._decode_rows[0].shape[0] != num_tokens:
-            h = torch.empty(num_tokens, self.config.hidden_size)
-            self._decode_rows = (h, h.numpy(), torch.empty_like(h))
-        h, h_np, x = self._decode_rows  # [T, D] each, reused while T stays: h is the residual stream, x its norm
-        np.take(self._embed_np, batch.input_ids.numpy(), axis=0, out=h_np)  # the embeddings, updated in place
-        self.ops.decode_step(kernels.plan, kernels, h, batch.positions, batch.slot_mapping, batch.groups)
-        return self._logits(h, batch, x)
-
-    def _logits(self, h: torch.Tensor, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The final norm and lm_head over the rows that sample (C RMSNorm); the embedding rows' hidden states.
-        `out` [T, D]: where the norm may go when every row samples."""
-        self._final_hidden(h, batch)
-        # [S, D]; every row samples (a decode-only step): h itself (the norm writes x)
-        every = batch.logits_rows.shape[0] == h.shape[0]
-        rows = h if every else h[batch.logits_rows]
-        x = out if every and out is not None else torch.empty_like(rows)
-        self.ops.add_rms_norm(rows, None, self.norm, self.config.rms_norm_eps, x)
-        logits = self.matmul.linear(x, self.lm_head, self.matmul.backend(x.shape[0]))  # [S, V]
-        return logits if logits.dtype is torch.float32 else logits.float()
-
-    def _forward_ops(self, batch: ForwardBatch) -> torch.Tensor:
-        """`forward` with the layer's small operations in C (layer_ops.c): the residual stream h is updated in place
-        and each residual add is fused into the RMSNorm after it. The same operations, in the same order."""
-        c, num_tokens = self.config, batch.input_ids.shape[0]
-        backend = self.matmul.backend(num_tokens)
-        linear, ops, eps = self.matmul.linear, self.ops, c.rms_norm_eps
-        loras = batch.lora_segments
-        h = self.embed[batch.input_ids]  # [T, D], a new tensor: updated in place below
-        x = torch.empty_like(h)
-        heads, kv_heads, head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
-        # the rotated queries in contiguous rows, written by rope_store, for the native decode attention (no copy)
-        paged_q = torch.empty(num_tokens, heads, head_dim) if self.paged is not None and \
-            any(g.max_q == 1 and g.lens is not None for g in batch.groups) else None
-        delta = None  # the last layer's output, added to h by the next RMSNorm
-        for i, w in enumerate(self.layers):
-            ops.add_rms_norm(h, delta, w.input_norm, eps, x)
-            qkv = linear(x, w.qkv, backend)  # [T, (H+2K)*E]
-            if loras:
-                add_lora(qkv, x, loras, i, "qkv")
-            if w.qkv_bias is not None:
-                qkv = qkv + w.qkv_bias
-            ops.rope_store(qkv, heads, kv_heads, head_dim, self.cos, self.sin, batch.positions, batch.slot_mapping,
-                           self.k_cache[i], self.v_cache[i], paged_q)
-            q = qkv[:, :q_end].view(num_tokens, heads, head_dim)
-            k = qkv[:, q_end:k_end].view(num_tokens, kv_heads, head_dim)
-            v = qkv[:, k_end:].view(num_tokens, kv_heads, head_dim)
-            attn = self._attention(i, q, k, v, batch.groups, paged_q)
-            o = linear(attn, w.o, backend)
-            ops.add_rms_norm(h, add_lora(o, attn, loras, i, "o") if loras else o, w.post_norm, eps, x)
-            gate_up = linear(x, w.gate_up, backend)
-            if loras:
-                add_lora(gate_up, x, loras, i, "gate_up")
-            act = torch.empty(num_tokens, gate_up.shape[1] // 2)
-            ops.silu_mul(gate_up, act)
-            down = linear(act, w.down, backend)
-            delta = add_lora(down, act, loras, i, "down") if loras else down
-        h.add_(delta)
-        return self._logits(h, batch)
 
     def _final_hidden(self, h: torch.Tensor, batch: ForwardBatch) -> None:
         """The embedding rows' hidden states after the final norm (transformers' last_hidden_state) into
@@ -346,7 +251,7 @@ class Model:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         for g in groups:
-            if g.max_q == 1 and g.lens is not None and self.paged is not None:
+            if g.one_query and self.paged is not None:
                 self._paged_decode(layer, q if paged_q is None else paged_q, out, g)
                 continue
             if g.fresh:  # prefill from position 0: the chunk's own K/V, causal

@@ -1,11 +1,15 @@
-"""Turn scheduled sequences into a ForwardBatch of index tensors and run the model. No policy here."""
+"""Turn scheduled sequences into a ForwardBatch of index tensors (`prepare`) and run the model (`run`). No policy
+here."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .model import AttentionGroup, ForwardBatch, Model, ReusedBatch, fresh_group
+from .batch import AttentionGroup, ForwardBatch, ReusedBatch, fresh_group
+from .model import Model
 from .sequence import Sequence
 
 
@@ -42,12 +46,12 @@ def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size:
 
 
 # A prefill chunk whose context (cached tokens + the chunk) is at most this many tokens runs its attention on the
-# native decode kernel, each query row as a sequence of its own (`_rows_group`); longer ones take torch's SDPA, which
+# native decode kernel, each query row as a sequence of its own (`_chunk_rows_group`); longer ones take torch's SDPA, which
 # is faster past it (docs/engine.md, "Prefill chunks on the decode kernel")
 PAGED_PREFILL_CONTEXT = 1024
 
 
-def _rows_group(seq: Sequence, n: int, row_start: int, block_size: int) -> AttentionGroup:
+def _chunk_rows_group(seq: Sequence, n: int, row_start: int, block_size: int) -> AttentionGroup:
     """A prefill chunk of `seq` (n new tokens from flat row `row_start`) as n one-query "sequences" over its block
     table: row i attends to positions 0 .. start + i (lens), as a decode of that token would. The native kernel then
     computes every row with the decode arithmetic: a row's result depends only on its query and context, not on the
@@ -74,12 +78,104 @@ def _split(contexts: list[int]) -> int:
     return max(split, 1)
 
 
-def prepare_decodes(seqs: list[Sequence], block_size: int, reuse: ReusedBatch | None = None) -> ForwardBatch:
-    """`prepare` for a step of plain decodes (one token each, no adapter, no embedding, no decode mask), in their
-    scheduled order: the same batch, its index tensors views of one numpy array. With `reuse`, a step of the same
-    shape (sequences, table blocks) as the one before refills that array and returns the same batch object: a batch
-    is valid until the next one is built (runner.run consumes it at once). After the kernels have streamed the
-    weights through the caches, each torch operation here cost ~5-10 us of cache misses."""
+def prepare(scheduled: list[tuple[Sequence, int]], block_size: int, decode_mask: bool = True,
+            reuse: ReusedBatch | None = None, paged_prefill: bool = False,
+            fast: bool = True) -> tuple[ForwardBatch, list[Sequence]]:
+    """Flat batch for `scheduled` (sequence, number of new tokens), and the sequences that sample after it (those
+    whose last token is computed by it); decodes first, then prefill chunks.
+
+    `decode_mask` False leaves the decode group without an attention mask: a model with the native decode kernel
+    never reads it (building it cost a few tensor operations per step). `paged_prefill` (a model with that kernel):
+    prefill chunks whose context is at most PAGED_PREFILL_CONTEXT tokens become one-query groups for it
+    (`_chunk_rows_group`). Embedding sequences sample nothing: their rows go to `batch.hidden_rows` (every new row
+    for mean pooling, the last prompt row for last) and `batch.embeds`.
+
+    Fast path (`fast`; False: the general path for every step, which tests compare it with): a step of plain
+    decodes (one token each that samples, no adapter, no embedding) without a decode mask gets the same batch
+    built as views of one numpy array, refilled in place while the step's shape stays when `reuse` is given
+    (`_plain_decode_batch`)."""
+    if fast and not decode_mask:
+        seqs = [s for s, n in scheduled if n == 1 and s.lora is None and s.embed is None and
+                s.num_computed_tokens + 1 == len(s.token_ids)]
+        if seqs and len(seqs) == len(scheduled):  # fast path: plain decodes, each samples
+            return _plain_decode_batch(seqs, block_size, reuse), seqs
+    by_adapter = lambda item: item[0].lora.uid if item[0].lora is not None else 0  # noqa: E731 - rows of one adapter side by side
+    decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=by_adapter)
+    # within an adapter, chunks of the same length over the same cached context (a shared prefix's tails) side by
+    # side, so that they form one attention group
+    prefills = sorted(((s, n) for s, n in scheduled if n > 1),
+                      key=lambda p: (by_adapter(p), p[0].num_computed_tokens == 0, p[1], p[0].num_computed_tokens))
+    batch, samplers = _flat_rows(decodes + prefills, block_size)
+    if decodes:
+        batch.groups.append(_group([s for s, _ in decodes], [1] * len(decodes), 0, block_size, decode_mask))
+    batch.groups += _prefill_groups(prefills, len(decodes), block_size, paged_prefill)
+    return batch, samplers
+
+
+def _flat_rows(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[ForwardBatch, list[Sequence]]:
+    """The batch's rows in `scheduled`'s order (its groups still to add), and the sequences that sample."""
+    ids, positions, slots = [], [], []
+    samplers, logits_rows = [], []
+    hidden_rows, embeds = [], []
+    segments: list[tuple[int, int, object]] = []  # (first row, end row, adapter): consecutive rows of one adapter
+    for seq, n in scheduled:
+        start = seq.num_computed_tokens
+        if seq.lora is not None:
+            if segments and segments[-1][2] is seq.lora and segments[-1][1] == len(ids):
+                segments[-1] = (segments[-1][0], len(ids) + n, seq.lora)
+            else:
+                segments.append((len(ids), len(ids) + n, seq.lora))
+        ids.extend(seq.token_ids[start:start + n])
+        positions.extend(range(start, start + n))
+        slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        if seq.embed is not None:
+            rows = range(len(ids) - n, len(ids)) if seq.embed.pooling == "mean" else \
+                range(len(ids) - 1, len(ids)) if start + n == len(seq.token_ids) else range(0)
+            if rows:
+                hidden_rows.extend(rows)
+                embeds.append((seq, len(rows)))
+        elif start + n == len(seq.token_ids):
+            samplers.append(seq)
+            logits_rows.append(len(ids) - 1)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(positions, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long), groups=[],
+        logits_rows=torch.tensor(logits_rows, dtype=torch.long), lora_segments=segments,
+        hidden_rows=torch.tensor(hidden_rows, dtype=torch.long) if hidden_rows else None, embeds=embeds)
+    return batch, samplers
+
+
+def _prefill_groups(prefills: list[tuple[Sequence, int]], row: int, block_size: int,
+                    paged_prefill: bool) -> list[AttentionGroup]:
+    """One group per chunk (from flat row `row`), or per run of equal chunks over the same cached context: padding
+    unequal ones wastes work."""
+    groups, i = [], 0
+    while i < len(prefills):
+        seq, n = prefills[i]
+        if paged_prefill and seq.num_computed_tokens + n <= PAGED_PREFILL_CONTEXT:
+            groups.append(_chunk_rows_group(seq, n, row, block_size))  # its rows are sequences of their own
+            row += n
+            i += 1
+            continue
+        j = i + 1
+        while seq.num_computed_tokens and j < len(prefills) and prefills[j][1] == n and \
+                prefills[j][0].num_computed_tokens == seq.num_computed_tokens:
+            j += 1
+        if seq.num_computed_tokens == 0:
+            groups.append(fresh_group(row, n))
+        else:
+            groups.append(_group([s for s, _ in prefills[i:j]], [n] * (j - i), row, block_size))
+        row += n * (j - i)
+        i = j
+    return groups
+
+
+def _plain_decode_batch(seqs: list[Sequence], block_size: int, reuse: ReusedBatch | None) -> ForwardBatch:
+    """`prepare`'s fast path, for plain decodes in their scheduled order: the general path's batch, its index
+    tensors views of one numpy array. With `reuse`, a step of the same shape (sequences, table blocks) as the one
+    before refills that array and returns the same batch object: a batch is valid until the next one is built (`run`
+    consumes it at once). After the kernels have streamed the weights through the caches, each torch operation here
+    cost ~5-10 us of cache misses."""
     num = len(seqs)
     positions = [s.num_computed_tokens for s in seqs]
     max_blocks = (max(positions) + block_size) // block_size  # the longest context, num_computed + 1, in blocks
@@ -108,92 +204,25 @@ def prepare_decodes(seqs: list[Sequence], block_size: int, reuse: ReusedBatch | 
     return batch
 
 
-def prepare(scheduled: list[tuple[Sequence, int]], block_size: int, decode_mask: bool = True,
-            reuse: ReusedBatch | None = None, paged_prefill: bool = False) -> tuple[ForwardBatch, list[Sequence]]:
-    """Flat batch for `scheduled` (sequence, number of new tokens), and the sequences that sample after it:
-    `prepare_general`, or, for a step of plain decodes without a decode mask, `prepare_decodes` (the same batch,
-    built faster; `reuse`'s when given)."""
-    seqs = [s for s, n in scheduled if n == 1 and s.lora is None and s.embed is None and
-            s.num_computed_tokens + 1 == len(s.token_ids)]
-    if not decode_mask and seqs and len(seqs) == len(scheduled):  # plain decodes: each samples
-        return prepare_decodes(seqs, block_size, reuse), seqs
-    return prepare_general(scheduled, block_size, decode_mask, paged_prefill)
+@dataclass(slots=True)
+class ModelOutput:
+    """What one forward pass gives the engine: next-token logits [S, V] of the sequences that sample (`samplers`, in
+    row order), and each embedding sequence with its new rows' final hidden states [n, D] (to pool)."""
+
+    logits: torch.Tensor
+    samplers: list[Sequence]
+    pooled: list[tuple[Sequence, torch.Tensor]]
+
+    @classmethod
+    def concat(cls, parts: list[ModelOutput]) -> ModelOutput:
+        """The outputs of sequences run apart, as one."""
+        return cls(torch.cat([p.logits for p in parts]), [s for p in parts for s in p.samplers],
+                   [e for p in parts for e in p.pooled])
 
 
-def prepare_general(scheduled: list[tuple[Sequence, int]], block_size: int, decode_mask: bool = True,
-                    paged_prefill: bool = False) -> tuple[ForwardBatch, list[Sequence]]:
-    """Flat batch for `scheduled` (sequence, number of new tokens); decodes first, then prefill chunks.
-    `decode_mask` False leaves the decode group without an attention mask: a model with the native decode kernel
-    never reads it (building it cost a few tensor operations per step). `paged_prefill` (a model with that kernel):
-    prefill chunks whose context is at most PAGED_PREFILL_CONTEXT tokens become `_rows_group`s for it.
-
-    Returns the batch and the sequences that sample after it (those whose last token is computed). Embedding
-    sequences sample nothing: their rows go to `batch.hidden_rows` (every new row for mean pooling, the last prompt
-    row for last) and `batch.embeds`.
-    """
-    by_adapter = lambda item: item[0].lora.uid if item[0].lora is not None else 0  # noqa: E731 - rows of one adapter side by side
-    decodes = sorted(((s, n) for s, n in scheduled if n == 1), key=by_adapter)
-    # within an adapter, chunks of the same length over the same cached context (a shared prefix's tails) side by
-    # side, so that they form one attention group
-    prefills = sorted(((s, n) for s, n in scheduled if n > 1),
-                      key=lambda p: (by_adapter(p), p[0].num_computed_tokens == 0, p[1], p[0].num_computed_tokens))
-    ids, positions, slots = [], [], []
-    samplers, logits_rows = [], []
-    hidden_rows, embeds = [], []
-    segments: list[tuple[int, int, object]] = []  # (first row, end row, adapter): consecutive rows of one adapter
-    for seq, n in decodes + prefills:
-        start = seq.num_computed_tokens
-        if seq.lora is not None:
-            if segments and segments[-1][2] is seq.lora and segments[-1][1] == len(ids):
-                segments[-1] = (segments[-1][0], len(ids) + n, seq.lora)
-            else:
-                segments.append((len(ids), len(ids) + n, seq.lora))
-        ids.extend(seq.token_ids[start:start + n])
-        positions.extend(range(start, start + n))
-        slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        if seq.embed is not None:
-            rows = range(len(ids) - n, len(ids)) if seq.embed.pooling == "mean" else \
-                range(len(ids) - 1, len(ids)) if start + n == len(seq.token_ids) else range(0)
-            if rows:
-                hidden_rows.extend(rows)
-                embeds.append((seq, len(rows)))
-        elif start + n == len(seq.token_ids):
-            samplers.append(seq)
-            logits_rows.append(len(ids) - 1)
-    groups = []
-    if decodes:
-        groups.append(_group([s for s, _ in decodes], [1] * len(decodes), 0, block_size, decode_mask))
-    row = len(decodes)
-    i = 0
-    while i < len(prefills):  # one group per chunk, or per run of equal chunks: padding unequal ones wastes work
-        seq, n = prefills[i]
-        if paged_prefill and seq.num_computed_tokens + n <= PAGED_PREFILL_CONTEXT:
-            groups.append(_rows_group(seq, n, row, block_size))  # its rows are sequences of their own
-            row += n
-            i += 1
-            continue
-        j = i + 1
-        while seq.num_computed_tokens and j < len(prefills) and prefills[j][1] == n and \
-                prefills[j][0].num_computed_tokens == seq.num_computed_tokens:
-            j += 1
-        if seq.num_computed_tokens == 0:
-            groups.append(fresh_group(row, n))
-        else:
-            groups.append(_group([s for s, _ in prefills[i:j]], [n] * (j - i), row, block_size))
-        row += n * (j - i)
-        i = j
-    batch = ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(positions, dtype=torch.long),
-        slot_mapping=torch.tensor(slots, dtype=torch.long), groups=groups,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long), lora_segments=segments,
-        hidden_rows=torch.tensor(hidden_rows, dtype=torch.long) if hidden_rows else None, embeds=embeds)
-    return batch, samplers
-
-
-def run(model: Model, scheduled: list[tuple[Sequence, int]],
-        block_size: int) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
-    """Forward `scheduled`; returns logits [S, V] for the sequences that sample, those sequences, and each embedding
-    sequence with its new rows' final hidden states [n, D] (to pool)."""
+def run(model: Model, scheduled: list[tuple[Sequence, int]], block_size: int) -> ModelOutput:
+    """Prepare `scheduled`'s batch for `model` (no decode mask and prompt chunks on the decode kernel when it has
+    that kernel; its reused plain-decode batch) and run it."""
     batch, samplers = prepare(scheduled, block_size, decode_mask=model.paged is None, reuse=model.reused_batch,
                               paged_prefill=model.paged is not None)
     logits = model.forward(batch)
@@ -201,4 +230,4 @@ def run(model: Model, scheduled: list[tuple[Sequence, int]],
     for seq, n in batch.embeds:
         pooled.append((seq, batch.hidden[row:row + n]))
         row += n
-    return logits, samplers, pooled
+    return ModelOutput(logits, samplers, pooled)

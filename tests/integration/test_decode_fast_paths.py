@@ -1,13 +1,14 @@
-"""The engine's per-step fast paths against the general paths they stand in for, switched off: runner.prepare_decodes
-(a plain-decode step's batch, reused while its shape stays), the fused step's reused rows (Model._decode_rows; off:
-the per-operation path over fresh tensors) and the sampler's plain-greedy rows (Sequence.argmax_from; off: sample_row
-for every row). On a tiny int4 checkpoint, one mix of requests, admitted in two waves so that prefill chunks, mixed
+"""The engine's per-step fast paths against the general paths they stand in for, switched off: runner.prepare's fast
+path (a plain-decode step's batch, reused while its shape stays; off: `fast=False`), Model.forward's fused step over
+reused rows (Model.fused_rows; off: `fuse_decode` False, the layer loop over fresh tensors) and the sampler's
+plain-greedy rows (Sequence.argmax_from; off: sample_row for every row). On a tiny int4 checkpoint, one mix of requests, admitted in two waves so that prefill chunks, mixed
 steps and decode-only steps of changing sizes alternate, gives the same Steps (tokens, log probabilities, finish
 reasons) and the same stats both ways."""
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 
@@ -44,13 +45,17 @@ def run(tmp_path, fast: bool) -> tuple[list[Step], object, list[str]]:
     fast_calls = []
     with pytest.MonkeyPatch.context() as patch:
         if fast:
-            real, fused = runner.prepare_decodes, engine.model._forward_fused
-            patch.setattr(runner, "prepare_decodes", lambda *args: fast_calls.append("batch") or real(*args))
-            patch.setattr(engine.model, "_forward_fused", lambda *args: fast_calls.append("fused") or fused(*args))
+            real, fused = runner.prepare, engine.model.ops.decode_step
+
+            def prepare(*args, **kwargs):
+                batch, samplers = real(*args, **kwargs)
+                if batch is engine.model.reused_batch.batch:  # the fast path's batch
+                    fast_calls.append("batch")
+                return batch, samplers
+            patch.setattr(runner, "prepare", prepare)
+            patch.setattr(engine.model.ops, "decode_step", lambda *args: fast_calls.append("fused") or fused(*args))
         else:
-            patch.setattr(runner, "prepare_decodes",
-                          lambda seqs, block_size, reuse=None: runner.prepare_general(
-                              [(s, 1) for s in seqs], block_size, decode_mask=False)[0])
+            patch.setattr(runner, "prepare", partial(runner.prepare, fast=False))
             patch.setattr(sequence, "plain_greedy_from", lambda request: None)
             engine.model.fuse_decode = False
         for wave in range(2):

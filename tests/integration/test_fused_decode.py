@@ -1,5 +1,5 @@
-"""One C call per decode step (layer_ops.c, decode_step_f32; Model._forward_fused) against the per-operation path
-(Model._forward_ops with fuse_decode off), on a tiny random-weight checkpoint: the logits and the K/V cache must be
+"""One C call per decode step (layer_ops.c, decode_step_f32; Model.forward's fast path) against the per-operation path
+(Model.forward's layer loop on the C ops, with fuse_decode off), on a tiny random-weight checkpoint: the logits and the K/V cache must be
 bit-equal, for int8 and int4, one and many sequences, products on one thread and on two, and the attention split over
 two threads. Steps the fused call does not cover (a prefill chunk on torch's SDPA, LoRA rows, fp32 weights, a torch
 route) keep the per-operation path; prefill chunks on the decode kernel (runner's paged_prefill) are
@@ -84,9 +84,9 @@ def test_steps_the_fused_call_does_not_cover_keep_the_per_operation_path(tmp_pat
 @needs_kernels
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_run_reuses_the_decode_batch_and_rows_and_gives_the_per_operation_steps_bits(tmp_path, weights):
-    """runner.run over plain decodes: runner.prepare_decodes's batch (refilled while its shape stays) and the fused
-    step's reused residual rows (Model._decode_rows) give, step after step, the logits and K/V of the per-operation
-    path over prepare_general's fresh batch; a sequence leaving changes the shapes; earlier logits stay as they were."""
+    """runner.run over plain decodes: runner.prepare's fast batch (refilled while its shape stays) and the fused
+    step's reused residual rows (Model.fused_rows) give, step after step, the logits and K/V of the per-operation
+    path over the general path's fresh batch (fast=False); a sequence leaving changes the shapes; earlier logits stay as they were."""
     model = engine(tmp_path, weights).model
     gen = torch.Generator().manual_seed(3)
     seqs = [Seq(torch.randint(3, 300, (n,), generator=gen).tolist(), 0, 1 + 12 * i) for i, n in enumerate((9, 30, 6))]
@@ -100,14 +100,15 @@ def test_run_reuses_the_decode_batch_and_rows_and_gives_the_per_operation_steps_
             s.token_ids.append(int(torch.randint(3, 300, (1,), generator=gen)))
         scheduled = [(s, 1) for s in active]
         k0, v0 = model.k_cache.clone(), model.v_cache.clone()
-        logits, samplers, _ = runner.run(model, scheduled, BLOCK)
-        assert samplers == active
+        out = runner.run(model, scheduled, BLOCK)
+        logits = out.logits
+        assert out.samplers == active and not out.pooled
         fused_k, fused_v = model.k_cache.clone(), model.v_cache.clone()
         batches.append(model.reused_batch.batch)
-        rows.append(model._decode_rows[0])
+        rows.append(model.fused_rows[0])
         model.k_cache.copy_(k0), model.v_cache.copy_(v0)
         model.fuse_decode = False
-        want = model.forward(runner.prepare_general(scheduled, BLOCK)[0])
+        want = model.forward(runner.prepare(scheduled, BLOCK, fast=False)[0])
         model.fuse_decode = True
         assert torch.equal(logits, want), step
         assert torch.equal(model.k_cache, fused_k) and torch.equal(model.v_cache, fused_v)

@@ -1,4 +1,4 @@
-"""Prefill attention on the native decode kernel (runner._rows_group): a prompt chunk whose context is at most
+"""Prefill attention on the native decode kernel (runner._chunk_rows_group): a prompt chunk whose context is at most
 runner.PAGED_PREFILL_CONTEXT tokens runs each query row as a one-token sequence of its own over the block table, so
   - its rows get the decode arithmetic: the same bits however the prompt is chunked (one chunk, or several, or a
     prefix from the cache), which torch's SDPA over a chunk does not promise;

@@ -1,7 +1,7 @@
 """runner.run leaves the decode group's attention mask out when the model reads context lengths instead (the native
 decode kernel), and keeps it for torch attention, which needs it: on a tiny random-weight checkpoint, the logits of
 decodes over contexts that end inside a block are the same as with the mask, on both attention backends. A step of
-plain decodes takes runner.prepare_decodes, which builds what the general path builds (and reuses its batch)."""
+plain decodes takes runner.prepare's fast path, which builds what the general path builds (and reuses its batch)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from tests.integration.scheduled import BLOCK, Seq
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine import kernels, runner
+from tokenloop.engine.batch import ReusedBatch
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.model import ReusedBatch
 
 
 def decodes() -> list[tuple[Seq, int]]:
@@ -43,8 +43,9 @@ def test_decode_logits_equal_with_and_without_the_mask_where_run_leaves_it_out(t
     bare, _ = runner.prepare(scheduled, BLOCK, decode_mask=False)
     assert bare.groups[0].mask is None and torch.equal(bare.groups[0].lens, masked.groups[0].lens)
     expected = engine.model.forward(masked)
-    logits, samplers, _ = runner.run(engine.model, scheduled, BLOCK)
-    assert [s for s, _ in scheduled] == samplers
+    out = runner.run(engine.model, scheduled, BLOCK)
+    logits = out.logits
+    assert [s for s, _ in scheduled] == out.samplers
     assert torch.equal(logits, expected)
     if backend == "torch":  # the mask matters there: without it the padding keys would be attended to
         assert not torch.equal(engine.model.forward(bare), expected)
@@ -74,15 +75,16 @@ def same_batch(a, b) -> bool:
 
 
 def test_plain_decodes_take_the_fast_batch_equal_to_the_general_one_and_reused_while_its_shape_stays():
-    """runner.prepare_decodes (every sequence decodes one token and samples, no mask) builds what prepare_general
-    builds; with a ReusedBatch, a step of the same shape refills the same batch, a new shape gets a new one."""
+    """runner.prepare's fast path (every sequence decodes one token and samples, no mask) builds what its general
+    path (fast=False) builds; with a ReusedBatch, a step of the same shape refills the same batch, a new shape gets a new one."""
     scheduled = decodes()  # contexts 13, 22 and 30: 2 to 4 blocks; each block table is 8 long
     reuse = ReusedBatch()
     batches = []
     for step in range(5):  # the longest context crosses a block boundary at step 3 (30 -> 33 tokens)
         batch, samplers = runner.prepare(scheduled, BLOCK, decode_mask=False, reuse=reuse)
-        general, want = runner.prepare_general(scheduled, BLOCK, decode_mask=False)
+        general, want = runner.prepare(scheduled, BLOCK, decode_mask=False, fast=False)
         assert samplers == want == [s for s, _ in scheduled]
+        assert batch is reuse.batch and general is not reuse.batch
         assert same_batch(batch, general), step
         assert same_batch(runner.prepare(scheduled, BLOCK, decode_mask=False)[0], general)  # without reuse
         batches.append(batch)
@@ -92,25 +94,26 @@ def test_plain_decodes_take_the_fast_batch_equal_to_the_general_one_and_reused_w
     assert batches[0] is batches[1] is batches[2] and batches[3] is not batches[2] and batches[4] is batches[3]
     assert reuse.shape == (3, 5)
     fewer, _ = runner.prepare(scheduled[1:], BLOCK, decode_mask=False, reuse=reuse)  # another shape
-    assert fewer is not batches[4] and same_batch(fewer, runner.prepare_general(scheduled[1:], BLOCK, False)[0])
+    assert fewer is not batches[4] and fewer is reuse.batch
+    assert same_batch(fewer, runner.prepare(scheduled[1:], BLOCK, decode_mask=False, fast=False)[0])
 
 
-def test_steps_other_than_plain_decodes_take_the_general_path(monkeypatch):
+def test_steps_other_than_plain_decodes_take_the_general_path():
     """A one-token chunk that does not end its prompt (it samples nothing), an adapter's or an embedding's decode,
-    a decode mask, or a prefill chunk beside the decodes: prepare_general builds the batch."""
-    fast = []
-    real = runner.prepare_decodes
-    monkeypatch.setattr(runner, "prepare_decodes", lambda *args: fast.append(1) or real(*args))
+    a decode mask, or a prefill chunk beside the decodes: runner.prepare's general path builds the batch (it leaves
+    the ReusedBatch empty)."""
     chunk = Seq(list(range(3, 23)), 12, 1)  # 20 tokens, 12 computed: a one-token slice of its prompt
     adapter, embedding = decodes()[0][0], decodes()[1][0]
     adapter.lora, embedding.embed = SimpleNamespace(uid=1), SimpleNamespace(pooling="last")
     cases = [([(chunk, 1)] + decodes(), False), ([(adapter, 1)] + decodes(), False),
              ([(embedding, 1)] + decodes(), False), (decodes(), True), (decodes() + [(chunk, 4)], False)]
     for scheduled, mask in cases:
-        batch, samplers = runner.prepare(scheduled, BLOCK, decode_mask=mask, reuse=ReusedBatch())
-        general, want = runner.prepare_general(scheduled, BLOCK, decode_mask=mask)
+        reuse = ReusedBatch()
+        batch, samplers = runner.prepare(scheduled, BLOCK, decode_mask=mask, reuse=reuse)
+        general, want = runner.prepare(scheduled, BLOCK, decode_mask=mask, fast=False)
         assert samplers == want and same_batch(batch, general)
         assert chunk not in samplers and embedding not in samplers
-    assert not fast
-    runner.prepare(decodes(), BLOCK, decode_mask=False)
-    assert fast == [1]
+        assert reuse.batch is None
+    reuse = ReusedBatch()
+    batch, _ = runner.prepare(decodes(), BLOCK, decode_mask=False, reuse=reuse)
+    assert batch is reuse.batch

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloop.engine import kernels
-from tokenloop.engine.model import rms_norm, rotate
+from tokenloop.engine.torch_ops import rms_norm, rotate
 
 ops = kernels.load_ops()
 needs_kernel = pytest.mark.skipif(ops is None, reason="no C compiler here: the torch path serves")

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenloop.engine import kernels
+from tokenloop.engine.batch import AttentionGroup
 from tokenloop.engine.matmul import Backend, MatmulPolicy
-from tokenloop.engine.model import AttentionGroup, Model
+from tokenloop.engine.model import Model
 
 paged = kernels.load()
 needs_kernel = pytest.mark.skipif(paged is None, reason="no C compiler here: the torch path serves")
