@@ -51,6 +51,10 @@ class Step:
     error_kind: ErrorKind | None = None
     num_cached_prompt_tokens: int | None = None  # on a sequence's first token step: prompt tokens from the prefix cache
     embedding: list[float] | None = None  # the final step of an embedding request (ValidRequest.embed): the vector
+    # speculative decoding: this sequence's drafted tokens and the drafted tokens its verifications accepted, totals
+    # so far (not deltas); None: unchanged since its previous step
+    num_draft_tokens: int | None = None
+    num_accepted_draft_tokens: int | None = None
 
 
 def merge_steps(steps: list[Step]) -> list[Step]:
@@ -75,6 +79,8 @@ def merge_steps(steps: list[Step]) -> list[Step]:
             prev.num_cached_prompt_tokens = step.num_cached_prompt_tokens
         if step.embedding is not None:
             prev.embedding = step.embedding
+        if step.num_draft_tokens is not None:
+            prev.num_draft_tokens, prev.num_accepted_draft_tokens = step.num_draft_tokens, step.num_accepted_draft_tokens
         prev.matched_stop_token = step.matched_stop_token
     return out if len(out) < len(steps) else steps
 
@@ -96,6 +102,23 @@ class ExecutorStats:
     num_prefix_cache_evictions: int = 0  # cached blocks whose slots were reused
     num_prefix_cache_hit_tokens: int = 0
     num_prefix_cache_query_tokens: int = 0
+    # speculative decoding since start (vLLM's spec_decode counters): verifications of a draft, drafted tokens,
+    # accepted drafted tokens, and accepted tokens by draft position (0 first)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over drafted tokens since start, 0 to 1."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens one verification of a draft yields on average (its accepted drafts and the target's own token);
+        0 before any draft."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def kv_cache_utilization(self) -> float:

@@ -9,6 +9,7 @@ import torch
 
 from ..core.request import POOLINGS
 from .quant import WEIGHT_MODES
+from .speculation import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 MATMUL_BACKENDS = ("auto", "torch", "numpy", "numpy2", "native2", "f32c2")
@@ -42,6 +43,11 @@ class EngineConfig:
     # last token, normalized
     embed_pooling: str | None = None  # --embed-pooling: last | mean
     embed_normalize: bool | None = None  # --embed-normalize / --no-embed-normalize
+    # speculative decoding (engine/speculation.py): off | ngram (prompt lookup), the most tokens one sequence drafts
+    # in a step, and the decoding sequences above which a step drafts nothing
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_max_batch_size: int = 4
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -80,6 +86,12 @@ class EngineConfig:
             raise ValueError(f"embed_pooling must be one of {', '.join(POOLINGS)}, got {self.embed_pooling!r}")
         if self.matmul_backend not in MATMUL_BACKENDS:
             raise ValueError(f"matmul_backend must be one of {', '.join(MATMUL_BACKENDS)}, got {self.matmul_backend!r}")
+        self.speculative_config  # noqa: B018 - checks the speculative settings (ValueError)
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(mode=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+                                 max_batch_size=self.speculative_max_batch_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:

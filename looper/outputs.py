@@ -39,7 +39,7 @@ class SequenceState:
     """Output of one of the `n` sequences of a request."""
 
     __slots__ = ("index", "detok", "stops", "token_ids", "text_parts", "logprobs", "finished", "per_token",
-                 "cached_prompt_tokens")
+                 "cached_prompt_tokens", "draft_tokens", "accepted_draft_tokens")
 
     def __init__(self, index: int, request: ValidRequest, tokenizer: Decoder):
         self.index = index
@@ -50,6 +50,7 @@ class SequenceState:
         self.logprobs: list[TokenLogprob] | None = [] if request.output.logprobs else None
         self.finished = False
         self.cached_prompt_tokens = 0  # prompt tokens the executor served from its prefix cache
+        self.draft_tokens = self.accepted_draft_tokens = 0  # speculative decoding's totals (usage)
         # with stop strings, feed tokens one at a time so the match ends at the right token
         self.per_token = bool(request.stopping.stop)
 
@@ -68,6 +69,13 @@ class SequenceState:
 
     def flush(self) -> str:
         return self.stops.push(self.detok.flush())[0] + self.stops.flush()
+
+    def count(self, step: Step) -> None:
+        """Take the executor's counts that a step carries (each only when it changed)."""
+        if step.num_cached_prompt_tokens is not None:
+            self.cached_prompt_tokens = step.num_cached_prompt_tokens
+        if step.num_draft_tokens is not None:
+            self.draft_tokens, self.accepted_draft_tokens = step.num_draft_tokens, step.num_accepted_draft_tokens
 
 
 class RequestState:
@@ -99,8 +107,7 @@ class RequestState:
         its chunk, or None when the request does not stream. `APPLY`: not such a step, use `apply`."""
         seq = self.seqs[step.seq_index]
         ids = step.token_ids
-        if step.num_cached_prompt_tokens is not None:
-            seq.cached_prompt_tokens = step.num_cached_prompt_tokens
+        seq.count(step)
         if seq.per_token or seq.finished or step.is_final or not ids or step.logprobs is not None:
             return APPLY
         if not self.t_first:
@@ -116,8 +123,7 @@ class RequestState:
         seq = self.seqs[step.seq_index]
         if seq.finished:
             return []  # e.g. tokens after a stop string, or the executor's CANCELLED echo
-        if step.num_cached_prompt_tokens is not None:
-            seq.cached_prompt_tokens = step.num_cached_prompt_tokens
+        seq.count(step)
         ids = step.token_ids
         if ids and not step.is_final and step.logprobs is None and not seq.per_token:  # the common decode step
             chunk = self.decode(step, now)
@@ -173,6 +179,7 @@ class RequestState:
                 finish_reason=finish, prompt_tokens=len(self.request.prompt_token_ids),
                 seed=self.request.sampling.seed, timing=self.timing(now), matched_stop_str=matched_str,
                 matched_stop_token=stop_token, cached_prompt_tokens=seq.cached_prompt_tokens,
+                draft_tokens=seq.draft_tokens, accepted_draft_tokens=seq.accepted_draft_tokens,
                 logprobs=seq.logprobs if not self.request.stream else None))
         return events
 

@@ -61,6 +61,8 @@ class Complete:
     matched_stop_token: int | None = None
     logprobs: list[TokenLogprob] | None = None
     cached_prompt_tokens: int = 0  # prompt tokens served from the executor's prefix cache
+    draft_tokens: int = 0  # speculative decoding: tokens drafted for this sequence
+    accepted_draft_tokens: int = 0  # of which its verifications accepted
     embedding: list[float] | None = None  # an embedding request's vector (ValidRequest.embed); no tokens, no text
 
     @property

@@ -251,4 +251,6 @@ class App:
         load.num_preemptions = s.num_preemptions
         load.kv_blocks_cached = s.kv_blocks_cached
         load.prefix_cache_hit_rate = s.prefix_cache_hit_rate
+        load.spec_acceptance_rate = s.spec_acceptance_rate
+        load.spec_tokens_per_step = s.spec_tokens_per_step
         return load

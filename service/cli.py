@@ -7,18 +7,20 @@ import asyncio
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from .config import DEFAULT_MODEL_DIR, ServerConfig
+from .config import DEFAULT_MODEL_DIR, ServerConfig, parse_lookahead_flag
 from .logs import setup_logging
 from .startup import StartupError, check_startup
 
 # flags handed to the executor factory as keyword arguments when given
 ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens", "max_batch_size", "dtype",
                 "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend", "weights",
-                "max_lora_rank", "embed_pooling", "embed_normalize")
+                "max_lora_rank", "embed_pooling", "embed_normalize", "speculative", "num_speculative_tokens",
+                "speculative_max_batch_size")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
                 "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size",
-                "max_lora_rank")
+                "max_lora_rank", "speculative", "num_speculative_tokens", "speculative_max_batch_size",
+                "speculative_model", "lookahead_config")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -34,6 +36,13 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _get_default_metavar_for_optional(self, action):
         return {int: "N", float: "X"}.get(action.type, "VALUE")
+
+
+def _lookahead(value: str) -> tuple[int, int, int]:
+    try:
+        return parse_lookahead_flag(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _version() -> str:
@@ -155,6 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--embed-normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="Embed requests that do not say: scale the vector to unit L2 norm (default: the model's "
                         "sentence-transformers config, else on)")
+    sp = s.add_argument_group("speculative decoding (docs/engine.md#speculative-decoding, docs/trtllm.md)")
+    sp.add_argument("--speculative", choices=("off", "ngram", "lookahead", "draft_target"), default=None,
+                    help="draft tokens and verify them in one step, with output unchanged. ngram: prompt lookup "
+                         "(both backends); lookahead, draft_target: TensorRT-LLM's own (default off)")
+    sp.add_argument("--num-speculative-tokens", type=int, default=None,
+                    help="the most tokens one sequence drafts per step (default 4; the engine adapts it per sequence)")
+    sp.add_argument("--speculative-max-batch-size", type=int, default=None,
+                    help="no drafting in a step with more sequences than this (default 4 on the engine; "
+                         "TensorRT-LLM's max_concurrency)")
+    sp.add_argument("--speculative-model", default=None, metavar="DIR",
+                    help="the draft model of --speculative draft_target (TensorRT-LLM's LLM API)")
+    sp.add_argument("--lookahead-config", type=_lookahead, default=None, metavar="W,N,G",
+                    help="--speculative lookahead's window, n-gram and verification-set sizes (TensorRT-LLM)")
     t = s.add_argument_group("TensorRT-LLM (--backend trtllm)")
     t.add_argument("--trtllm-api", choices=("auto", "llm", "executor"), default=None,
                    help="TensorRT-LLM's LLM API or its C++ executor (auto: whichever is installed, LLM API first)")

@@ -21,6 +21,18 @@ def parse_lora_flag(value: str) -> tuple[str, str]:
     return name, path
 
 
+def parse_lookahead_flag(value: str) -> tuple[int, int, int]:
+    """`--lookahead-config W,N,G` -> (window, n-gram, verification set), each >= 1; ValueError naming the flag."""
+    try:
+        sizes = tuple(int(p) for p in value.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise ValueError(f"--lookahead-config {value!r}: expected W,N,G, three integers >= 1 (window size, n-gram "
+                         "size, verification set size)")
+    return sizes
+
+
 ROUTER_PROTOCOLS = ("both", "vllm", "trtllm")  # --router-protocol
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "SmolLM2-135M-Instruct"
 
@@ -126,7 +138,8 @@ class ServerConfig:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
 
-ENGINE_POSITIVE = ("max_batch_size", "max_num_tokens", "num_threads", "block_size", "kv_cache_tokens", "max_lora_rank")
+ENGINE_POSITIVE = ("max_batch_size", "max_num_tokens", "num_threads", "block_size", "kv_cache_tokens", "max_lora_rank",
+                   "num_speculative_tokens", "speculative_max_batch_size")
 
 
 def _check_limits(c: ServerConfig) -> None:
@@ -148,6 +161,10 @@ def _check_limits(c: ServerConfig) -> None:
         value = c.executor_options.get(name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+    speculative = c.executor_options.get("speculative")
+    if c.backend == "engine" and speculative in ("lookahead", "draft_target"):
+        raise ValueError(f"--speculative {speculative} is TensorRT-LLM's (--backend trtllm); the embedded engine "
+                         "takes off or ngram")
     fraction = c.executor_options.get("kv_cache_memory_fraction")
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"--kv-cache-memory-fraction must be > 0 and <= 1; got {fraction}")

@@ -216,7 +216,8 @@ def complete_message(request_id: str, done: Complete, request: ValidRequest) -> 
     msg = pb.Complete(
         index=done.index, text=done.text, token_ids=done.token_ids, finish_reason=int(done.finish_reason),
         usage=pb.Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                       cached_prompt_tokens=done.cached_prompt_tokens),
+                       cached_prompt_tokens=done.cached_prompt_tokens, draft_tokens=done.draft_tokens,
+                       accepted_draft_tokens=done.accepted_draft_tokens),
         seed=done.seed, timing=pb.Timing(queue_s=done.timing.queue_s, ttft_s=done.timing.ttft_s,
                                          total_s=done.timing.total_s),
         logprobs=logprob_messages(done.logprobs))

@@ -47,6 +47,7 @@ class LoadCollector:
         ):
             yield GaugeMetricFamily(f"tokenloop:{name}", doc, value=value)
         yield from self._cache_counters()
+        yield from self._spec_counters()
         info = GaugeMetricFamily("tokenloop:cache_config_info", "KV-cache layout in labels (vLLM's cache_config_info "
                                  "format, for endpoint pickers' prefix-cache scorers).",
                                  labels=["block_size", "num_gpu_blocks"])
@@ -66,6 +67,29 @@ class LoadCollector:
             ("prefix_cache_evictions", "Cached KV blocks evicted to make room.", s.num_prefix_cache_evictions),
         ):
             yield CounterMetricFamily(f"tokenloop:{name}", doc, value=value)
+
+
+    def _spec_counters(self):
+        """Speculative decoding's totals, named as vLLM's spec_decode counters (docs/engine.md, "Speculative
+        decoding"): acceptance rate = num_accepted_tokens / num_draft_tokens; tokens per verification = 1 +
+        num_accepted_tokens / num_drafts."""
+        executor = getattr(self.app, "executor", None)
+        if executor is None:
+            return
+        s = executor.stats()
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Verifications of a draft (steps in which a sequence had drafted tokens).",
+             s.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Tokens drafted.", s.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Drafted tokens accepted (the model's own).", s.spec_num_accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"tokenloop:{name}", doc, value=value)
+        per_pos = CounterMetricFamily("tokenloop:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafted tokens accepted, by position in the draft (0: the first).",
+                                      labels=["position"])
+        for position, value in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([str(position)], value)
+        yield per_pos
 
 
 class RequestMetrics:

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from pathlib import Path
 
 from tokenloop.core.executor import Executor
 from tokenloop.core.tokenizer import ModelCard
 
 from .common import TrtllmConfig
+from .speculative import check_speculative
+from .speculative import describe as describe_speculative
+
+log = logging.getLogger("tokenloop.trtllm")
 
 __all__ = ["MISSING_TRTLLM", "TrtllmConfig", "create_trtllm_executor", "is_engine_dir"]
 
@@ -53,6 +58,8 @@ def create_trtllm_executor(model_path: str, config: TrtllmConfig | None = None, 
     api = config.api
     if api == "auto":
         api = "executor" if is_engine_dir(model_path) else "llm"
+    check_speculative(config.speculative, api, config.speculative_model, config.num_speculative_tokens)
+    log.info("trtllm: %s", describe_speculative(config))
     if api == "executor":
         from .executor import TrtllmExecutor
         return TrtllmExecutor(model_path, config, card.eos_token_ids)

@@ -13,6 +13,8 @@ from tokenloop.core.executor import ExecutorStats
 from tokenloop.core.request import FinishReason, StructuredOutput, ValidRequest
 from tokenloop.core.tokenizer import Tokenizer
 
+from .speculative import check_speculative
+
 APIS = ("auto", "executor", "llm")
 GUIDED_BACKENDS = ("auto", "xgrammar", "llguidance", "none")
 STATS_MAX_AGE_S = 5.0
@@ -46,6 +48,14 @@ class TrtllmConfig:
     lora_dirs: tuple[str, ...] = ()
     max_loras: int | None = None
     max_lora_rank: int = 64
+    # TensorRT-LLM's own speculative decoding (trtllm/speculative.py): off | ngram | lookahead | draft_target, the
+    # most drafted tokens (max_draft_len), the batch size above which it is off (max_concurrency), the draft model
+    # of draft_target, and lookahead's (window, n-gram, verification set) sizes
+    speculative: str = "off"
+    num_speculative_tokens: int | None = None
+    speculative_max_batch_size: int | None = None
+    speculative_model: str | None = None
+    lookahead_config: tuple[int, int, int] | None = None
 
     def __post_init__(self):
         if self.api not in APIS:
@@ -68,6 +78,7 @@ class TrtllmConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "beam_width"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        check_speculative(self.speculative, self.api, self.speculative_model, self.num_speculative_tokens)
 
     @property
     def kv_events_enabled(self) -> bool:

@@ -48,6 +48,7 @@ from .common import (
     wants_logprobs,
 )
 from .lora import TrtllmLoras
+from .speculative import executor_decoding_config
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -121,6 +122,7 @@ class TrtllmExecutor(TrtllmLoras):
             "kv_cache_config": tle.KvCacheConfig(**c.kv_cache_options()),
             "max_batch_size": c.max_batch_size,
             "max_num_tokens": c.max_num_tokens,
+            "decoding_config": executor_decoding_config(tle, c),  # --speculative lookahead
         }
         if c.scheduler_policy is not None:
             policy = getattr(tle.CapacitySchedulerPolicy, c.scheduler_policy.upper())

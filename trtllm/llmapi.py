@@ -55,6 +55,7 @@ from .common import (
     wants_logprobs,
 )
 from .lora import TrtllmLoras
+from .speculative import llm_speculative_config
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -121,6 +122,7 @@ class TrtllmLlmApi(TrtllmLoras):
             "max_beam_width": c.beam_width if c.beam_width > 1 else None,
             "enable_chunked_prefill": c.enable_chunked_context,
             "guided_decoding_backend": guided_backend(c, "llm"),
+            "speculative_config": llm_speculative_config(llmapi, c),
         }
         if c.lora_dirs:  # the --lora adapters; others load later by directory (LoRARequest.lora_path)
             kwargs["enable_lora"] = True

@@ -28,11 +28,20 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"weights": "int2"}, "weights must be one of fp32, int8, int4, got 'int2'"),
     ({"weights": "int8", "dtype": "bfloat16"}, "weights 'int8' keeps float32 activations and needs dtype float32"),
     ({"weights": "int4", "dtype": "bfloat16"}, "weights 'int4' keeps float32 activations and needs dtype float32"),
+    ({"speculative": "lookahead"}, "speculative mode must be one of off, ngram, got 'lookahead'"),
+    ({"speculative": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be in 1..16, got 0"),
+    ({"speculative_max_batch_size": 0}, "speculative max_batch_size must be >= 1, got 0"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError) as err:
         EngineConfig(**kwargs)
     assert message in str(err.value)
+
+
+def test_speculative_settings_become_the_speculative_config():
+    spec = EngineConfig(speculative="ngram", num_speculative_tokens=6, speculative_max_batch_size=2).speculative_config
+    assert (spec.mode, spec.num_speculative_tokens, spec.max_batch_size, spec.enabled) == ("ngram", 6, 2, True)
+    assert not EngineConfig().speculative_config.enabled  # off by default
 
 
 def test_kv_blocks_from_tokens_fraction_or_default():

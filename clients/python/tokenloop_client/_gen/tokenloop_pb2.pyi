@@ -204,14 +204,18 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "draft_tokens", "accepted_draft_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_s", "ttft_s", "total_s")
@@ -320,7 +324,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "kv_cache_utilization", "num_in_flight", "max_concurrent_requests", "max_queue", "step_latency_s", "num_preemptions", "kv_blocks_cached", "prefix_cache_hit_rate")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "kv_cache_utilization", "num_in_flight", "max_concurrent_requests", "max_queue", "step_latency_s", "num_preemptions", "kv_blocks_cached", "prefix_cache_hit_rate", "spec_acceptance_rate", "spec_tokens_per_step")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +338,8 @@ class Load(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -347,7 +353,9 @@ class Load(_message.Message):
     num_preemptions: int
     kv_blocks_cached: int
     prefix_cache_hit_rate: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_cache_utilization: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., step_latency_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    spec_acceptance_rate: float
+    spec_tokens_per_step: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_cache_utilization: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_queue: _Optional[int] = ..., step_latency_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_tokens_per_step: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

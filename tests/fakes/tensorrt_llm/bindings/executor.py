@@ -144,6 +144,57 @@ class GuidedDecodingConfig:
             raise TypeError("GuidedDecodingConfig.__init__(): backend must be a GuidedDecodingBackend")
 
 
+class DecodingMode:
+    """bindings.cpp: DecodingMode's factories (`DecodingMode.Lookahead()`, ...); `name` says which one made it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @staticmethod
+    def Auto():  # noqa: N802 - the binding's names
+        return DecodingMode("Auto")
+
+    @staticmethod
+    def Lookahead():  # noqa: N802
+        return DecodingMode("Lookahead")
+
+    @staticmethod
+    def Medusa():  # noqa: N802
+        return DecodingMode("Medusa")
+
+    @staticmethod
+    def Eagle():  # noqa: N802
+        return DecodingMode("Eagle")
+
+
+class LookaheadDecodingConfig:
+    """request.cpp: LookaheadDecodingConfig(max_window_size, max_ngram_size, max_verification_set_size), all
+    required; the C++ constructor rejects sizes below 1."""
+
+    def __init__(self, *args, **kwargs):
+        kw_init(self, "LookaheadDecodingConfig", args, kwargs,
+                {"max_window_size": None, "max_ngram_size": None, "max_verification_set_size": None},
+                ("max_window_size", "max_ngram_size", "max_verification_set_size"))
+        if min(self.max_window_size, self.max_ngram_size, self.max_verification_set_size) < 1:
+            raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: lookahead sizes must be >= 1")
+
+
+def _decoding_config_init(self, *args, **kwargs):
+    kw_init(self, "DecodingConfig", args, kwargs, {"decoding_mode": None, "lookahead_decoding_config": None,
+                                                   "medusa_choices": None, "eagle_config": None})
+    if self.decoding_mode is not None and not isinstance(self.decoding_mode, DecodingMode):
+        raise TypeError("DecodingConfig.__init__(): decoding_mode must be a DecodingMode")
+    if self.lookahead_decoding_config is not None and not isinstance(self.lookahead_decoding_config,
+                                                                     LookaheadDecodingConfig):
+        raise TypeError("DecodingConfig.__init__(): lookahead_decoding_config must be a LookaheadDecodingConfig")
+
+
+DecodingConfig = type("DecodingConfig", (), {"__init__": _decoding_config_init,
+                                             "__doc__": "executorConfig.cpp: DecodingConfig(decoding_mode=None, "
+                                                        "lookahead_decoding_config=None, medusa_choices=None, "
+                                                        "eagle_config=None), all positional or keyword."})
+
+
 def _legacy(spec: dict, new: str, old: str) -> dict:
     return {(old if k == new else k): v for k, v in spec.items()} if _fake.LEGACY_NAMES else spec
 
@@ -231,6 +282,8 @@ __all__ = [
     "CapacitySchedulerPolicy",
     "CommunicationMode",
     "CommunicationType",
+    "DecodingConfig",
+    "DecodingMode",
     "Executor",
     "ExecutorConfig",
     "FinishReason",
@@ -239,6 +292,7 @@ __all__ = [
     "IterationStats",
     "KvCacheConfig",
     "KvCacheStats",
+    "LookaheadDecodingConfig",
     "ModelType",
     "OrchestratorConfig",
     "OutputConfig",

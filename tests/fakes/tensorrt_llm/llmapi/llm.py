@@ -34,7 +34,7 @@ from ..sampling_params import SamplingParams
 LLM_ARGS = {"tokenizer", "skip_tokenizer_init", "trust_remote_code", "tensor_parallel_size", "dtype", "backend",
             "pipeline_parallel_size", "kv_cache_config", "enable_chunked_prefill", "scheduler_config",
             "max_batch_size", "max_num_tokens", "max_beam_width", "enable_iter_perf_stats", "max_seq_len",
-            "guided_decoding_backend", "enable_lora", "lora_config"}
+            "guided_decoding_backend", "enable_lora", "lora_config", "speculative_config"}
 GUIDED_DECODING_BACKENDS = (None, "xgrammar", "llguidance")  # llm_args.py: Optional[Literal[...]]
 
 
