@@ -27,7 +27,7 @@ from ..core.tokenizer import ModelCard
 from . import kernels, runner
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .kernels import PagedAttention
+from .layer_kernels import PagedAttention
 from .loader import ModelConfig, load_weights
 from .lora import LoraWeights, read_adapter
 from .matmul import Backend, MatmulPolicy, set_blas_threads
@@ -123,14 +123,14 @@ class Engine:
         return cls(model_dir, config)
 
     def _paged_attention(self, dtype: torch.dtype) -> PagedAttention | None:
-        """The native decode-attention kernel when wanted and usable; `native` insists (start-up error)."""
+        """The native decode-attention kernel when wanted and there is a C compiler; `native` insists (start-up error).
+        A kernel that fails to build raises kernels.KernelBuildError (start-up error) whatever is wanted."""
         wanted = self.config.attention_backend
         if wanted == "torch" or dtype != torch.float32:
             return None
-        paged = kernels.load()
+        paged = kernels.load_paged_attention()
         if paged is None and wanted == "native":
-            raise RuntimeError("attention_backend 'native' is unavailable here (no C compiler, or a failed build); "
-                               "see the log, or use 'torch'")
+            raise RuntimeError(f"attention_backend 'native' is unavailable here ({kernels.NO_COMPILER}); use 'torch'")
         return paged
 
     @property

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .kernels import F32Linear, Int4Linear, Int8Linear, cache_dir, cpu_id, load_f32, name_this_thread
+from .kernels import NO_COMPILER, cache_dir, cpu_id, load_f32, load_int8, name_this_thread
+from .linear_kernels import F32Linear, Int4Linear, Int8Linear
 from .quant import Q4Weight, QWeight
 
 log = logging.getLogger(__name__)
@@ -281,7 +282,7 @@ def route_missing(mode: str, name: str, int8: Int8Linear | None, int4: Int4Linea
         return (f"{ROUTE_ENV}={name!r} is not a route of --weights {mode} (routes: "
                 f"{', '.join([*(f'{mode}-{i}' for i in paths), 'torch-fp32', 'torch-dynq'])})")
     if kernel is None:
-        return f"the {mode} C kernel could not be built here (no C compiler, or a failed build)"
+        return f"the {mode} C kernel cannot be built here ({NO_COMPILER})"
     return kernel.missing(isa)
 
 class MatmulPolicy:
@@ -317,7 +318,6 @@ class MatmulPolicy:
     def fixed(cls, backend: Backend) -> MatmulPolicy:
         native = f32 = None
         if backend is Backend.NATIVE2:
-            from .kernels import load_int8
             native = load_int8()
         if backend is Backend.F32C2:
             f32 = load_f32()

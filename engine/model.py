@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from . import hugepages
 from .batch import AttentionGroup, ForwardBatch, ReusedBatch
-from .kernels import Int4Linear, LayerOps, PagedAttention, QuantKernel, StepKernels
+from .layer_kernels import LayerOps, PagedAttention, StepKernels
+from .linear_kernels import Int4Linear, QuantKernel
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
 from .quant import Q4Weight

@@ -13,7 +13,7 @@ from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.matmul import ROUTE_ENV
 
-ops, paged = kernels.load_ops(), kernels.load()
+ops, paged = kernels.load_ops(), kernels.load_paged_attention()
 needs_kernels = pytest.mark.skipif(ops is None or paged is None or kernels.load_int8() is None
                                    or kernels.load_int4() is None, reason="no C compiler here: the torch path serves")
 

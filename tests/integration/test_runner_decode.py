@@ -31,7 +31,7 @@ def fill_cache(engine: Engine, scheduled: list[tuple[Seq, int]]) -> None:
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_decode_logits_equal_with_and_without_the_mask_where_run_leaves_it_out(tmp_path, backend):
-    if backend == "native" and kernels.load() is None:
+    if backend == "native" and kernels.load_paged_attention() is None:
         pytest.skip("no C compiler here: the torch path serves")
     checkpoint = make_tiny_model(tmp_path, "llama", tied=False, num_layers=2)
     engine = Engine(checkpoint, EngineConfig(kv_cache_tokens=512, block_size=BLOCK, attention_backend=backend),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenloop.engine import kernels, matmul
+from tokenloop.engine import kernel_lib, kernels, matmul
 from tokenloop.engine.matmul import BUCKETS, ROUTE_ENV, Backend, MatmulPolicy, QuantRoute, quant_routes, route_missing
 from tokenloop.engine.quant import quantize, quantize4
 
@@ -294,14 +294,14 @@ def test_hand_offs_that_go_through_sleep_never_lose_a_wake(mode):
                 out = torch.empty(64, 4096)
                 kernel._run(xb, big, out, 0, 32, 4096)
                 bad.extend([i] if not torch.equal(out, want_b) else [])
-    kernels.set_spin_us(kernel._lib, 0)
+    kernel_lib.set_spin_us(kernel.lib, 0)
     try:
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         thread.join(timeout=120)
         assert not thread.is_alive(), "a hand-off hung: a wake was lost"
     finally:
-        kernels.set_spin_us(kernel._lib)
+        kernel_lib.set_spin_us(kernel.lib)
     assert not bad
 
 
