@@ -157,6 +157,21 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks at the end of `seq`'s table that its first `num_tokens` tokens do not reach (a
+        speculative verification's rejected positions; never registered, so nothing cached is lost)."""
+        keep = max(self.blocks_needed(num_tokens), seq.num_cached_blocks)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
+    def _release(self, block_id: int) -> None:
+        """One reference to a block less; at none it is free (cached or not)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            cached = block.hash is not None and self.cached.get(block.hash) == block_id
+            (self.free_cached if cached else self.free_empty)[block_id] = None
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that `seq`'s computed tokens have filled, for later prefix hits."""
         num_full = seq.num_computed_tokens // self.block_size
@@ -190,11 +205,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` (last block first, so the tail of a prefix is evicted before its head)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                cached = block.hash is not None and self.cached.get(block.hash) == block_id
-                (self.free_cached if cached else self.free_empty)[block_id] = None
+            self._release(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
 

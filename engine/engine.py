@@ -38,6 +38,8 @@ from .quant import Q4Weight, QWeight
 from .sampler import RowFailure, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .spec_step import propose_drafts, verify_drafts
+from .speculation import SpecState, SpecStats
 
 log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -109,11 +111,14 @@ class Engine:
         self._num_failures = 0
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
         self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
+        self.speculative = self.config.speculative_config  # engine/speculation.py; off unless --speculative ngram
+        self.spec_stats = SpecStats()
         self._thread = threading.Thread(target=self._loop, name="tokenloop-engine", daemon=True)
         log.info("engine: %s, weights %s, activations %s, %d KV blocks of %d tokens, matmul %s, decode attention %s, "
                  "layer ops %s", self.model_config.architecture, self.dtype, self.config.dtype, num_blocks,
                  self.config.block_size, self.model.matmul.describe(), f"native ({self.model.paged.isa})" if self.model.paged is not None else "torch",
                  "native" if self.model.ops is not None else "torch")
+        log.info("engine: %s", self.speculative.describe())
         if start:
             self._thread.start()
 
@@ -257,7 +262,8 @@ class Engine:
             return ExecutorStats(s.num_running, s.num_waiting + len(self._new), s.kv_blocks_used, s.kv_blocks_total,
                                  s.tokens_per_block, s.step_latency_s, s.num_preemptions, s.num_steps,
                                  s.kv_blocks_cached, s.prefix_cache_hit_rate, s.num_prefix_cache_evictions,
-                                 s.num_prefix_cache_hit_tokens, s.num_prefix_cache_query_tokens)
+                                 s.num_prefix_cache_hit_tokens, s.num_prefix_cache_query_tokens, s.spec_num_drafts,
+                                 s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_accepted_per_pos)
 
     def shutdown(self) -> None:
         """Stop the engine thread; pending requests get no more steps."""
@@ -303,6 +309,8 @@ class Engine:
             seqs = [Sequence.from_request(request_id, i, request) for i in range(request.n)]
             for seq in seqs:
                 seq.lora, seq.cache_key = lora, (lora.cache_key if lora is not None else None)
+                if self.speculative.enabled and seq.embed is None:
+                    seq.spec = SpecState.for_config(self.speculative)
             self._requests[request_id] = seqs
             for seq in seqs:
                 self.scheduler.add(seq)
@@ -340,6 +348,10 @@ class Engine:
         """One iteration: schedule, run the model, sample, advance, postprocess, publish. A row that fails fails its
         request alone (`_run_isolated`, `_sampled`)."""
         start = time.perf_counter()
+        if self.speculative.enabled:  # 0. draft (speculation: spec_step.py)
+            running = self.scheduler.running
+            propose_drafts(running, self.speculative, self.config.max_num_tokens - len(running),
+                           self.max_context_length)
         scheduled = self.scheduler.schedule()  # 1. schedule
         if not scheduled:
             return
@@ -349,24 +361,37 @@ class Engine:
         out = ran.output
         samples = sample_batch(out.logits, out.samplers, self.eos_token_ids) if out.samplers else []  # 3. sample
         self.scheduler.advance(ran.scheduled)  # 4. advance
-        steps = ran.failed + self._embedded(out.pooled) + self._sampled(out.samplers, samples)  # 5. postprocess
+        steps = ran.failed + self._embedded(out.pooled) + self._sampled(out.samplers, samples, out.drafts)  # 5.
         self._latencies.append(time.perf_counter() - start)
         self._publish(steps)  # 6. publish
 
-    def _sampled(self, samplers: list[Sequence], samples: list) -> list[Step]:
-        """The steps of the sampled tokens; the requests that finished leave. A request whose own values (or row)
-        failed in sampling (RowFailure) ends alone, with its error."""
-        steps = []
-        failed = {seq.executor_id: s for seq, s in zip(samplers, samples) if isinstance(s, RowFailure)}
-        if failed:
-            for request_id, failure in failed.items():
-                log.warning("request %d failed in sampling: %s", request_id, failure.message)
-                kind = ErrorKind.INVALID_ARGUMENT if failure.invalid else ErrorKind.INTERNAL
-                steps += error_steps(request_id, self._forget(request_id), self.scheduler, failure.message, kind)
-            samples = [s for seq, s in zip(samplers, samples) if seq.executor_id not in failed]
-            samplers = [seq for seq in samplers if seq.executor_id not in failed]
-        steps += steps_for_samples(samplers, samples, self.scheduler, self.eos_token_ids, self.max_context_length)
+    def _sampled(self, samplers: list[Sequence], samples: list,
+                 drafts: list[tuple[Sequence, torch.Tensor]]) -> list[Step]:
+        """The steps of the sampled tokens, then of the drafts verified after them (spec_step.verify_drafts); the
+        requests that finished leave. A request whose own values (or row) failed in sampling (RowFailure) ends alone,
+        with its error."""
+        steps = self._fail_rows([(seq, s) for seq, s in zip(samplers, samples) if isinstance(s, RowFailure)])
+        if steps:
+            samples = [s for seq, s in zip(samplers, samples) if not isinstance(s, RowFailure) and
+                       seq.executor_id in self._requests]
+            samplers = [seq for seq in samplers if seq.executor_id in self._requests]
+        made = steps_for_samples(samplers, samples, self.scheduler, self.eos_token_ids, self.max_context_length)
+        steps += made
+        if drafts:
+            first = {seq.seq_id: step for seq, step in zip(samplers, made)}
+            verified, failures = verify_drafts([d for d in drafts if d[0].seq_id in first], first, self.scheduler,
+                                               self.eos_token_ids, self.max_context_length, self.spec_stats)
+            steps += verified + self._fail_rows(failures)
         self._retire_finished(samplers)
+        return steps
+
+    def _fail_rows(self, failures: list[tuple[Sequence, RowFailure]]) -> list[Step]:
+        """The requests of rows that could not be sampled end alone, with their errors."""
+        steps = []
+        for request_id, failure in {seq.executor_id: f for seq, f in failures}.items():
+            log.warning("request %d failed in sampling: %s", request_id, failure.message)
+            kind = ErrorKind.INVALID_ARGUMENT if failure.invalid else ErrorKind.INTERNAL
+            steps += error_steps(request_id, self._forget(request_id), self.scheduler, failure.message, kind)
         return steps
 
     def _retire_finished(self, seqs: list[Sequence]) -> None:
@@ -473,6 +498,9 @@ class Engine:
             st.num_prefix_cache_evictions = blocks.num_evictions
             st.num_prefix_cache_hit_tokens = blocks.num_hit_tokens
             st.num_prefix_cache_query_tokens = blocks.num_query_tokens
+            spec = self.spec_stats
+            st.spec_num_drafts, st.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+            st.spec_num_accepted_tokens, st.spec_accepted_per_pos = spec.num_accepted_tokens, tuple(spec.accepted_per_pos)
             if steps:
                 self._has_output.notify_all()
         self.kv_events.publish(blocks.take_events())  # after the stats: a batch's load record is current

@@ -3,7 +3,7 @@ here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -125,7 +125,8 @@ def _flat_rows(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[
                 segments[-1] = (segments[-1][0], len(ids) + n, seq.lora)
             else:
                 segments.append((len(ids), len(ids) + n, seq.lora))
-        ids.extend(seq.token_ids[start:start + n])
+        tokens = seq.token_ids + seq.draft if seq.draft else seq.token_ids  # a verification feeds its draft too
+        ids.extend(tokens[start:start + n])
         positions.extend(range(start, start + n))
         slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         if seq.embed is not None:
@@ -134,9 +135,11 @@ def _flat_rows(scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[
             if rows:
                 hidden_rows.extend(rows)
                 embeds.append((seq, len(rows)))
-        elif start + n == len(seq.token_ids):
+        elif start + n == len(tokens):
             samplers.append(seq)
-            logits_rows.append(len(ids) - 1)
+            # one row; a verification (spec_step.py) all its rows, in order (rows stay in flat order: model.forward
+            # takes logits rows that are all the batch's rows as the batch itself)
+            logits_rows.extend(range(len(ids) - 1 - len(seq.draft), len(ids)))
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long), groups=[],
@@ -152,8 +155,10 @@ def _prefill_groups(prefills: list[tuple[Sequence, int]], row: int, block_size: 
     groups, i = [], 0
     while i < len(prefills):
         seq, n = prefills[i]
-        if paged_prefill and seq.num_computed_tokens + n <= PAGED_PREFILL_CONTEXT:
-            groups.append(_chunk_rows_group(seq, n, row, block_size))  # its rows are sequences of their own
+        if paged_prefill and (seq.num_computed_tokens + n <= PAGED_PREFILL_CONTEXT or seq.draft):
+            # its rows are sequences of their own (a verification's at any context: each row then gets a decode's
+            # arithmetic, so that accepted tokens are the tokens plain decodes would give)
+            groups.append(_chunk_rows_group(seq, n, row, block_size))
             row += n
             i += 1
             continue
@@ -207,17 +212,19 @@ def _plain_decode_batch(seqs: list[Sequence], block_size: int, reuse: ReusedBatc
 @dataclass(slots=True)
 class ModelOutput:
     """What one forward pass gives the engine: next-token logits [S, V] of the sequences that sample (`samplers`, in
-    row order), and each embedding sequence with its new rows' final hidden states [n, D] (to pool)."""
+    row order; a verifying sequence's row 0), each embedding sequence with its new rows' final hidden states [n, D]
+    (to pool), and each verifying sequence with the logits of its rows 1..k [k, V] (spec_step.verify_drafts)."""
 
     logits: torch.Tensor
     samplers: list[Sequence]
     pooled: list[tuple[Sequence, torch.Tensor]]
+    drafts: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def concat(cls, parts: list[ModelOutput]) -> ModelOutput:
         """The outputs of sequences run apart, as one."""
         return cls(torch.cat([p.logits for p in parts]), [s for p in parts for s in p.samplers],
-                   [e for p in parts for e in p.pooled])
+                   [e for p in parts for e in p.pooled], [d for p in parts for d in p.drafts])
 
 
 def run(model: Model, scheduled: list[tuple[Sequence, int]], block_size: int) -> ModelOutput:
@@ -230,4 +237,13 @@ def run(model: Model, scheduled: list[tuple[Sequence, int]], block_size: int) ->
     for seq, n in batch.embeds:
         pooled.append((seq, batch.hidden[row:row + n]))
         row += n
-    return ModelOutput(logits, samplers, pooled)
+    drafts = []
+    if any(seq.draft for seq in samplers):  # verifications: row 0 samples with the others, rows 1..k apart
+        first, row = [], 0
+        for seq in samplers:
+            first.append(row)
+            if seq.draft:
+                drafts.append((seq, logits[row + 1:row + 1 + len(seq.draft)]))
+            row += 1 + len(seq.draft)
+        logits = logits[first]
+    return ModelOutput(logits, samplers, pooled, drafts)

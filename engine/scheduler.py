@@ -46,7 +46,11 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.draft:  # a speculative verification: only what budget and free blocks allow, no preemption
+                seq.draft = seq.draft[:budget - 1]
+                if seq.draft and not self.block_manager.append_slots(seq, 1 + len(seq.draft)):
+                    seq.draft = []
+            num_new = min(seq.num_uncomputed_tokens + len(seq.draft), budget)
             if not self._make_room(seq, num_new, scheduled):
                 continue  # seq itself was preempted
             scheduled.append((seq, num_new))
@@ -111,7 +115,7 @@ class Scheduler:
     def advance(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """After the forward pass: the scheduled tokens now have K/V in the cache."""
         for seq, num_new in scheduled:
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - len(seq.draft)  # drafted positions count once accepted (spec_step)
             self.block_manager.commit_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:

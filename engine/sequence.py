@@ -59,6 +59,8 @@ class Sequence:
     # output tokens from which its next token is its logits' argmax and nothing more (the sampler's fast path); None:
     # never (sampled, penalties, log probabilities, a structure, an embedding). See plain_greedy_from.
     argmax_from: int | None = None
+    spec: object | None = None  # speculation.SpecState when the engine drafts for this sequence (spec_step.py)
+    draft: list[int] = field(default_factory=list)  # this step's drafted tokens, verified after the forward pass
 
     @classmethod
     def from_request(cls, executor_id: int, seq_index: int, request: ValidRequest) -> Sequence:
@@ -123,5 +125,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.num_cached_blocks = 0
+        self.draft = []  # a verification cut short: nothing of it was computed
         self.status = SequenceStatus.WAITING
         self.pooled = None  # an embedding pools again from its recomputed states

@@ -9,8 +9,9 @@ weights yields up to K+1 tokens, at no change to the output.
 Three rules keep it from ever costing more than it gives:
 
 - `NgramIndex`: n from `prompt_lookup_max` down to `prompt_lookup_min` (the longest match wins; among equal
-  lengths, the most recent occurrence, whose continuation is the freshest text), kept up to date as tokens are
-  appended, so a lookup is a few dictionary reads, not a scan of the sequence.
+  lengths, the most recent occurrence, whose continuation is the freshest text; a continuation that reaches the
+  end of the text repeats itself, so a cycle drafts all k tokens), kept up to date as tokens are appended, so a
+  lookup is a few dictionary reads, not a scan of the sequence.
 - `DraftLength`: per sequence, the draft length that maximises expected tokens per unit of step cost, from the
   sequence's recent acceptance; 0 (no draft) when drafting does not pay, with an occasional one-token probe so that
   a sequence whose text turns repetitive gets speculation back.
@@ -94,15 +95,21 @@ class NgramIndex:
         self.num_indexed = len(tokens)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed the most recent earlier occurrence of the longest suffix of `tokens`
-        (max_n down to min_n tokens) that occurred before; [] when none did."""
+        """`k` tokens that followed the most recent earlier occurrence of the longest suffix of `tokens` (max_n
+        down to min_n tokens) that occurred before; [] when none did. A continuation that runs into the end of
+        `tokens` goes on copying itself (the text repeats with period len(tokens) - start: a run of one token, or a
+        cycle of a few, drafts k tokens, not the few left before the end)."""
         if k <= 0:
             return []
         self.update(tokens)
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             start = self.tables[n].get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start:start + k]
+                draft = tokens[start:start + k]
+                period = len(tokens) - start
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - period])
+                return draft
         return []
 
 

@@ -8,6 +8,7 @@ BLOCK = 8  # the block size those tests give their engines
 
 class Seq:
     lora = embed = None
+    draft: list[int] = []  # no speculative draft (engine/spec_step.py)
 
     def __init__(self, tokens: list[int], computed: int, first_block: int, num_blocks: int = 12):
         self.token_ids, self.num_computed_tokens = tokens, computed

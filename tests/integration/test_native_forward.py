@@ -29,6 +29,7 @@ def test_forward_with_native_ops_matches_the_torch_forward(tmp_path, weights):
 
     class Seq:  # what runner.prepare reads
         lora = embed = None
+        draft: list[int] = []
 
         def __init__(self, tokens, computed):
             self.token_ids, self.num_computed_tokens, self.block_table = tokens, computed, list(range(1, 9))

@@ -18,12 +18,15 @@ from tokenloop.engine.speculation import (
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The definition: the longest suffix (max_n..min_n) that occurred earlier with a token after it; its most
-    recent such occurrence's continuation."""
+    recent such occurrence's continuation, copying on past the end (the text as periodic from there)."""
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         suffix = tokens[-n:]
         for start in range(len(tokens) - 1, n - 1, -1):  # `start`: where the continuation begins, < len(tokens)
             if tokens[start - n:start] == suffix:
-                return tokens[start:start + k]
+                extended = list(tokens)
+                while len(extended) < start + k:
+                    extended.append(extended[len(extended) - (len(tokens) - start)])
+                return extended[start:start + k]
     return []
 
 
@@ -32,7 +35,8 @@ def test_a_repeated_span_drafts_what_followed_it():
     passage = [10, 11, 12, 13, 14, 15, 16]
     tokens = [1, 2] + passage + [3] + passage[:3]  # the output starts copying the passage
     assert index.propose(tokens, 3) == [13, 14, 15]
-    assert index.propose(tokens, 10) == [13, 14, 15, 16, 3, 10, 11, 12]  # up to the end of what is known
+    # past the end of what is known, the matched span repeats: 13 14 15 16 3 10 11 12 | 13 14
+    assert index.propose(tokens, 10) == [13, 14, 15, 16, 3, 10, 11, 12, 13, 14]
 
 
 def test_the_longest_suffix_wins_and_then_the_most_recent_occurrence():
@@ -48,13 +52,14 @@ def test_the_longest_suffix_wins_and_then_the_most_recent_occurrence():
 def test_no_match_drafts_nothing_and_min_n_is_respected():
     assert NgramIndex(2, 4).propose([1, 2, 3, 4, 5], 4) == []
     assert NgramIndex(2, 4).propose([1, 2, 3, 1], 4) == []  # a 1-gram match is below min_n
-    assert NgramIndex(1, 4).propose([1, 2, 3, 1], 4) == [2, 3, 1]
+    assert NgramIndex(1, 4).propose([1, 2, 3, 1], 4) == [2, 3, 1, 2]
     assert NgramIndex(1, 4).propose([1, 2, 3], 0) == []
 
 
-def test_a_run_of_one_token_drafts_more_of_it():
-    assert NgramIndex(2, 3).propose([9, 4, 4, 4, 4], 3) == [4]  # "4 4 4" last seen followed by the final 4
-    assert NgramIndex(1, 1).propose([4, 4], 3) == [4]
+def test_a_run_or_a_cycle_drafts_k_tokens_of_itself():
+    assert NgramIndex(2, 3).propose([9, 4, 4, 4, 4], 3) == [4, 4, 4]  # "4 4 4" last seen followed by the final 4
+    assert NgramIndex(1, 1).propose([4, 4], 3) == [4, 4, 4]
+    assert NgramIndex(2, 2).propose([7, 1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
 
 
 @pytest.mark.parametrize("seed", range(30))
