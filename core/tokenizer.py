@@ -19,6 +19,9 @@ import jinja2.sandbox
 from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
+from .gguf_file import check_servable, is_gguf
+from .gguf_tokenizer import build_tokenizer, gguf_card
+
 
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -65,6 +68,9 @@ class ModelCard:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelCard:
+        """From a checkpoint directory's config.json and generation_config.json, or a GGUF file's metadata."""
+        if is_gguf(model_dir):
+            return gguf_card(check_servable(model_dir))
         model_dir = Path(model_dir)
         config = _read_json(model_dir / "config.json")
         gen = _read_json(model_dir / "generation_config.json")
@@ -135,6 +141,10 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """From a checkpoint directory, or a GGUF file's `tokenizer.*` metadata (core/gguf_tokenizer.py)."""
+        if is_gguf(model_dir):
+            tok, config = build_tokenizer(check_servable(model_dir))
+            return cls(tok, config, config["chat_template"])
         model_dir = Path(model_dir)
         tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         config = _read_json(model_dir / "tokenizer_config.json")

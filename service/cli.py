@@ -7,6 +7,8 @@ import asyncio
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from tokenloop.core.gguf_file import GGUFError, is_gguf, open_gguf
+
 from .config import DEFAULT_MODEL_DIR, ServerConfig, parse_lookahead_flag
 from .logs import setup_logging
 from .startup import StartupError, check_startup
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                        usage="tokenloop serve [--model DIR] [--host HOST] [--port N] [options]",
                        description="Serve a model over gRPC. Flags by group below; docs/operations.md has them all.")
     d = ServerConfig()
-    s.add_argument("--model", default=None, help=f"checkpoint directory (default: {DEFAULT_MODEL_DIR}, made by `make model`)")
+    s.add_argument("--model", default=None, help=f"checkpoint directory or GGUF file (default: {DEFAULT_MODEL_DIR}, made by `make model`)")
     s.add_argument("--backend", choices=("engine", "trtllm"), default=d.backend,
                    help="engine: the embedded PyTorch engine (CPU); trtllm: TensorRT-LLM on a GPU (docs/trtllm.md)")
     s.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0: every interface)")
@@ -144,11 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-batch-size", type=int, default=None, help="sequences in one step")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="activations and KV cache (default float32; bfloat16 halves the KV cache's memory)")
-    e.add_argument("--weights", choices=("fp32", "int8", "int4"), default=None,
+    e.add_argument("--weights", choices=("fp32", "int8", "int4", "auto"), default=None,
                    help="int8: weights of every linear layer and the lm_head quantized at load time (symmetric, per "
                         "output channel), float32 activations; ~2x faster, perplexity +0.3%% against fp32's. int4: "
                         "the layers as 4 bits with a scale and a minimum per 32 columns (llama.cpp's Q4_1), the "
-                        "lm_head int8 (docs/engine.md). Default fp32: token-for-token equal to transformers")
+                        "lm_head int8 (docs/engine.md). auto: a GGUF file's own precision (docs/models.md). Default: fp32 "
+                        "for a checkpoint directory (token-for-token equal to transformers), auto for a GGUF file")
     e.add_argument("--num-threads", type=int, default=None, help="torch threads")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -202,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = TRTLLM_FLAGS if args.backend == "trtllm" else ENGINE_FLAGS
     options = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    if args.backend != "trtllm" and options.get("weights", "auto") == "auto":
+        options.pop("weights", None)
+        mode = weights_for(args.model or str(DEFAULT_MODEL_DIR))
+        if mode is not None:
+            options["weights"] = mode
     if args.backend == "trtllm" and args.lora:  # TensorRT-LLM sets LoRA up at construction (trtllm/lora.py)
         options.update(lora_dirs=tuple(v.partition("=")[2] for v in args.lora), max_loras=args.max_loras)
     return ServerConfig(
@@ -226,6 +234,17 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         loras=tuple(args.lora), max_loras=args.max_loras,
         tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file, otel_endpoint=args.otel_endpoint)
+
+
+def weights_for(model: str) -> str | None:
+    """`--weights auto` (the default for a GGUF file): the mode closest to the file's own precision; None (fp32) for
+    a checkpoint directory, or a file that check_startup will refuse with its reason."""
+    if not is_gguf(model):
+        return None
+    try:
+        return open_gguf(model).weights_mode()
+    except GGUFError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,3 +46,13 @@ def check_engine_architecture(config: dict) -> None:
     from tokenloop.engine.loader import ModelConfig
 
     ModelConfig.from_dict(config)
+
+
+def check_engine_gguf(path: str) -> None:
+    """Raises core.gguf_file.GGUFError (one line: the file, the key or tensor, what we accept) or ValueError for a
+    GGUF file the embedded engine cannot serve."""
+    from tokenloop.core.gguf_file import check_servable
+    from tokenloop.engine.gguf import config_dict
+    from tokenloop.engine.loader import ModelConfig
+
+    ModelConfig.from_dict(config_dict(check_servable(path)))

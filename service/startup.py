@@ -3,7 +3,7 @@
 `check_startup(config)` runs first in `tokenloop serve` (before the port opens or the model loads) and raises
 `StartupError` with one sentence: what is wrong, and the flag or path to fix. The CLI prints it and exits 2.
 Order: the model directory (exists, config.json, tokenizer.json, readable weights, a supported architecture for
-the embedded engine), the `--lora` adapter directories, then TLS files, the API-key file, the ports, and for `--backend trtllm` that TensorRT-LLM is
+the embedded engine) or GGUF file (core/gguf_file.py's refusals), the `--lora` adapter directories, then TLS files, the API-key file, the ports, and for `--backend trtllm` that TensorRT-LLM is
 installed.
 """
 
@@ -14,6 +14,8 @@ import json
 import socket
 import ssl
 from pathlib import Path
+
+from tokenloop.core.gguf_file import GGUFError, is_gguf
 
 from .config import DEFAULT_MODEL_DIR, ServerConfig
 
@@ -66,10 +68,13 @@ def check_model_dir(path: Path, backend: str) -> None:
     where = f"--model {path}"
     hint = MAKE_MODEL_HINT if path.resolve() == DEFAULT_MODEL_DIR.resolve() else ""
     if not path.exists():
-        raise StartupError(f"{where}: no such directory{hint}")
+        raise StartupError(f"{where}: no such file or directory{hint}")
+    if is_gguf(path):
+        check_gguf(path, backend)
+        return
     if not path.is_dir():
-        raise StartupError(f"{where}: not a directory; give a checkpoint directory (config.json, tokenizer.json, "
-                           "weights)")
+        raise StartupError(f"{where}: neither a checkpoint directory (config.json, tokenizer.json, weights) nor a "
+                           "GGUF file (*.gguf)")
     try:
         names = {p.name for p in path.iterdir()}
     except OSError as exc:
@@ -83,6 +88,22 @@ def check_model_dir(path: Path, backend: str) -> None:
         _check_weights(path, where, required=True)
     else:
         _check_weights(path, where, required=False)  # TensorRT-LLM reads *.engine or the checkpoint itself
+
+
+def check_gguf(path: Path, backend: str) -> None:
+    """A GGUF file the embedded engine can serve: readable, a version, architecture, tensor types and tokenizer we
+    take (core/gguf_file.py says which)."""
+    if backend != "engine":
+        raise StartupError(f"--model {path}: a GGUF file is served by the embedded engine (--backend engine); "
+                           f"--backend {backend} takes a checkpoint directory")
+    from .executors import check_engine_gguf
+
+    try:
+        check_engine_gguf(str(path))
+    except GGUFError as exc:
+        raise StartupError(f"--model {exc}") from None
+    except ValueError as exc:
+        raise StartupError(f"--model {path}: {exc}") from None
 
 
 def _read_json(path: Path, where: str) -> dict:

@@ -54,14 +54,27 @@ def assert_refused(run: subprocess.CompletedProcess, message: str) -> None:
 @pytest.mark.parametrize("backend", ["engine", "trtllm"])
 def test_missing_model_dir_names_the_path_and_flag(backend, tmp_path):
     missing = tmp_path / "does" / "not" / "exist"
-    assert_refused(serve("--backend", backend, "--model", str(missing)), f"--model {missing}: no such directory")
+    assert_refused(serve("--backend", backend, "--model", str(missing)), f"--model {missing}: no such file or directory")
 
 
 def test_model_path_that_is_a_file(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     assert_refused(serve("--model", str(tmp_path / "weights.bin")),
-                   f"--model {tmp_path / 'weights.bin'}: not a directory; give a checkpoint directory "
-                   "(config.json, tokenizer.json, weights)")
+                   f"--model {tmp_path / 'weights.bin'}: neither a checkpoint directory (config.json, tokenizer.json, weights) "
+                   "nor a GGUF file (*.gguf)")
+
+
+def test_truncated_gguf_file(tiny, tmp_path):
+    """A GGUF file cut short: one line naming the file and tensor, before the port opens (docs/models.md)."""
+    from tests.tiny_gguf import write_gguf
+
+    whole = write_gguf(tiny, tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:-64])
+    run = serve("--model", str(cut))
+    assert_refused(run, f"--model {cut}: tensor 'output_norm.weight' ends at byte {len(whole)} but the file has "
+                        f"{len(whole) - 64} bytes; the file is truncated")
+    assert "Traceback" not in run.stderr
 
 
 def test_dir_without_config(tiny, tmp_path):

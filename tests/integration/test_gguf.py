@@ -1,0 +1,128 @@
+"""Serving a GGUF file (engine/gguf.py, core/gguf_file.py, core/gguf_tokenizer.py) on tiny files written here
+(tests/tiny_gguf.py) from tiny checkpoints: the shape, the weights in every mode, the engine's greedy tokens, the
+tokenizer against transformers' own GGUF tokenizer, and `--weights auto`. tests/unit/test_gguf_file.py has the
+refusals; tests/e2e/test_gguf_serve.py serves the default model's own GGUF."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from tests.engine_helpers import greedy_request, run_all, tokens
+from tests.tiny_gguf import T, write_gguf
+from tests.tiny_model import make_tiny_model
+from tokenloop.core.gguf_file import open_gguf
+from tokenloop.core.tokenizer import ModelCard, Tokenizer
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.engine import Engine
+from tokenloop.engine.loader import ModelConfig, load_weights
+from tokenloop.engine.quant import quantize4
+
+PROMPTS = [[1, 40, 41, 42, 43], [5, 6, 7, 8, 9, 10, 11, 12], [100, 3, 77]]
+TEXTS = ["Hello, world!", " leading space", "The capital of France is Paris.", "Emoji 😀 and 你好",
+         "<|im_start|>user\nhi<|im_end|>", "x\n\n  y", "1234567"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    """(checkpoint dir, its F32 GGUF) of one architecture."""
+    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    model = make_tiny_model(root / "model", request.param, tied=request.param == "llama")
+    return model, write_gguf(model, root / "model.gguf")
+
+
+def test_shape_and_fp32_weights_equal_the_checkpoint(tiny):
+    model, gguf = tiny
+    config = ModelConfig.from_dir(gguf)
+    assert dataclasses.replace(config, rms_norm_eps=1e-5) == ModelConfig.from_dir(model)  # float32 in the file
+    ours, ref = load_weights(gguf, config, torch.float32), load_weights(model, config, torch.float32)
+    assert ours.keys() == ref.keys()
+    for name in ref:  # Llama's q / k rows come back from llama.cpp's permutation
+        assert torch.equal(ours[name], ref[name]), name
+
+
+def test_engine_greedy_tokens_equal_the_checkpoint(tiny):
+    model, gguf = tiny
+    config = EngineConfig(kv_cache_tokens=1024, max_batch_size=4, max_num_tokens=64)
+    results = []
+    for path in (model, gguf):
+        engine = Engine.from_dir(path, config)
+        try:
+            ids, steps = run_all(engine, [greedy_request(p, 12) for p in PROMPTS])
+            results.append([tokens(steps[(i, 0)]) for i in ids])
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("gguf-q") / "model", "llama", tied=False)
+
+
+@pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1])
+def test_q4_blocks_go_into_int4_unchanged(llama, tmp_path, kind):
+    """int4 computes with the file's own 4-bit values: the weights it holds dequantize to exactly what
+    gguf.quants (llama.cpp's reference) makes of the file's blocks, with no re-quantization."""
+    gguf = write_gguf(llama, tmp_path / "q.gguf", kind, T.Q8_0)
+    config = ModelConfig.from_dir(gguf)
+    fp32, int4 = load_weights(gguf, config, torch.float32), load_weights(gguf, config, torch.float32, "int4")
+    for name in ("layers.0.qkv", "layers.1.o", "layers.0.gate_up", "layers.1.down"):
+        assert torch.equal(int4[name].dequantize(), fp32[name]), name
+    assert torch.equal(int4["lm_head"].dequantize(), fp32["lm_head"])  # Q8_0 -> the int8 lm_head, unchanged
+
+
+def test_q8_blocks_go_into_int8_unchanged(llama, tmp_path):
+    gguf = write_gguf(llama, tmp_path / "q8.gguf", T.Q8_0, T.Q8_0)
+    config = ModelConfig.from_dir(gguf)
+    fp32, int8 = load_weights(gguf, config, torch.float32), load_weights(gguf, config, torch.float32, "int8")
+    for name in ("layers.0.qkv", "layers.0.o", "layers.1.gate_up", "layers.0.down", "lm_head"):
+        assert torch.equal(int8[name].dequantize(), fp32[name]), name
+
+
+def test_other_types_are_dequantized_then_quantized_to_the_mode(llama, tmp_path):
+    """A Q5_0 file under int4: each matrix dequantized by gguf.quants, then quantized as a checkpoint's would be."""
+    gguf = write_gguf(llama, tmp_path / "q5.gguf", T.Q5_0, T.F16)
+    g = open_gguf(gguf)
+    t = g.tensors["blk.0.ffn_down.weight"]
+    with open(gguf, "rb") as f:
+        f.seek(t.offset)
+        raw = np.frombuffer(f.read(t.num_bytes), np.uint8).reshape(t.shape[0], -1)
+    expected = quantize4(torch.from_numpy(quants.dequantize(raw, T.Q5_0)))
+    int4 = load_weights(gguf, ModelConfig.from_dir(gguf), torch.float32, "int4")
+    assert torch.equal(int4["layers.0.down"].q, expected.q) and torch.equal(int4["layers.0.down"].sm, expected.sm)
+
+
+@pytest.mark.parametrize(("kind", "mode"), [(T.F32, "fp32"), (T.F16, "fp32"), (T.Q8_0, "int8"), (T.Q4_1, "int4"),
+                                            (T.Q5_1, "int4")])
+def test_weights_auto_is_the_files_precision(llama, tmp_path, kind, mode):
+    assert open_gguf(write_gguf(llama, tmp_path / "a.gguf", kind, T.Q8_0)).weights_mode() == mode
+
+
+def test_tokenizer_equals_transformers_gguf_tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    model, gguf = tiny
+    ours = Tokenizer.from_dir(gguf)
+    ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    for text in TEXTS:
+        for special in (False, True):
+            assert ours.encode(text, special) == ref(text, add_special_tokens=special)["input_ids"], (text, special)
+    assert ours.special_ids == Tokenizer.from_dir(model).special_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat) == Tokenizer.from_dir(model).apply_chat_template(chat)
+
+
+def test_card_from_metadata(tiny, tmp_path):
+    model, _ = tiny
+    gguf = write_gguf(model, tmp_path / "s.gguf", metadata={"general.sampling.temp": 0.6,
+                                                           "general.sampling.top_p": 0.95,
+                                                           "general.sampling.top_k": 20})
+    card = ModelCard.from_dir(gguf)
+    assert (card.model_id, card.eos_token_ids, card.bos_token_id, card.max_context_length) == ("s", (2,), 1, 1024)
+    assert card.generation == {"temperature": pytest.approx(0.6), "top_p": pytest.approx(0.95), "top_k": 20}
+    assert card.default_top_k == 20
