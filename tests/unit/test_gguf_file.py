@@ -11,7 +11,7 @@ import pytest
 from tests.tiny_gguf import T, write_gguf
 from tests.tiny_model import make_tiny_model
 from tokenloop.core.gguf_file import GGUFError, check_servable, is_gguf, open_gguf
-from tokenloop.service.cli import _parser, config_from_args
+from tokenloop.service.cli import build_parser, config_from_args
 from tokenloop.service.startup import StartupError, check_model_dir
 
 
@@ -97,7 +97,7 @@ def test_trtllm_backend_refuses_a_gguf(good):
 
 
 def test_weights_default_to_the_files_precision(good, model):
-    parse = lambda *args: config_from_args(_parser().parse_args(["serve", *args])).executor_options  # noqa: E731
+    parse = lambda *args: config_from_args(build_parser().parse_args(["serve", *args])).executor_options  # noqa: E731
     assert parse("--model", str(good))["weights"] == "int4"
     assert parse("--model", str(good), "--weights", "auto")["weights"] == "int4"
     assert parse("--model", str(good), "--weights", "fp32")["weights"] == "fp32"
