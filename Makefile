@@ -63,12 +63,9 @@ proto-check: setup
 	       cmp -s $$tmp/tokenloop/v1/$$f protos/tokenloop/v1/$$f || { echo "protos/tokenloop/v1/$$f is stale: run make proto"; exit 1; }; done \
 	  && $(BIN)/python clients/python/generate.py --check && $(BIN)/python docs/gen_api_reference.py --check && echo "generated code is up to date"
 
+# Every benchmark (bench/README.md), listed and then run one after another; `make bench NAME=engine ARGS="..."` runs one.
 bench: setup model
-	$(BIN)/python bench/idle_cpu.py
-	$(BIN)/python bench/engine_bench.py
-	$(BIN)/python bench/service_overhead.py
-	$(BIN)/python bench/engine_gil.py
-	$(BIN)/python bench/prompt_stall.py
+	$(BIN)/tokenloop-bench $(if $(NAME),$(NAME) $(ARGS),all)
 
 # TensorRT-LLM on a GPU host (not CI): run inside NVIDIA's image or an environment with tensorrt_llm.
 gpu-smoke:
@@ -85,7 +82,7 @@ cluster-demo: setup model
 	scripts/cluster_demo.sh
 
 soak: setup model
-	$(BIN)/python bench/soak.py $(if $(OUT),--out $(OUT))
+	$(BIN)/tokenloop-bench soak $(if $(OUT),--out $(OUT))
 
 clean:
 	rm -rf $(VENV) .cache build dist *.egg-info

@@ -1,6 +1,6 @@
 """Decode attention (engine/paged_attention.c) on the default model's shapes: kernels interleaved in one run.
 
-    flock /tmp/bench.lock .venv/bin/python bench/attention_bench.py [--base main] [--batch 32] [--lens 64,128,192]
+    flock /tmp/bench.lock .venv/bin/tokenloop-bench attention [--base main] [--batch 32] [--lens 64,128,192]
 
 One decode step's attention over all layers, each layer its own paged K/V cache (so the step streams the cache
 from memory as the engine's does: 32 sequences x 128 tokens x 30 layers is ~190 MB of fp32 K and V), every
@@ -28,12 +28,10 @@ import time
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import torch  # noqa: E402
+import torch
 
-from bench.results import machine  # noqa: E402
-from tokenloop.engine import kernels  # noqa: E402
+from tokenloop.bench.harness import ROOT, machine
+from tokenloop.engine import kernels
 
 
 class Pair:
@@ -89,7 +87,7 @@ def base_kernel(rev: str) -> kernels.PagedAttention:
     return kernels.PagedAttention(kernels.build(src))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="main", help="git revision of the kernel to compare against")
     parser.add_argument("--batch", type=int, default=32)
@@ -98,7 +96,7 @@ def main() -> None:
     parser.add_argument("--isa", default="", help="paths to time (default: the fastest this CPU runs)")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16  # SmolLM2-135M; the engine's default block size
     scale = head_dim ** -0.5
     new = kernels.PagedAttention(kernels.build())
@@ -141,7 +139,8 @@ def main() -> None:
             ratio = best[name.replace("new-", "base-")] / best[name]
             print(f"ctx {length:4d}  {name:<16} {1e3 * best[name]:7.2f} ms/step  x{ratio:5.2f} vs base  "
                   f"{read / best[name] / 1e9:5.1f} GB/s  max|diff| {diff:.1e}  alone==batch {invariant}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """What two threads stream from memory on this machine, and the bytes of weights one decode step reads per weights
 mode: the limit a one-stream decode is held to (issue 32: int4 one stream within 60 % of it).
 
-    .venv/bin/python bench/bandwidth.py [--model DIR] [--mb 512] [--rounds 10] [--threads 2] [--out FILE]
+    .venv/bin/tokenloop-bench bandwidth [--model DIR] [--mb 512] [--rounds 10] [--threads 2] [--out FILE]
 
 Two ways of reading memory, each the best of `--rounds` passes over a buffer far larger than the caches; the
 limit is the faster of the two:
@@ -23,15 +23,31 @@ few hundred KB per token at these lengths). bench/engine_bench.py runs `measure`
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.results import add_out_argument, describe, machine, write  # noqa: E402
+from tokenloop.bench.harness import DEFAULT_MODEL, add_out_argument, describe, machine, write
 
 MODES = ("fp32", "int8", "int4")
+
+
+def shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
+    """Per-layer (N, K) of the fused products, the lm_head's, and the number of layers."""
+    c = json.loads((model_dir / "config.json").read_text())
+    d, i, h = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    kv, e = c.get("num_key_value_heads", h), c.get("head_dim") or c["hidden_size"] // h
+    return [((h + 2 * kv) * e, d), (d, h * e), (2 * i, d), (d, i)], (c["vocab_size"], d), c["num_hidden_layers"]
+
+
+def nbytes(w) -> int:
+    """Bytes of a weight: a tensor, or a quantized one's codes and scales."""
+    import torch
+
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(p.numel() * p.element_size() for p in ((w.q, w.scale) if hasattr(w, "scale") else (w.q, w.sm)))
 
 
 def _best(fn, rounds: int) -> float:
@@ -62,7 +78,6 @@ def native2(model_dir: Path, mb: int, rounds: int) -> float | None:
     (None where the C kernels do not build)."""
     import torch
 
-    from bench.quant_kernels import shapes
     from tokenloop.engine.matmul import Backend, MatmulPolicy
 
     policy = MatmulPolicy.fixed(Backend.NATIVE2)
@@ -83,7 +98,6 @@ def weight_bytes_per_token(model_dir: Path) -> dict[str, int]:
     """Bytes of weights one decode step reads, per weights mode (the layers' products and the lm_head)."""
     import torch
 
-    from bench.quant_kernels import nbytes, shapes
     from tokenloop.engine.quant import quantize, quantize4
 
     layer_shapes, (vocab, hidden), num_layers = shapes(model_dir)
@@ -129,7 +143,7 @@ def report(figures: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--mb", type=int, default=512, help="MB read per pass (default 512)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)

@@ -13,9 +13,9 @@ scenario of engine_bench.py: 32 x 64 + 128), greedy, in this process, one after 
   the layers' products; SDPA; aten::cat, which the DynamicCache and rope use; other aten operators as layer ops),
   scaled to the unprofiled steps' time; "python/rest" is the wall time the operators do not explain.
 
-    .venv/bin/python bench/decode_profile.py                   # ~2 min on a 2-vCPU VM
-    .venv/bin/python bench/decode_profile.py --skip-transformers --repeat 3
-    .venv/bin/python bench/decode_profile.py --products        # the fp32 product routes at 32 rows, wall ms
+    .venv/bin/tokenloop-bench decode_profile                   # ~2 min on a 2-vCPU VM
+    .venv/bin/tokenloop-bench decode_profile --skip-transformers --repeat 3
+    .venv/bin/tokenloop-bench decode_profile --products        # the fp32 product routes at 32 rows, wall ms
 
 Prints a table per system (ms per decode step, share of the step) and the tokens/s of the decode steps.
 """
@@ -27,17 +27,15 @@ import collections
 import os
 import random
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-from tokenloop.core.request import SamplingParams, StoppingParams, ValidRequest  # noqa: E402
-from tokenloop.engine import engine as engine_module  # noqa: E402
-from tokenloop.engine import runner  # noqa: E402
-from tokenloop.engine.config import EngineConfig  # noqa: E402
-from tokenloop.engine.engine import Engine  # noqa: E402
+from tokenloop.bench.harness import DEFAULT_MODEL
+from tokenloop.core.request import SamplingParams, StoppingParams, ValidRequest
+from tokenloop.engine import engine as engine_module
+from tokenloop.engine import runner
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.engine import Engine
 
 SECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "attention", "layer ops", "fused layers", "prepare", "sampling",
             "python/rest")
@@ -261,7 +259,7 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=128)

@@ -1,6 +1,6 @@
 """Engine (through the real gRPC server) against transformers' generate() with static batches.
 
-    .venv/bin/python bench/engine_bench.py --model models/SmolLM2-135M-Instruct
+    .venv/bin/tokenloop-bench engine --model models/SmolLM2-135M-Instruct
 
 Scenarios (greedy, EOS ignored, token-id prompts cut from one text at different offsets):
   uniform: 32 concurrent requests, 64-token prompts, 128 new tokens;
@@ -16,11 +16,9 @@ scenarios that fit its 256-token slots (single, eight, uniform). With `single`, 
 stream from memory (bench/bandwidth.py) and each mode's one stream as a share of that limit.
 Prints a Markdown table, then the figures issue 32 asks for; `--out FILE` also writes the figures as JSON
 (bench/results-engine.json holds the recorded ones), with the CPU (bench/results.py machine()).
---structured measures structured output instead (bench/structured_bench.py: 32 streams under one JSON schema
-against the same streams free, compile times, a cached schema's admission; recorded in
-bench/results-structured.json).
---shared-prefix measures prefix caching instead (bench/shared_prefix.py: 64 requests sharing a 448-token prefix,
-16 in flight, with and without the cache; recorded in bench/results-shared-prefix.json).
+Every system gets the same warm-up (one 4-token request) before its timed runs, and the one-stream scenario is the
+median of `--single-repeats` repeats on every system, transformers included. Each result keeps the CPU seconds of
+the server (by thread), of this client and of the rest of the machine while it ran.
 """
 
 from __future__ import annotations
@@ -31,27 +29,24 @@ import os
 import platform
 import random
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.procstat import thread_names, threads_cpu_s  # noqa: E402
-from bench.results import add_out_argument, describe, machine, write  # noqa: E402
-from tokenloop.engine.matmul import machine_busy_s  # noqa: E402
-
-TEXT = (ROOT / "README.md").read_text() if (ROOT / "README.md").is_file() else ""
-TEXT += " ".join([
-    "The history of computing is a story of ideas that became machines and machines that changed ideas.",
-    "Rivers carve valleys over millions of years, and the shapes they leave tell geologists about climate.",
-    "A good recipe lists its ingredients in the order they are used and says what the dough should feel like.",
-    "In distributed systems every timeout is a guess about the future, and every retry is a bet on it.",
-]) * 60
+from tokenloop.bench.harness import (
+    DEFAULT_MODEL,
+    TEXT,
+    CpuMeter,
+    TokenloopServer,
+    add_out_argument,
+    describe,
+    free_port,
+    machine,
+    stream_generate,
+    write,
+)
 
 
 @dataclass
@@ -76,6 +71,8 @@ class Result:
     cached_prompt_tokens: int = 0
     # single: tokens/s and tokens/s after the first token of every repeat (this Result is the median one)
     repeats: list[tuple[float, float | None]] = field(default_factory=list)
+    # CPU seconds while it ran: the server's (by thread), this client's, the rest of the machine's (CpuMeter)
+    cpu: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,6 +89,13 @@ class Result:
         if len(self.ttft_s) != 1 or self.num_tokens < 2:
             return None
         return (self.num_tokens - 1) / (self.wall_s - self.ttft_s[0])
+
+    @property
+    def median_decode_tokens_per_s(self) -> float | None:
+        """The median over the repeats of the rate after the first token (the repeat that is median by whole-request
+        tokens/s need not be the median one here); the one run's rate without repeats."""
+        rates = [r[1] for r in self.repeats if r[1] is not None]
+        return statistics.median(rates) if rates else self.decode_tokens_per_s
 
 
 def make_scenarios(corpus: list[int], seed: int = 0) -> dict[str, Scenario]:
@@ -112,7 +116,9 @@ def make_scenarios(corpus: list[int], seed: int = 0) -> dict[str, Scenario]:
 
 # --- transformers, static batches ---
 
-def run_transformers(model_dir: str, scenario: Scenario, num_threads: int) -> Result:
+def run_transformers(model_dir: str, scenarios: list[Scenario], num_threads: int, repeats: int = 1) -> list[Result]:
+    """transformers generate() with static batches of each scenario's concurrency, after the same warm-up as the
+    servers get (one 4-token request, timed for nothing), one-stream scenarios as the median of `repeats`."""
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
@@ -127,96 +133,37 @@ def run_transformers(model_dir: str, scenario: Scenario, num_threads: int) -> Re
             self.at = self.at or time.perf_counter()
             return scores
 
-    num_tokens, ttfts, size = 0, [], scenario.concurrency
-    start = time.perf_counter()
-    for b in range(0, len(scenario.prompts), size):
-        prompts, num_new = scenario.prompts[b:b + size], scenario.num_new[b:b + size]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        first = FirstToken()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(num_new), min_new_tokens=max(num_new),
-                           do_sample=False, eos_token_id=None, pad_token_id=0,
-                           logits_processor=LogitsProcessorList([first]))
-        ttfts.extend([first.at - start] * len(prompts))
-        num_tokens += sum(num_new)
-    return Result("transformers", scenario.name, num_tokens, time.perf_counter() - start, ttfts)
+    def static_batches(scenario: Scenario) -> Result:
+        num_tokens, ttfts, size = 0, [], scenario.concurrency
+        start = time.perf_counter()
+        for b in range(0, len(scenario.prompts), size):
+            prompts, num_new = scenario.prompts[b:b + size], scenario.num_new[b:b + size]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            first = FirstToken()
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=mask, max_new_tokens=max(num_new), min_new_tokens=max(num_new),
+                               do_sample=False, eos_token_id=None, pad_token_id=0,
+                               logits_processor=LogitsProcessorList([first]))
+            ttfts.extend([first.at - start] * len(prompts))
+            num_tokens += sum(num_new)
+        return Result("transformers", scenario.name, num_tokens, time.perf_counter() - start, ttfts)
+
+    static_batches(warm_up(scenarios[0]))
+    return [median_of(s, repeats, lambda r: measured(f"{r.name} (transformers)", None, lambda: static_batches(r)))
+            for s in scenarios]
 
 
 # --- the engine through the gRPC server ---
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: str, port: int, engine_flags: list[str]) -> subprocess.Popen:
-    exe = Path(sys.executable).with_name("tokenloop")
-    cmd = [str(exe), "serve", "--model", model_dir, "--port", str(port), "--metrics-port", "0",
-           "--log-level", os.environ.get("BENCH_LOG_LEVEL", "WARNING"), *engine_flags]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=None)
-
-
-async def wait_ready(port: int, timeout: float = 300.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"the server on port {port} did not become ready in {timeout} s")
-
-
-async def stream_all(port: int, prompts: list[list[int]], num_new: list[int],
-                     concurrency: int) -> tuple[float, list[float], list[int], list[int]]:
-    """Greedy streaming Generate calls through the real gRPC server, EOS ignored, `concurrency` in flight:
-    (wall s, TTFT per request, tokens per request, cached prompt tokens per request), in completion order."""
-    import grpc
-
-    from tokenloop.v1 import tokenloop_pb2 as pb
-    from tokenloop.v1 import tokenloop_pb2_grpc
-
-    gate = asyncio.Semaphore(concurrency)
-    ttfts, counts, cached = [], [], []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = tokenloop_pb2_grpc.TextGenerationStub(channel)
-
-        async def one(prompt: list[int], n: int) -> None:
-            async with gate:
-                sent, first, count = time.perf_counter(), None, 0
-                request = pb.GenerateRequest(
-                    token_ids=pb.TokenIds(ids=prompt), stream=True, sampling=pb.SamplingParams(temperature=0.0),
-                    stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
-                async for response in stub.Generate(request):
-                    if response.HasField("chunk") and response.chunk.token_ids:
-                        first = first or time.perf_counter()
-                        count += len(response.chunk.token_ids)
-                    elif response.HasField("complete"):
-                        cached.append(response.complete.usage.cached_prompt_tokens)
-                ttfts.append(first - sent)
-                counts.append(count)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(one(p, n) for p, n in zip(prompts, num_new)))
-        wall = time.perf_counter() - start
-    return wall, ttfts, counts, cached
-
-
 async def run_grpc(port: int, scenario: Scenario) -> Result:
-    wall, ttfts, counts, cached = await stream_all(port, scenario.prompts, scenario.num_new, scenario.concurrency)
-    if counts != [n for n in scenario.num_new] and sorted(counts) != sorted(scenario.num_new):
-        raise RuntimeError(f"{scenario.name}: the server returned {sum(counts)} tokens, expected {sum(scenario.num_new)}")
-    result = Result("tokenloop", scenario.name, sum(counts), wall, ttfts, sum(cached))
+    run = await stream_generate(port, scenario.prompts, scenario.num_new, scenario.concurrency)
+    ttfts = run.ttft_s
+    if sorted(run.num_tokens) != sorted(scenario.num_new):
+        raise RuntimeError(f"{scenario.name}: the server returned {sum(run.num_tokens)} tokens, expected "
+                           f"{sum(scenario.num_new)}")
+    result = Result("tokenloop", scenario.name, sum(run.num_tokens), run.wall_s, ttfts, sum(run.cached_prompt_tokens))
     rate = result.decode_tokens_per_s  # one stream: the rate decode_profile.py's decode steps compare with
     if rate is not None:
         print(f"{scenario.name}: after the first token {1e3 / rate:.2f} ms per token ({rate:.1f} tok/s; "
@@ -225,27 +172,18 @@ async def run_grpc(port: int, scenario: Scenario) -> Result:
     return result
 
 
-def cpu_by_thread_name(pid: int) -> dict[str, float]:
-    """CPU seconds of the threads of `pid`, summed by thread name."""
-    names, out = thread_names(pid), {}
-    for tid, seconds in threads_cpu_s(pid).items():
-        name = names.get(tid, str(tid))
-        out[name] = out.get(name, 0.0) + seconds
-    return out
-
-
-def measured(name: str, pid: int | None, run):
-    """run(); prints the CPU seconds it cost: the server's by thread (when its pid is known), the bench client's,
-    and everything else on the machine (the load note every figure needs)."""
-    before, cpu, busy = cpu_by_thread_name(pid) if pid else {}, time.process_time(), machine_busy_s()
-    result = run()
-    after, cpu, busy = cpu_by_thread_name(pid) if pid else {}, time.process_time() - cpu, machine_busy_s() - busy
-    used = {thread: after[thread] - before.get(thread, 0.0) for thread in after}
-    busiest = [kv for kv in sorted(used.items(), key=lambda kv: -kv[1]) if kv[1] >= 0.05][:8]
-    print(f"{name}: server CPU s by thread: " + (", ".join(f"{n} {t:.2f}" for n, t in busiest) or "(not known)")
-          + f"; bench client {cpu:.1f}; everything else on the machine {busy - sum(used.values()) - cpu:.1f}",
-          file=sys.stderr, flush=True)
+def measured(name: str, pid: int | None, run) -> Result:
+    """run() under a CpuMeter: the Result carries the CPU seconds of the server (by thread), of this client and of
+    the rest of the machine while it ran."""
+    with CpuMeter(name, pid) as meter:
+        result = run()
+    result.cpu = meter.record
     return result
+
+
+def warm_up(scenario: Scenario) -> Scenario:
+    """One request of 4 new tokens on warm_up_prompt: every system runs it once before its timed runs."""
+    return Scenario("warm-up", [warm_up_prompt(scenario)], [4], 1)
 
 
 def warm_up_prompt(scenario: Scenario) -> list[int]:
@@ -276,17 +214,11 @@ def median_of(scenario: Scenario, repeats: int, run) -> Result:
 
 def run_engine_grpc(model_dir: str, scenarios: list[Scenario], engine_flags: list[str],
                     repeats: int = 1) -> list[Result]:
-    port = free_port()
-    server = start_server(model_dir, port, engine_flags)
-    try:
-        asyncio.run(wait_ready(port))
-        warm = Scenario("warm-up", [warm_up_prompt(scenarios[0])], [4], 1)
-        asyncio.run(run_grpc(port, warm))
-        return [median_of(s, repeats, lambda r: measured(r.name, server.pid, lambda: asyncio.run(run_grpc(port, r))))
+    with TokenloopServer(model_dir, engine_flags) as server:
+        asyncio.run(run_grpc(server.port, warm_up(scenarios[0])))
+        return [median_of(s, repeats, lambda r: measured(r.name, server.pid,
+                                                         lambda: asyncio.run(run_grpc(server.port, r))))
                 for s in scenarios]
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 # --- llama.cpp's llama-server ---
@@ -295,7 +227,7 @@ LLAMA = "llama-server Q4_1"
 
 
 def llama_fits(scenario: Scenario) -> bool:
-    from bench.llama_server import SLOT_TOKENS
+    from tokenloop.bench.llama_server import SLOT_TOKENS
     return all(len(p) + n <= SLOT_TOKENS for p, n in zip(scenario.prompts, scenario.num_new))
 
 
@@ -303,14 +235,14 @@ def run_llama(url: str, scenarios: list[Scenario], corpus_text: str, corpus: lis
               pid: int | None = None, repeats: int = 1) -> list[Result]:
     """The scenarios against llama-server at `url`, each request through its streaming client; scenarios that do
     not fit its slots are left out with the reason printed."""
-    from bench.llama_server import SLOT_TOKENS, LlamaClient
+    from tokenloop.bench.llama_server import SLOT_TOKENS, LlamaClient
 
     client = LlamaClient(url)
     theirs = client.tokenize(corpus_text[:2000].rsplit(" ", 1)[0])  # cut before a word: the same tokens as the corpus
     if not theirs or theirs != corpus[:len(theirs)]:
         raise RuntimeError("llama-server's GGUF tokenizes the prompts differently from the model's tokenizer.json: "
                            "the prompts would not be the same tokens")
-    client.complete(warm_up_prompt(scenarios[0]), 4)  # warm-up
+    asyncio.run(client.run([warm_up_prompt(scenarios[0])], [4], 1))  # the same warm-up as the other systems
     results = []
     for s in scenarios:
         if not llama_fits(s):
@@ -319,12 +251,13 @@ def run_llama(url: str, scenarios: list[Scenario], corpus_text: str, corpus: lis
             continue
 
         def once(s: Scenario) -> Result:
-            wall, done = measured(f"{s.name} ({LLAMA})", pid, lambda: client.run(s.prompts, s.num_new, s.concurrency))
+            with CpuMeter(f"{s.name} ({LLAMA})", pid) as meter:
+                wall, done = asyncio.run(client.run(s.prompts, s.num_new, s.concurrency))
             counts = [c.num_tokens for c in done]
             if counts != s.num_new:
                 raise RuntimeError(f"{s.name}: llama-server returned {counts}, expected {s.num_new} tokens")
             return Result(LLAMA, s.name, sum(counts), wall, [c.ttft_s for c in done],
-                          sum(c.cached_prompt_tokens for c in done))
+                          sum(c.cached_prompt_tokens for c in done), cpu=meter.record)
         results.append(median_of(s, repeats, once))
     return results
 
@@ -333,7 +266,7 @@ def run_llama_cpp(build_dir: str, gguf: str | None, scenarios: list[Scenario], c
                   corpus: list[int], extra_flags: tuple[str, ...] = (),
                   repeats: int = 1) -> tuple[list[Result], list[str]]:
     """llama-server started from `build_dir` on a free port for the scenarios, then stopped: (results, its command)."""
-    from bench.llama_server import SERVER_FLAGS, LlamaServer
+    from tokenloop.bench.llama_server import SERVER_FLAGS, LlamaServer
 
     with LlamaServer(build_dir, free_port(), gguf, SERVER_FLAGS + extra_flags) as server:
         return run_llama(server.url, scenarios, corpus_text, corpus, server.proc.pid, repeats), server.cmd
@@ -374,7 +307,7 @@ def must_show(results: list[Result], bandwidth: dict | None) -> tuple[dict, str]
     """Issue 32's "What must be shown", from one run: the fastest tokenloop mode against llama-server at 1, 8 and 32
     streams and TTFT p50 at 32; each quantized mode's one stream as a share of the bandwidth limit; fp32 against
     transformers, uniform and mixed. (figures, Markdown lines); rows whose systems did not run are left out."""
-    from bench import bandwidth as bw
+    from tokenloop.bench import bandwidth as bw
 
     by = {(r.system, r.scenario): r for r in results}
     figures, lines = {}, []
@@ -402,7 +335,7 @@ def must_show(results: list[Result], bandwidth: dict | None) -> tuple[dict, str]
             # the figure issue 32's 60 % is held against) and, for comparison, the request's tokens/s (its prefill and
             # first token counted; a prefill is compute-bound)
             for key, what, rate, index in ((f"{mode}_decode_bandwidth_share", "after the first token",
-                                            single.decode_tokens_per_s, 1),
+                                            single.median_decode_tokens_per_s, 1),
                                            (f"{mode}_bandwidth_share", "whole request", single.tokens_per_s, 0)):
                 if rate is None:
                     continue
@@ -428,15 +361,13 @@ def must_show(results: list[Result], bandwidth: dict | None) -> tuple[dict, str]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
-    parser.add_argument("--scenarios", default="uniform,mixed,single")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--scenarios", default="single,eight,uniform,mixed")
     parser.add_argument("--reference", choices=("transformers", "none"), default="transformers")
     parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
-    add_out_argument(parser, "results-engine.json (results-structured.json with --structured)")
-    parser.add_argument("--structured", action="store_true", help="structured output's costs (structured_bench.py)")
-    parser.add_argument("--shared-prefix", action="store_true", help="prefix caching on and off (shared_prefix.py)")
-    parser.add_argument("--new-tokens", default="10,64", help="--shared-prefix: output lengths to run, comma-separated")
-    parser.add_argument("--rounds", type=int, default=3, help="--structured: free / constrained rounds")
+    add_out_argument(parser, "results-engine.json")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="every request's new tokens instead of the scenario's (a quick check, not a figure)")
     parser.add_argument("--weights", default=None, metavar="MODES",
                         help="comma-separated `tokenloop serve --weights` modes, one server each (fp32,int8,int4)")
     llama = parser.add_mutually_exclusive_group()
@@ -455,12 +386,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the one-stream scenario this many times per system and report the median (every "
                              "repeat is printed and recorded)")
     args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
-    if args.structured:
-        from bench import structured_bench
-        return structured_bench.main(args.model, engine_flags, args.out, args.rounds)
-    if args.shared_prefix:
-        from bench import shared_prefix
-        return shared_prefix.main(args.model, engine_flags, args.out, args.new_tokens)
     from tokenloop.core.tokenizer import Tokenizer
 
     corpus = Tokenizer.from_dir(args.model).encode(TEXT)
@@ -469,9 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(all_scenarios)})")
     scenarios = [all_scenarios[name] for name in args.scenarios.split(",")]
+    if args.new_tokens:
+        scenarios = [Scenario(s.name, s.prompts, [args.new_tokens] * len(s.prompts), s.concurrency) for s in scenarios]
     bandwidth = None
     if "single" in args.scenarios.split(",") and not args.no_bandwidth:
-        from bench import bandwidth as bw
+        from tokenloop.bench import bandwidth as bw
         bandwidth = bw.measure(Path(args.model))
         print(bw.report(bandwidth), file=sys.stderr, flush=True)
     results, llama_cmd = [], None
@@ -488,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                                          tuple(shlex.split(args.llama_flags)), args.single_repeats)
         results += found
     if args.reference == "transformers":
-        results += [run_transformers(args.model, s, args.num_threads) for s in scenarios]
+        results += run_transformers(args.model, scenarios, args.num_threads, args.single_repeats)
     order = ["transformers", LLAMA, "tokenloop"] + [f"tokenloop {w}" for w in (args.weights or "").split(",") if w]
     results.sort(key=lambda r: (args.scenarios.split(",").index(r.scenario),
                                 order.index(r.system) if r.system in order else len(order)))
@@ -500,13 +427,14 @@ def main(argv: list[str] | None = None) -> int:
           + (f"\nllama-server: {args.llama_server or ' '.join(llama_cmd or [])}" if llama_cmd or args.llama_server
              else "") + f"\n\n{report}")
     if bandwidth:
-        from bench import bandwidth as bw
+        from tokenloop.bench import bandwidth as bw
         print("\n" + bw.report(bandwidth))
     if summary_table:
         print("\n" + summary_table)
     write(args.out, {"engine_flags": engine_flags, "weights": args.weights, "scenarios": args.scenarios,
                      "llama_server": args.llama_server or llama_cmd, "bandwidth": bandwidth, "issue_32": summary,
-                     "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "ttft_p50_s": r.ttft_p50_s}
+                     "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s, "ttft_p50_s": r.ttft_p50_s,
+                                              "median_decode_tokens_per_s": r.median_decode_tokens_per_s}
                                  for r in results]})
     return 0
 

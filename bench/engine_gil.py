@@ -1,7 +1,7 @@
 """Does the embedded engine's GIL use show at the front? A real `tokenloop serve` on the default model, probed.
 
-    .venv/bin/python bench/engine_gil.py               # the table (about a minute)
-    .venv/bin/python bench/engine_gil.py --json        # one JSON line
+    .venv/bin/tokenloop-bench engine_gil               # the table (about a minute)
+    .venv/bin/tokenloop-bench engine_gil --json        # one JSON line
 
 The engine steps the model on its own thread (`tokenloop-engine`) in the server process: torch releases the GIL
 inside its kernels, but scheduling, sampling and building each step's tensors are Python and hold it. While they
@@ -38,16 +38,19 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tokenloop.bench.harness import (
+    DEFAULT_MODEL,
+    ROOT,
+    TokenloopServer,
+    add_out_argument,
+    free_port,
+    threads_cpu_s,
+    write,
+)
+from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
-from bench.engine_bench import free_port, wait_ready  # noqa: E402
-from bench.procstat import threads_cpu_s  # noqa: E402
-from bench.results import add_out_argument, write  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
-
-MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+MODEL = DEFAULT_MODEL
 PROMPT = "Write a short story about a looper thread that never spins."
 
 
@@ -128,19 +131,19 @@ async def _probe_both(stubs: dict, seconds: float) -> dict[str, dict]:
 
 
 async def measure(args) -> dict:
-    port, control_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "tokenloop.service.cli", "serve", "--model", str(args.model),
-                               "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
-                              + (["--front-cpu", args.front_cpu] if args.front_cpu else []),
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    control = subprocess.Popen([sys.executable, __file__, "serve-control", str(control_port)], cwd=ROOT)
+    control_port = free_port()
+    served = TokenloopServer(args.model, ["--front-cpu", args.front_cpu] if args.front_cpu else [])
+    port = served.port
+    control = subprocess.Popen([sys.executable, "-m", "tokenloop.bench.engine_gil", "serve-control",
+                                str(control_port)], cwd=ROOT)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{control_port}") as control_channel:
             stub = pb_grpc.TextGenerationStub(channel)
             stubs = {"tokenloop": stub, "control": pb_grpc.TextGenerationStub(control_channel)}
-            await asyncio.wait_for(asyncio.gather(channel.channel_ready(), control_channel.channel_ready()), 120)
-            await wait_ready(port)  # health SERVING: the model is loaded
+            await served.start()  # health SERVING: the model is loaded
+            server = served.proc
+            await asyncio.wait_for(control_channel.channel_ready(), 120)
             await stub.Generate(pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_new_tokens=2))).read()
             out: dict = {"streams": args.streams, "tokens": args.tokens, "seconds": args.seconds}
             out["idle"] = await _probe_both(stubs, args.seconds)
@@ -175,7 +178,9 @@ async def measure(args) -> dict:
             stop.set()
             await asyncio.gather(*streams, return_exceptions=True)
     finally:
-        for proc in (server, control):
+        if served.proc:
+            served.stop()
+        for proc in (control,):
             proc.terminate()
             try:
                 proc.wait(30)

@@ -1,7 +1,7 @@
 """xgrammar against llguidance on this CPU: compile time, per-token mask time and correctness on the test cases.
 
     .venv/bin/pip install xgrammar   # not a tokenloop dependency: only this comparison needs it
-    .venv/bin/python bench/grammar_libs.py --model models/SmolLM2-135M-Instruct
+    .venv/bin/tokenloop-bench grammar_libs --model models/SmolLM2-135M-Instruct
 
 For each JSON schema of bench/structured_cases.py, each library compiles it cold (no cache) and then walks
 `--walks` random paths through it: at every step it fills the token bitmask (timed), a seeded RNG picks one of the
@@ -25,10 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.results import add_out_argument, machine, write  # noqa: E402
-from bench.structured_cases import SCHEMAS  # noqa: E402
+from tokenloop.bench.harness import DEFAULT_MODEL, add_out_argument, machine, write
+from tokenloop.bench.structured_cases import SCHEMAS
 
 MAX_STEPS = 400
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -189,7 +187,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--walks", type=int, default=20)
     add_out_argument(parser, "results-grammar-libs.json")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """CPU used by an idle tokenloop server: the whole process and the looper thread alone.
 
-    .venv/bin/python bench/idle_cpu.py                      # the real engine and the default model
-    .venv/bin/python bench/idle_cpu.py --executor null      # the null executor (no model weights)
+    .venv/bin/tokenloop-bench idle_cpu                      # the real engine and the default model
+    .venv/bin/tokenloop-bench idle_cpu --executor null      # the null executor (no model weights)
 
 Starts a server in this process, serves a few requests, then sleeps `--seconds` and reads
 utime + stime from /proc/self/stat (every thread) and /proc/self/task/<tid>/stat (the looper
@@ -15,26 +15,19 @@ import asyncio
 import json
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
-
-from bench.procstat import stat_cpu_s, threads_cpu_s  # noqa: E402
-from bench.results import add_out_argument, write  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
-
-DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+from tokenloop.bench.harness import DEFAULT_MODEL, add_out_argument, stat_cpu_s, threads_cpu_s, write
+from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 
 def executor_factory(kind: str):
     if kind == "engine":
         from tokenloop.service.executors import default_executor_factory
         return default_executor_factory
-    from bench.null_executor import NullExecutor, sample_token_ids
+    from tokenloop.bench.null_executor import NullExecutor, sample_token_ids
     from tokenloop.core.tokenizer import Tokenizer
     return lambda cfg: NullExecutor(sample_token_ids(Tokenizer.from_dir(cfg.model)), rate=200.0)
 

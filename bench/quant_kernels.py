@@ -1,7 +1,7 @@
 """Quantized-weight matrix products on this model's shapes: every route the engine's calibration chooses from (the C
 kernels' code paths this CPU runs and torch's kernels), for int8 and int4 weights, against float32.
 
-    .venv/bin/python bench/quant_kernels.py [--weights int8,int4] [--tokens 1,8,32] [--rounds 3] [--out FILE]
+    .venv/bin/tokenloop-bench quant_kernels [--weights int8,int4] [--tokens 1,8,32] [--rounds 3] [--out FILE]
 
 For each tokens-per-step, the products of all decoder layers (qkv, o, gate_up, down with the model's shapes, a
 separate random weight per layer so they stream from memory as in a real step) and the lm_head, the best of
@@ -23,7 +23,7 @@ int4's lm_head is int8 (--weights int4 quantizes the layers to 4 bits), so the l
 for one token: bytes of weights read per step and GB/s. Recorded figures: bench/results-quant-kernels.json, with the CPU
 model and its ISA flags.
 
-    .venv/bin/python bench/quant_kernels.py --compare main [--rows 1,32] [--rounds 5]
+    .venv/bin/tokenloop-bench quant_kernels --compare main [--rows 1,32] [--rounds 5]
 
 `--compare REF` times this checkout's C kernels against the ones at git REF (int4_linear.c, int8_linear.c and the
 headers, from `git archive REF engine` unpacked in a scratch directory; or REF a folder holding such sources), on
@@ -44,28 +44,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from bench.results import add_out_argument, machine, write  # noqa: E402
+from tokenloop.bench.bandwidth import native2, nbytes, shapes, torch_sum
+from tokenloop.bench.harness import DEFAULT_MODEL, ROOT, add_out_argument, machine, write
 
 SLOW = {"fp32 native2": 32, "int8-portable": 8, "int4-portable": 8, "int4-x22-portable": 8}  # timed up to this many tokens only
-
-
-def shapes(model_dir: Path) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
-    """Per-layer (N, K) of the fused products, the lm_head's, and the number of layers."""
-    c = json.loads((model_dir / "config.json").read_text())
-    d, i, h = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
-    kv, e = c.get("num_key_value_heads", h), c.get("head_dim") or c["hidden_size"] // h
-    return [((h + 2 * kv) * e, d), (d, h * e), (2 * i, d), (d, i)], (c["vocab_size"], d), c["num_hidden_layers"]
-
-
-def nbytes(w) -> int:
-    if isinstance(w, torch.Tensor):
-        return w.numel() * w.element_size()
-    return sum(p.numel() * p.element_size() for p in ((w.q, w.scale) if hasattr(w, "scale") else (w.q, w.sm)))
 
 
 def torch_threads(n: int, fn):
@@ -180,7 +165,6 @@ def compare(args, modes: list[str]) -> int:
     """This checkout's kernels against REF's, cold, rows by rows (see the module's docstring)."""
     import tempfile
 
-    from bench.bandwidth import native2, torch_sum
     from tokenloop.engine import kernels
     from tokenloop.engine.quant import quantize, quantize4
 
@@ -242,7 +226,7 @@ def compare(args, modes: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--weights", default="int8,int4", help="quantized modes to time, comma-separated")
     parser.add_argument("--tokens", default="1,8,32")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers to time (default: the model's)")

@@ -8,8 +8,8 @@ round), so load from elsewhere lands on every arm alike; it prints each round, t
 ratio to the first arm, and the CPU milliseconds per token of each thread (the arm's server, or this process for
 `engine`; `client`: this process's gRPC client).
 
-    flock /tmp/bench.lock .venv/bin/python bench/server_ab.py engine server=.venv/bin/tokenloop
-    flock /tmp/bench.lock .venv/bin/python bench/server_ab.py main=../../main/.venv/bin/tokenloop \\
+    flock /tmp/bench.lock .venv/bin/tokenloop-bench server_ab engine server=.venv/bin/tokenloop
+    flock /tmp/bench.lock .venv/bin/tokenloop-bench server_ab main=../../main/.venv/bin/tokenloop \\
         branch=.venv/bin/tokenloop --rounds 8
 """
 
@@ -22,15 +22,13 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.engine_bench import cpu_by_thread_name, free_port, stream_all, wait_ready  # noqa: E402
+from tokenloop.bench.harness import DEFAULT_MODEL, cpu_by_thread_name, free_port, stream_generate, wait_ready
 
 
 class ServerArm:
+    """A `tokenloop serve` started from `exe` (a checkout's entry point)."""
+
     def __init__(self, label: str, exe: str, model: str, flags: list[str]):
         self.label, self.port = label, free_port()
         self.process = subprocess.Popen([exe, "serve", "--model", model, "--port", str(self.port), "--metrics-port", "0",
@@ -38,13 +36,13 @@ class ServerArm:
         self.pid = self.process.pid
 
     def ready(self) -> None:
-        asyncio.run(wait_ready(self.port))
+        asyncio.run(wait_ready(self.port, proc=self.process))
 
     def generate(self, prompts: list[list[int]], n: int) -> tuple[float, float]:
-        wall, ttfts, counts, _ = asyncio.run(stream_all(self.port, prompts, [n] * len(prompts), len(prompts)))
-        if counts != [n] * len(prompts):
-            raise RuntimeError(f"{self.label}: {counts} tokens, expected {n} each")
-        return wall, max(ttfts)
+        run = asyncio.run(stream_generate(self.port, prompts, [n] * len(prompts), len(prompts)))
+        if run.num_tokens != [n] * len(prompts):
+            raise RuntimeError(f"{self.label}: {run.num_tokens} tokens, expected {n} each")
+        return run.wall_s, max(run.ttft_s)
 
     def close(self) -> None:
         self.process.terminate()
@@ -52,6 +50,8 @@ class ServerArm:
 
 
 class EngineArm:
+    """An `Engine` on its own thread in this process, driven through enqueue / await_responses."""
+
     def __init__(self, label: str, model: str, weights: str):
         from tokenloop.engine.config import EngineConfig
         from tokenloop.engine.engine import Engine
@@ -84,17 +84,17 @@ class EngineArm:
         self.engine.shutdown()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("arms", nargs="+", help="`engine`, or LABEL=EXECUTABLE (a tokenloop entry point)")
-    parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--weights", default="int4")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=1, help="concurrent requests per round (8: engine_bench's "
                         "`eight`, 32: `uniform`); ms per token after the first is then per step, after the last "
                         "request's first token")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     arms = []
     try:
         for spec in args.arms:
@@ -130,7 +130,8 @@ def main() -> None:
     finally:
         for arm in arms:
             arm.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

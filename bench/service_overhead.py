@@ -1,7 +1,9 @@
 """What the Python front costs: a bare grpc.aio stream vs the full tokenloop path on a null executor.
 
-    .venv/bin/python bench/service_overhead.py            # the table (about 3.5 minutes)
-    .venv/bin/python bench/service_overhead.py --json     # one JSON line, with ratio_256 and token_ratio_256
+    .venv/bin/tokenloop-bench service_overhead            # the table (about 3.5 minutes)
+    .venv/bin/tokenloop-bench service_overhead --json     # one JSON line, with ratio_256 and token_ratio_256
+    .venv/bin/tokenloop-bench service_overhead --ab-checkout ../main --streams 256 --ab-rounds 8
+                                                          # A/B: this checkout's front against another's
 
 Every server runs in its own process (started from this file with `serve ...`); this process is the
 client (grpc.aio on uvloop, one channel). Scenarios, each at 1, 64 and 256 concurrent streams:
@@ -25,6 +27,12 @@ Throughput scenarios keep the best of `--repeat` interleaved runs; paced ones ru
 times, interleaved, and keep the run with the median p50 (a VM's wake-up latency drifts).
 
 Then `bench/idle_cpu.py` measures an idle server over 10 s.
+
+`--ab-checkout DIR` compares two fronts instead, in one sitting: DIR is another checkout (a `git worktree` at the
+other commit, with its own `.venv` from `make setup`) whose full server runs with DIR's code. Every round runs
+bare, A (this checkout) and B (DIR) one after another at each `--streams` count, the order of A and B swapped every
+other round, so that load from elsewhere lands on both alike; each arm's ratio is its tokens/s over the same
+round's bare messages/s, and the figures are the medians over `--ab-rounds` rounds (with every round kept).
 """
 
 from __future__ import annotations
@@ -41,17 +49,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
+from tokenloop.bench.harness import DEFAULT_MODEL, ROOT, add_out_argument, proc_cpu_s, threads_cpu_s, write
+from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
-from bench.procstat import proc_cpu_s, threads_cpu_s  # noqa: E402
-from bench.results import add_out_argument, write  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
-
-DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 PROMPT = "Write a short story about a looper thread that never spins."
 ROUTER_PROMPT_IDS = list(range(100, 112))  # the router API takes token ids: 12 of them, valid in any vocabulary
 CONCURRENCY = (1, 64, 256)
@@ -178,7 +181,7 @@ def _install_trace(ex) -> None:
 
 
 async def _serve_full(args) -> tuple[object, object]:
-    from bench.null_executor import NullExecutor, sample_token_ids
+    from tokenloop.bench.null_executor import NullExecutor, sample_token_ids
     from tokenloop.core.tokenizer import Tokenizer
     from tokenloop.service.config import ServerConfig
     from tokenloop.service.server import Server
@@ -213,19 +216,33 @@ async def serve(args) -> None:
     await stop()
 
 
+def serve_command(checkout: Path | None = None) -> list[str]:
+    """This file's `serve` in a process of its own: this checkout's, or another checkout's with its own virtualenv
+    (older checkouts ran bench/ as scripts)."""
+    if checkout is None:
+        return [sys.executable, "-m", "tokenloop.bench.service_overhead", "serve"]
+    python = checkout / ".venv" / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"{python} is missing: run `make setup` in {checkout}")
+    if (checkout / "bench" / "__init__.py").exists():
+        return [str(python), "-m", "tokenloop.bench.service_overhead", "serve"]
+    return [str(python), str(checkout / "bench" / "service_overhead.py"), "serve"]
+
+
 class ServerProcess:
     """A `serve` child process; `stop()` returns the executor's emission stamps (full mode)."""
 
     def __init__(self, mode: str, model: str, rate: float | None = None, no_coalesce: bool = False,
-                 stream_interval: int = 1, tokenize_inline_chars: int | None = None, front_cpu: str | None = None):
+                 stream_interval: int = 1, tokenize_inline_chars: int | None = None, front_cpu: str | None = None,
+                 checkout: Path | None = None):
         self.record = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, __file__, "serve", mode, "--model", model, "--record", self.record,
+        cmd = [*serve_command(checkout), mode, "--model", model, "--record", self.record,
                "--stream-interval", str(stream_interval)]
         cmd += ["--rate", str(rate)] if rate else []
         cmd += ["--no-coalesce"] if no_coalesce else []
         cmd += ["--tokenize-inline-chars", str(tokenize_inline_chars)] if tokenize_inline_chars is not None else []
         cmd += ["--front-cpu", front_cpu] if front_cpu is not None and mode == "full" else []
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=checkout or ROOT)
         line = self.proc.stdout.readline()
         looper = int(line.split()[1]) if line.startswith("LOOPER") else 0
         if looper:
@@ -391,7 +408,7 @@ async def _measure_all(args, servers: dict) -> dict[str, list[list[dict]]]:
 
 
 def idle_cpu(model: str, seconds: float) -> dict:
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "idle_cpu.py"), "--model", model,
+    out = subprocess.run([sys.executable, "-m", "tokenloop.bench.idle_cpu", "--model", model,
                           "--executor", "null", "--seconds", str(seconds), "--json"],
                          capture_output=True, text=True, cwd=ROOT, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -417,6 +434,41 @@ async def measure(args) -> dict:
     if args.idle_seconds > 0:
         res["idle"] = idle_cpu(args.model, args.idle_seconds)
     return res
+
+
+async def measure_ab(args) -> dict:
+    """Interleaved A/B of the one-token-per-message path: bare, A (this checkout), B (`--ab-checkout`) per round."""
+    checkout = Path(args.ab_checkout).resolve()
+    servers = {}
+    try:
+        servers["bare"] = ServerProcess("bare", args.model)
+        servers["A"] = ServerProcess("full", args.model, no_coalesce=True, front_cpu=args.front_cpu)
+        servers["B"] = ServerProcess("full", args.model, no_coalesce=True, front_cpu=args.front_cpu,
+                                     checkout=checkout)
+        rounds: dict[int, list[dict]] = {n: [] for n in args.streams}
+        for r in range(args.ab_rounds):
+            for n in args.streams:
+                num, order = tokens_per_stream(n, args.tokens), ["bare", "A", "B"] if r % 2 == 0 else ["bare", "B", "A"]
+                runs = {}
+                for name in order:
+                    srv = servers[name]
+                    runs[name] = await run_load(srv.port, n, num, f"ab{name}{n}.{r}", srv.proc.pid, srv.looper_tid)
+                    runs[name].pop("_receipts")
+                bare = runs["bare"]["messages_per_s"]
+                rounds[n].append({"bare_messages_per_s": bare, **{f"{arm}_ratio": runs[arm]["tokens_per_s"] / bare
+                                                                   for arm in ("A", "B")},
+                                  **{f"{arm}_client_cpu_us_per_msg": runs[arm]["client_cpu_us_per_msg"]
+                                     for arm in ("bare", "A", "B")}})
+                print(f"round {r}, {n} streams: A {rounds[n][-1]['A_ratio']:.3f}, B {rounds[n][-1]['B_ratio']:.3f} "
+                      f"x bare ({bare:,.0f} msgs/s)", file=sys.stderr, flush=True)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    out = {"a": str(ROOT), "b": str(checkout), "rounds": {str(n): runs for n, runs in rounds.items()}}
+    for n, runs in rounds.items():
+        a, b = (statistics.median(x[f"{arm}_ratio"] for x in runs) for arm in ("A", "B"))
+        out[f"median_ratio_{n}"] = {"A": round(a, 3), "B": round(b, 3), "B_over_A": round(b / a, 3)}
+    return out
 
 
 def summary(res: dict) -> dict:
@@ -492,6 +544,9 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=lambda v: [int(x) for x in v.split(",")], default=list(CONCURRENCY),
                    help="comma-separated concurrencies (default 1,64,256)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    p.add_argument("--ab-checkout", default=None, metavar="DIR",
+                   help="A/B instead: this checkout's full path against DIR's (another checkout with its own .venv)")
+    p.add_argument("--ab-rounds", type=int, default=8, help="--ab-checkout: interleaved rounds; medians reported")
     add_out_argument(p, "results-overhead.json")
     args = p.parse_args(argv)
     if args.cmd != "serve" and min(args.repeat, args.paced_repeat) < 1:
@@ -501,6 +556,14 @@ def main(argv=None) -> int:
     import uvloop
     if args.cmd == "serve":
         uvloop.run(serve(args))
+        return 0
+    if args.ab_checkout:
+        res = uvloop.run(measure_ab(args))
+        write(args.out, res)
+        print("| streams | A ÷ bare (median) | B ÷ bare (median) | B ÷ A | rounds |\n| --- | --- | --- | --- | --- |")
+        for n in args.streams:
+            m = res[f"median_ratio_{n}"]
+            print(f"| {n} | {m['A']:.3f} | {m['B']:.3f} | {m['B_over_A']:.3f} | {args.ab_rounds} |")
         return 0
     res = uvloop.run(measure(args))
     write(args.out, res)

@@ -1,6 +1,6 @@
 """Prefix caching measured: requests that share a long system prompt, with and without the cache, in one run.
 
-    .venv/bin/python bench/engine_bench.py --shared-prefix [--new-tokens 10,64] [--out bench/results-shared-prefix.json]
+    .venv/bin/tokenloop-bench shared_prefix [--new-tokens 10,64] [--out bench/results-shared-prefix.json] [SERVE FLAGS]
 
 64 requests whose prompts are one 448-token system prompt followed by a different 64-token tail, 16 in flight,
 greedy, EOS ignored, through the real gRPC server: with `--enable-prefix-caching` and with
@@ -12,25 +12,27 @@ vLLM's "total token throughput") and the prompt tokens served from the cache (`u
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import time
 
+from tokenloop.bench.harness import DEFAULT_MODEL, TEXT, TokenloopServer, add_out_argument, stream_generate, write
+
 NUM_REQUESTS, SYSTEM_TOKENS, TAIL_TOKENS, IN_FLIGHT = 64, 448, 64, 16
 
 
-def prompts(corpus: list[int]) -> list[list[int]]:
+def prompts(corpus: list[int], num: int = NUM_REQUESTS) -> list[list[int]]:
     system = corpus[:SYSTEM_TOKENS]
-    tails = [corpus[SYSTEM_TOKENS + 1000 + i * 131:][:TAIL_TOKENS] for i in range(NUM_REQUESTS)]
+    tails = [corpus[SYSTEM_TOKENS + 1000 + i * 131:][:TAIL_TOKENS] for i in range(num)]
     if any(len(t) < TAIL_TOKENS for t in tails):
         raise ValueError("the corpus is too short for the shared-prefix prompts")
     return [system + t for t in tails]
 
 
 async def run(port: int, batch: list[list[int]], num_new: int) -> dict:
-    from bench.engine_bench import stream_all
-
-    wall, ttfts, counts, cached = await stream_all(port, batch, [num_new] * len(batch), IN_FLIGHT)
+    done = await stream_generate(port, batch, [num_new] * len(batch), IN_FLIGHT)
+    wall, ttfts, counts, cached = done.wall_s, done.ttft_s, done.num_tokens, done.cached_prompt_tokens
     if sum(counts) != num_new * len(batch):
         raise RuntimeError(f"the server returned {sum(counts)} tokens, expected {num_new * len(batch)}")
     prompt_tokens = sum(len(p) for p in batch)
@@ -40,27 +42,26 @@ async def run(port: int, batch: list[list[int]], num_new: int) -> dict:
             "cached_prompt_tokens": sum(cached), "prompt_tokens": prompt_tokens}
 
 
-def main(model_dir: str, engine_flags: list[str], out: str | None, new_tokens: str = "10,64") -> int:
-    from bench.engine_bench import TEXT, free_port, start_server, wait_ready
-    from bench.results import write
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--new-tokens", default="10,64", help="output lengths to run, comma-separated")
+    parser.add_argument("--requests", type=int, default=NUM_REQUESTS, help="requests per run (a quick check: fewer)")
+    add_out_argument(parser, "results-shared-prefix.json")
+    args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
     from tokenloop.core.tokenizer import Tokenizer
 
-    batch = prompts(Tokenizer.from_dir(model_dir).encode(TEXT))
+    model_dir, new_tokens, out = args.model, args.new_tokens, args.out
+    batch = prompts(Tokenizer.from_dir(model_dir).encode(TEXT), args.requests)
     warm = [[5, 6, 7, 8] * 8, [9, 10, 11] * 8]  # unrelated to the prompts: loads the kernels, caches nothing they share
     lengths = [int(n) for n in new_tokens.split(",")]
     runs = []
     for num_new in lengths:
         results = {}
         for mode in ("enable", "no-enable"):  # a fresh server each: nothing cached from the previous run
-            port = free_port()
-            server = start_server(model_dir, port, [f"--{mode}-prefix-caching", *engine_flags])
-            try:
-                asyncio.run(wait_ready(port))
-                asyncio.run(run(port, warm, 4))
-                results[mode] = asyncio.run(run(port, batch, num_new))
-            finally:
-                server.terminate()
-                server.wait(timeout=60)
+            with TokenloopServer(model_dir, [f"--{mode}-prefix-caching", *engine_flags]) as server:
+                asyncio.run(run(server.port, warm, 4))
+                results[mode] = asyncio.run(run(server.port, batch, num_new))
             r = results[mode]
             print(f"{num_new} new tokens, prefix caching {'on' if mode == 'enable' else 'off'}: "
                   f"{r['tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.2f} s, {r['cached_prompt_tokens']} of "
@@ -81,6 +82,6 @@ def main(model_dir: str, engine_flags: list[str], out: str | None, new_tokens: s
             print(f"| {r['new_tokens']} | {name} | {x['tokens_per_s']:.1f} | {x['total_tokens_per_s']:.1f} | "
                   f"{x['ttft_p50_s']:.2f} | {x['ttft_p90_s']:.2f} | {x['cached_prompt_tokens']} / {x['prompt_tokens']} | "
                   f"{ratios} |")
-    write(out, {"engine_flags": engine_flags, "num_requests": NUM_REQUESTS, "shared_prefix_tokens": SYSTEM_TOKENS,
+    write(out, {"engine_flags": engine_flags, "num_requests": len(batch), "shared_prefix_tokens": SYSTEM_TOKENS,
                 "tail_tokens": TAIL_TOKENS, "in_flight": IN_FLIGHT, "runs": runs})
     return 0

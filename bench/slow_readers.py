@@ -1,7 +1,7 @@
 """How long a new client waits beside N streams that never read (issue 28), with and without --slow-reader-grace.
 
-    .venv/bin/python bench/slow_readers.py                 # table + JSON line (a few minutes with the default model)
-    .venv/bin/python bench/slow_readers.py --streams 100   # smaller
+    .venv/bin/tokenloop-bench slow_readers                 # table + JSON line (a few minutes with the default model)
+    .venv/bin/tokenloop-bench slow_readers --streams 100   # smaller
 
 Per run, a real `tokenloop serve` process (default flags but those named) on loopback:
 1. --streams hostile Generate calls (max_new_tokens --hostile-tokens, ignore_eos) over 10 channels whose HTTP/2
@@ -20,58 +20,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
+from tokenloop.bench.harness import DEFAULT_MODEL, TokenloopServer, add_out_argument, write
+from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
-from bench.results import add_out_argument, write  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2 as pb  # noqa: E402
-from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc  # noqa: E402
-
-DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 NEVER_READS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1)]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _tokenloop() -> list[str]:
-    script = Path(sys.executable).parent / "tokenloop"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("tokenloop")
-    return [found] if found else [sys.executable, "-m", "tokenloop.service.cli"]
-
-
 async def _serve(model: str, flags: list[str]) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
-    proc = subprocess.Popen([*_tokenloop(), "serve", "--model", model, "--port", str(port), "--shutdown-grace", "1",
-                             "--log-level", "WARNING", *flags], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = pb_grpc.TextGenerationStub(ch)
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise RuntimeError(f"tokenloop serve exited with {proc.returncode}")
-            try:
-                await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=1)
-                return proc, port
-            except grpc.aio.AioRpcError:
-                await asyncio.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("tokenloop serve did not become ready")
+    server = TokenloopServer(model, ["--shutdown-grace", "1", *flags])
+    await server.start()
+    return server.proc, server.port
 
 
 def _request(max_new: int, rid: str = "") -> pb.GenerateRequest:

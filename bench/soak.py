@@ -1,7 +1,7 @@
 """Chaos and soak: hundreds of misbehaving streams against a real `tokenloop serve`, then a leak check.
 
-    python bench/soak.py            # full: 400 streams (--out FILE writes the table; make soak OUT=bench/RESULTS-soak.md)
-    python bench/soak.py --quick    # 100 streams, < 60 s (tests/e2e/test_soak.py)
+    .venv/bin/tokenloop-bench soak            # full: 400 streams (--out FILE writes the table; make soak OUT=bench/RESULTS-soak.md)
+    .venv/bin/tokenloop-bench soak --quick    # 100 streams, < 60 s (tests/e2e/test_soak.py)
 
 Loopback only, bounded in count and time. The server runs the default model with
 TOKENLOOP_DEBUG_FAULT=request:SOAK-FAULT,position:POISON_POSITION (requests with that marker fail alone; a model
@@ -24,7 +24,6 @@ import asyncio
 import collections
 import json
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -34,11 +33,11 @@ from pathlib import Path
 
 import grpc
 
+from tokenloop.bench.harness import DEFAULT_MODEL, ROOT, describe, free_port, machine
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+MODEL = DEFAULT_MODEL
 MARKER = "SOAK-FAULT"
 POISON_POSITION = 1500  # TOKENLOOP_DEBUG_FAULT position:N on the soak server: only `bad_sampling`'s long prompt reaches it
 GAVE_UP = ("CANCELLED", "DEADLINE_EXCEEDED")  # the client ended these itself
@@ -67,9 +66,7 @@ class ServerProcess:
     """A `tokenloop serve` child on a free loopback port, JSON logs collected."""
 
     def __init__(self, fault: str, *args: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         cmd = [sys.executable, "-m", "tokenloop.service.cli", "serve", "--model", str(MODEL), "--host", "127.0.0.1",
                "--port", str(self.port), "--log-format", "json", "--max-message-bytes", str(MAX_MESSAGE_BYTES), *args]
         env = {**__import__("os").environ, "TOKENLOOP_DEBUG_FAULT": fault}
@@ -374,9 +371,6 @@ def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, 
     for o in outcomes:
         by_kind[o.kind][o.code] += 1
     codes = sorted(by_status)
-    sys.path.insert(0, str(ROOT))  # run as a script: bench/ is on the path, the repository root is not
-    from bench.results import describe, machine
-
     where = machine()
     lines = [f"Run {where['date']} on {describe(where)} ({where['cpus']} CPUs, {where['machine']}).", "",
              f"Soak: {len(outcomes)} Generate streams (seed {args.seed}) in {soak_s:.1f} s against `tokenloop serve` "
@@ -404,7 +398,7 @@ def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, 
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="100 streams, < 60 s (for make test)")
     p.add_argument("--num", type=int, default=None, help="Generate streams (default 400, quick 100)")
@@ -418,7 +412,7 @@ def main() -> int:
     p.add_argument("--out", default=None, metavar="FILE",
                    help="also write the table as Markdown to FILE (none by default; make soak OUT=bench/RESULTS-soak.md "
                         "records a run)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.num = args.num or (100 if args.quick else 400)
     args.death_streams = args.death_streams or (8 if args.quick else 24)
     args.bad_num = args.bad_num or (10 if args.quick else 40)

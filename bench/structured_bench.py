@@ -1,6 +1,6 @@
 """Structured output's costs: decode speed under a JSON schema, compile time, and the admission of a cached schema.
 
-    .venv/bin/python bench/engine_bench.py --structured [--rounds 3] [--out bench/results-structured.json]
+    .venv/bin/tokenloop-bench structured [--rounds 3] [--out bench/results-structured.json] [SERVE FLAGS...]
 
 1. Throughput: 32 concurrent streams (64-token prompts, 128 new tokens, greedy) through the real gRPC server, all
    free (EOS ignored), then all constrained by one JSON schema (bench/structured_cases.BENCH_SCHEMA, which cannot
@@ -12,77 +12,53 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.engine_bench import TEXT, free_port, start_server, wait_ready  # noqa: E402
-from bench.results import machine, write  # noqa: E402
-from bench.structured_cases import ARITHMETIC_GRAMMAR, BENCH_SCHEMA, REGEXES, SCHEMAS  # noqa: E402
+from tokenloop.bench.harness import (
+    DEFAULT_MODEL,
+    TEXT,
+    TokenloopServer,
+    add_out_argument,
+    machine,
+    stream_generate,
+    write,
+)
+from tokenloop.bench.structured_cases import ARITHMETIC_GRAMMAR, BENCH_SCHEMA, REGEXES, SCHEMAS
 
 NUM_STREAMS, PROMPT_TOKENS, NEW_TOKENS = 32, 64, 128
 
 
-async def run_streams(port: int, prompts: list[list[int]], schema: str | None) -> tuple[float, int, list[str]]:
+async def run_streams(port: int, prompts: list[list[int]], schema: str | None,
+                      new_tokens: int) -> tuple[float, int, list[str]]:
     """(tokens/s, tokens, finish reasons) of one batch of concurrent streams."""
-    import grpc
-
-    from tokenloop.v1 import tokenloop_pb2 as pb
-    from tokenloop.v1 import tokenloop_pb2_grpc
-
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = tokenloop_pb2_grpc.TextGenerationStub(channel)
-
-        async def one(prompt: list[int]) -> tuple[int, int]:
-            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), stream=True,
-                                         sampling=pb.SamplingParams(temperature=0.0),
-                                         stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, ignore_eos=schema is None))
-            if schema is not None:
-                request.json_schema = schema
-            count, reason = 0, 0
-            async for response in stub.Generate(request):
-                if response.HasField("chunk"):
-                    count += len(response.chunk.token_ids)
-                else:
-                    reason = response.complete.finish_reason
-            return count, reason
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in prompts))
-        wall = time.perf_counter() - start
-    tokens = sum(c for c, _ in results)
-    return tokens / wall, tokens, sorted({pb.FinishReason.Name(r) for _, r in results})
+    run = await stream_generate(port, prompts, [new_tokens] * len(prompts), len(prompts), json_schema=schema)
+    return sum(run.num_tokens) / run.wall_s, sum(run.num_tokens), sorted(set(run.finish_reasons))
 
 
-def throughput(model: str, engine_flags: list[str], rounds: int) -> dict:
+def throughput(model: str, engine_flags: list[str], rounds: int, streams: int = NUM_STREAMS,
+               new_tokens: int = NEW_TOKENS) -> dict:
     from tokenloop.core.tokenizer import Tokenizer
 
     corpus = Tokenizer.from_dir(model).encode(TEXT)
-    prompts = [corpus[i * 97:i * 97 + PROMPT_TOKENS] for i in range(NUM_STREAMS)]
+    prompts = [corpus[i * 97:i * 97 + PROMPT_TOKENS] for i in range(streams)]
     schema = json.dumps(BENCH_SCHEMA)
-    port = free_port()
-    server = start_server(model, port, engine_flags)
     runs: dict[str, list[float]] = {"free": [], "json_schema": []}
     reasons: dict[str, list[str]] = {}
-    try:
-        asyncio.run(wait_ready(port))
-        asyncio.run(run_streams(port, prompts[:2], schema))  # warm-up, and the schema compiled once
+    with TokenloopServer(model, engine_flags) as server:
+        asyncio.run(run_streams(server.port, prompts[:2], schema, new_tokens))  # warm-up; the schema compiled once
         for _ in range(rounds):
             for name, spec in (("free", None), ("json_schema", schema)):
-                tok_s, tokens, finish = asyncio.run(run_streams(port, prompts, spec))
-                if tokens != NUM_STREAMS * NEW_TOKENS:
-                    raise RuntimeError(f"{name}: {tokens} tokens, expected {NUM_STREAMS * NEW_TOKENS}")
+                tok_s, tokens, finish = asyncio.run(run_streams(server.port, prompts, spec, new_tokens))
+                if tokens != streams * new_tokens:
+                    raise RuntimeError(f"{name}: {tokens} tokens, expected {streams * new_tokens}")
                 runs[name].append(tok_s)
                 reasons[name] = finish
                 print(f"{name}: {tok_s:.1f} tok/s ({', '.join(finish)})", file=sys.stderr, flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     free, constrained = statistics.fmean(runs["free"]), statistics.fmean(runs["json_schema"])
     return {"runs_tok_s": runs, "finish_reasons": reasons, "free_tok_s": free, "constrained_tok_s": constrained,
             "ratio": constrained / free}
@@ -155,11 +131,19 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(model: str, engine_flags: list[str], out: str | None, rounds: int = 3) -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--rounds", type=int, default=3, help="free / constrained rounds, alternated")
+    parser.add_argument("--streams", type=int, default=NUM_STREAMS, help="concurrent streams (a quick check: fewer)")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="new tokens per stream")
+    add_out_argument(parser, "results-structured.json")
+    args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
+    model = args.model
     result = {"engine_flags": engine_flags, "compile": compile_times(model), "admission": cached_admission(model),
-              "throughput": throughput(model, engine_flags, rounds)}
+              "throughput": throughput(model, engine_flags, args.rounds, args.streams, args.new_tokens)}
     where = machine()
     print(f"\n{where['date']}, {where['cpu']}, {where['cpus']} CPUs, engine flags: "
           f"{' '.join(engine_flags) or '(defaults)'}\n\n{report(result)}")
-    write(out, result)
+    write(args.out, result)
     return 0

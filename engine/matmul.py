@@ -74,7 +74,7 @@ QUIET_SAMPLE_S = 0.3
 
 def machine_busy_s() -> float:
     """CPU seconds every process on the machine has used since boot: /proc/stat's first line, all of user nice
-    system idle iowait irq softirq steal but idle and iowait (bench/procstat.py uses it too)."""
+    system idle iowait irq softirq steal but idle and iowait (bench/harness.py uses it too)."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:9]]
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")

@@ -23,7 +23,12 @@ Rules (README.md "Docs that run as written"):
   number it names from `PORTS` becomes a free port for that run (and $PORT, which `make serve` reads, the one
   for 50051). Whatever a block left running is stopped when it ends.
 
-`python tests/docs_check.py` lists every shell block with its marker.
+Figures: a number the README or docs/ state as measured is tied to a results file by a marker after it
+(`<!-- figure NAME -->`, computed by bench/figures.py), sits in a table rendered from one
+(`<!-- figures table NAME -->`), or is marked as history (`<!-- history DATE COMMIT -->`); `figure_problems()` fails
+when the text and the results file disagree (bench/README.md).
+
+`python tests/docs_check.py` lists every shell block with its marker, then every figure that disagrees.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ SHELL_LANGUAGES = ("bash", "sh", "shell", "console")
 PORTS = (50051, 50052, 50151, 9464, 30000)  # ports the docs use; own-server blocks get free ones instead
 VERBS = ("run", "covered-by", "skip")
 # what `make setup` / `make setup-dev` put in .venv/bin: a block names them by that path, never bare
-VENV_TOOLS = ("tokenloop-cli", "tokenloop", "python3", "python", "pip", "pytest", "ruff", "grpcurl", "smg", "buf")
+VENV_TOOLS = ("tokenloop-cli", "tokenloop-bench", "tokenloop", "python3", "python", "pip", "pytest", "ruff", "grpcurl", "smg", "buf")
 _BARE_TOOL = re.compile(r"(?:^|[|;&(]\s*|\$\(\s*|\b(?:then|do|else|time|exec|nohup|timeout \S+)\s+)"
                         r"(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(" + "|".join(map(re.escape, VENV_TOOLS)) + r")(?=\s|$)")
 _FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)\s*$")
@@ -201,12 +206,21 @@ def substitute_ports(text: str, mapping: dict[int, int]) -> str:
     return text
 
 
+def figure_problems(root: Path = ROOT) -> list[str]:
+    """Where a figure of README.md or docs/*.md disagrees with its results file, a rendered table is stale, or a
+    measured number in the README's Measured and Features sections is neither tied to a results file nor marked as
+    history (the markers: bench/figures.py, bench/README.md)."""
+    from tokenloop.bench import figures
+    return [p for path in doc_files(root) for p in figures.problems(path, root)]
+
+
 def main() -> int:
     bad = []
     for block in all_blocks():
         if block.is_shell:
             print(f"{block.name:32} {block.language:8} {block.marker or '(no marker)'}")
         bad += problems(block)
+    bad += figure_problems()
     for line in bad:
         print(line, file=sys.stderr)
     return 1 if bad else 0

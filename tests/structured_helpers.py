@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 
-from bench.structured_cases import MAX_NEW_TOKENS, arithmetic_value
+from tokenloop.bench.structured_cases import MAX_NEW_TOKENS, arithmetic_value
 from tokenloop.core.request import SamplingParams, StoppingParams, StructuredOutput, ValidRequest
 from tokenloop.core.structured import GrammarCompiler
 from tokenloop.core.tokenizer import ModelCard, Tokenizer

@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 def test_engine_gil_bench_probes_both_servers_idle_and_loaded(default_model_dir):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "engine_gil.py"), "--json", "--model", str(default_model_dir),
+        [sys.executable, "-m", "tokenloop.bench", "engine_gil", "--json", "--model", str(default_model_dir),
          "--streams", "2", "--tokens", "8", "--seconds", "2", "--warmup", "1", "--no-py-spy"],
         capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.llama_server import GGUF, LlamaClient, LlamaServer
 from tests.conftest import ROOT
+from tokenloop.bench.llama_server import GGUF, LlamaClient, LlamaServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ def llama_dir() -> Path:
 
 def _bench(tmp_path, model: Path, *flags: str) -> dict:
     out = tmp_path / "engine.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "engine_bench.py"), "--model", str(model),
+    run = subprocess.run([sys.executable, "-m", "tokenloop.bench", "engine", "--model", str(model),
                           "--scenarios", "single", "--reference", "none", "--no-bandwidth", "--out", str(out), *flags],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -49,6 +49,8 @@ def _check(data: dict) -> None:
     assert set(systems) == {"tokenloop", "llama-server Q4_1"}
     for r in systems.values():
         assert r["num_tokens"] == 128 and len(r["ttft_s"]) == 1 and r["ttft_s"][0] > 0
+        # each side's client CPU is kept (both clients are asyncio loops in the bench process), and the server's
+        assert r["cpu"]["client_cpu_s"] > 0 and r["cpu"]["server_cpu_s"] > 0
     summary = data["issue_32"]["vs_llama_single"]
     assert summary["system"] == "tokenloop" and summary["ratio"] > 0
     assert data["cpu"] and "isa" in data and data["cpu_family"] is not None
@@ -61,7 +63,7 @@ def test_the_bench_starts_llama_server_itself(tmp_path, llama_dir, default_model
 
 
 def test_the_bench_drives_a_running_llama_server(tmp_path, llama_dir, default_model_dir):
-    from bench.engine_bench import free_port
+    from tokenloop.bench.harness import free_port
 
     with LlamaServer(llama_dir, free_port()) as server:
         data = _bench(tmp_path, default_model_dir, "--llama-server", server.url)

@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 def test_prompt_stall_bench_reports_its_keys(tokenizer_dir):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "prompt_stall.py"), "--json", "--model", str(tokenizer_dir),
+        [sys.executable, "-m", "tokenloop.bench", "prompt_stall", "--json", "--model", str(tokenizer_dir),
          "--streams", "8", "--rate", "50", "--seconds", "1", "--repeat", "1", "--prompt-tokens", "3000",
          "--prompts-per-s", "4"],
         capture_output=True, text=True, cwd=ROOT, timeout=180)

@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 def test_service_overhead_bench_reports_its_keys_and_each_scenario_sends_what_it_says(tokenizer_dir, tmp_path):
     raw = tmp_path / "raw.json"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "service_overhead.py"), "--json", "--model", str(tokenizer_dir),
+        [sys.executable, "-m", "tokenloop.bench", "service_overhead", "--json", "--model", str(tokenizer_dir),
          "--scenarios", "bare,messages,coalesced,paced,bare-paced,router,router-paced", "--streams", "1,64",
          "--tokens", "2048",
          "--repeat", "1", "--paced-repeat", "2", "--rate", "50", "--idle-seconds", "1", "--out", str(raw)],

@@ -14,7 +14,7 @@ from tests.e2e.live_server import DEFAULT_MODEL, ROOT
                     reason="the default model is not prepared: run `make model`")
 def test_quick_soak_finds_no_leaks(tmp_path):
     out = tmp_path / "soak.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tokenloop.bench", "soak", "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     table = out.read_text()

@@ -22,12 +22,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.structured_cases import SCHEMAS
 from tests.engine_helpers import final, greedy_request, run_all, tokens
 from tests.integration.service_harness import serving
 from tests.lora_helpers import write_adapter
 from tests.structured_helpers import check_json, compiler_for, constrained
 from tests.tiny_model import make_tiny_model
+from tokenloop.bench.structured_cases import SCHEMAS
 from tokenloop.core.request import FinishReason
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine import kernels

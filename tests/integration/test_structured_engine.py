@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.structured_cases import ARITHMETIC_GRAMMAR, REGEXES, SCHEMAS
 from tests.engine_helpers import collect, final, greedy_request, run_all, sampled_request, tokens
 from tests.structured_helpers import check_arithmetic, check_json, check_regex, compiler_for, constrained
 from tests.tiny_model import make_tiny_model
+from tokenloop.bench.structured_cases import ARITHMETIC_GRAMMAR, REGEXES, SCHEMAS
 from tokenloop.core.request import FinishReason, OutputParams
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig

@@ -15,11 +15,11 @@ import pytest
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
-from bench.structured_cases import ARITHMETIC_GRAMMAR, REGEXES, SCHEMAS
 from tests.conftest import run
 from tests.integration.service_harness import serving
 from tests.structured_helpers import check_arithmetic, check_json, check_regex
 from tests.tiny_model import make_tiny_model
+from tokenloop.bench.structured_cases import ARITHMETIC_GRAMMAR, REGEXES, SCHEMAS
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.v1 import tokenloop_pb2 as pb

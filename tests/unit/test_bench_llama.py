@@ -4,6 +4,7 @@ tests/e2e/test_llama_bench.py runs it against a real llama-server where one is b
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import threading
@@ -11,15 +12,24 @@ from itertools import count
 
 import pytest
 
-from bench import bandwidth, engine_bench
-from bench.llama_server import LlamaClient, LlamaError, LlamaServer, parse_stream, request_body
 from tests.conftest import ROOT
+from tokenloop.bench import bandwidth, engine_bench
+from tokenloop.bench.harness import HttpError, sse_lines
+from tokenloop.bench.llama_server import LlamaClient, LlamaError, LlamaServer, parse_stream, request_body
 
 # The body of `POST /completion` with request_body(RECORDED_PROMPT, 8), streamed by the llama-server that
 # ../shared/tools/build_llamacpp.sh builds (llama-cpp-python 0.3.36's tree) on the Q4_1 GGUF, 2026-12-06 02:45 UTC
 RECORDED = ROOT / "tests" / "data" / "llama_server_completion_stream.txt"
 # "The history of computing is a story of ideas that became machines and machines that changed ideas."
 RECORDED_PROMPT = [504, 1463, 282, 7867, 314, 253, 1977, 282, 2821, 338, 2163, 6120, 284, 6120, 338, 4247, 2821, 30]
+
+
+def parse(lines: list[bytes], sent: float, clock=None):
+    """parse_stream over `lines` served as an async iterable, as sse_lines gives them."""
+    async def served():
+        for line in lines:
+            yield line
+    return asyncio.run(parse_stream(served(), sent, clock) if clock else parse_stream(served(), sent))
 
 
 def clock_from(start: float = 10.0):
@@ -29,7 +39,7 @@ def clock_from(start: float = 10.0):
 
 def test_parse_stream_reads_a_recorded_response():
     lines = RECORDED.read_bytes().splitlines(keepends=True)
-    done = parse_stream(lines, sent=9.5, clock=clock_from(10.0))
+    done = parse(lines, sent=9.5, clock=clock_from(10.0))
     assert done.num_tokens == 8 and len(done.token_ids) == 8  # tokens_predicted, and one id per streamed event
     assert done.ttft_s == 0.5  # the first event with a token, on the clock: read once, at that event
     assert done.token_ids == [198, 198, 504, 1977, 282, 7867, 314, 253]  # greedy: "\n\nThe story of computing is a"
@@ -45,7 +55,7 @@ def test_parse_stream_counts_tokens_from_the_final_event():
     """A token ending in half a UTF-8 character is sent with the next one: the count is tokens_predicted."""
     lines = _events({"content": "a", "tokens": [1], "stop": False}, {"content": "\u00e9", "tokens": [3], "stop": False},
                     {"content": "", "tokens": [], "stop": True, "tokens_predicted": 3, "timings": {"cache_n": 16}})
-    done = parse_stream(lines, sent=0.0, clock=clock_from(2.0))
+    done = parse(lines, sent=0.0, clock=clock_from(2.0))
     assert (done.num_tokens, done.token_ids, done.ttft_s, done.cached_prompt_tokens) == (3, [1, 3], 2.0, 16)
 
 
@@ -56,7 +66,7 @@ def test_parse_stream_counts_tokens_from_the_final_event():
 ])
 def test_parse_stream_rejects_broken_streams(lines, message):
     with pytest.raises(LlamaError, match=message):
-        parse_stream(lines, sent=0.0)
+        parse(lines, sent=0.0)
 
 
 def test_the_request_is_greedy_token_ids_ignoring_eos():
@@ -66,7 +76,10 @@ def test_the_request_is_greedy_token_ids_ignoring_eos():
 
 
 class _Replay(http.server.BaseHTTPRequestHandler):
-    """Answers /completion with the recorded stream, /tokenize with fixed ids; remembers the bodies."""
+    """Answers /completion with the recorded stream (in HTTP/1.1 chunks of 100 bytes, as llama-server sends its
+    events chunked), /tokenize with fixed ids; remembers the bodies."""
+
+    protocol_version = "HTTP/1.1"
 
     bodies: list[dict] = []
 
@@ -76,11 +89,18 @@ class _Replay(http.server.BaseHTTPRequestHandler):
         self.send_response(200 if self.path in ("/completion", "/tokenize") else 404)
         self.send_header("Content-Type", "text/event-stream" if self.path == "/completion" else "application/json")
         self.send_header("Connection", "close")
-        self.end_headers()
         if self.path == "/completion":
-            self.wfile.write(RECORDED.read_bytes())
-        elif self.path == "/tokenize":
-            self.wfile.write(json.dumps({"tokens": [1, 2, 3]}).encode())
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            data = RECORDED.read_bytes()
+            for i in range(0, len(data), 100):  # chunk borders fall inside events and lines
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data[i:i + 100]), data[i:i + 100]))
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            payload = json.dumps({"tokens": [1, 2, 3]}).encode() if self.path == "/tokenize" else b"{}"
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
 
     def log_message(self, *args):
         pass
@@ -91,12 +111,15 @@ def test_the_client_streams_requests_over_http_in_order():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = LlamaClient(f"http://127.0.0.1:{server.server_address[1]}")
-        wall, done = client.run([[1, 2], [3, 4, 5], [6]], [8, 8, 8], concurrency=2)
+        wall, done = asyncio.run(client.run([[1, 2], [3, 4, 5], [6]], [8, 8, 8], concurrency=2))
         assert wall > 0 and [c.num_tokens for c in done] == [8, 8, 8] and all(c.ttft_s > 0 for c in done)
+        assert all(c.token_ids == [198, 198, 504, 1977, 282, 7867, 314, 253] for c in done)  # every chunk read
         assert sorted(b["prompt"] for b in _Replay.bodies) == [[1, 2], [3, 4, 5], [6]]
         assert client.tokenize("text") == [1, 2, 3]
         with pytest.raises(LlamaError, match="HTTP 404"):
             client._call("POST", "/nothing", {})
+        with pytest.raises(HttpError, match="POST /nothing: HTTP 404"):
+            asyncio.run(anext(sse_lines(client.host, client.port, "/nothing", {})))
     finally:
         server.shutdown()
 
@@ -170,3 +193,21 @@ def test_a_one_stream_scenario_reports_the_median_of_its_repeats():
     assert all(warm[0] != engine_bench.rotated(single, shift).prompts[0][0] for shift in range(16))
     eight = engine_bench.make_scenarios(list(range(5000)))["eight"]
     assert engine_bench.median_of(eight, 3, lambda s: s.name) == "eight"  # several streams: one run
+
+
+def test_the_decode_share_is_held_against_the_median_decode_rate():
+    """The repeat that is median by whole-request tok/s need not be median after the first token: the summary's
+    decode share uses the median of the decode rates."""
+    single = engine_bench.make_scenarios(list(range(5000)))["single"]
+    runs = iter([(100.0, 0.30), (120.0, 0.02), (110.0, 0.01)])  # (tok/s, TTFT): 110 is the median by tok/s
+
+    def run(scenario):
+        rate, ttft = next(runs)
+        return engine_bench.Result("tokenloop int4", "single", 128, 128 / rate, [ttft])
+    median = engine_bench.median_of(single, 3, run)
+    decode = sorted(127 / (128 / rate - ttft) for rate, ttft in ((100.0, 0.30), (120.0, 0.02), (110.0, 0.01)))
+    assert median.tokens_per_s == pytest.approx(110.0)
+    assert median.median_decode_tokens_per_s == pytest.approx(decode[1]) != median.decode_tokens_per_s
+    figures = {"weight_bytes_per_token": {"int4": 100e6}, "limit_bytes_per_s": 20e9}
+    summary, _ = engine_bench.must_show([median], figures)
+    assert summary["int4_decode_bandwidth_share"] == pytest.approx(bandwidth.share(figures, "int4", decode[1]))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.null_executor import sample_token_ids
+from tokenloop.bench.null_executor import sample_token_ids
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.looper.detokenizer import IncrementalDetokenizer, StopMatcher, is_byte_level, token_texts
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from bench.null_executor import NullExecutor, sample_token_ids
 from tests.conftest import run
+from tokenloop.bench.null_executor import NullExecutor, sample_token_ids
 from tokenloop.core.executor import Executor
 from tokenloop.core.request import FinishReason, StoppingParams, ValidRequest
 from tokenloop.looper.looper import Looper

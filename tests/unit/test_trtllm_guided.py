@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from bench.structured_cases import ARITHMETIC_GRAMMAR, SCHEMAS
 from tests.fakes import scenarios
 from tests.fakes.fixtures import fake_trtllm, make_engine_dir
+from tokenloop.bench.structured_cases import ARITHMETIC_GRAMMAR, SCHEMAS
 from tokenloop.core.request import StructuredOutput
 from tokenloop.core.structured import JSON_LAYOUT, lark_of
 from tokenloop.core.tokenizer import Tokenizer

@@ -1,5 +1,5 @@
 """The machine a benchmark ran on: its CPU model and the ISA flags that decide which kernels run, recorded next to
-every figure (`tokenloop-cli bench --out`; the repository's bench/results.py uses the same reader)."""
+every figure (`tokenloop-cli bench --out`; the repository's bench/harness.py uses the same reader)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Benchmarks write a file only through `--out FILE`: a run never leaves a new file to commit by accident."""
+"""The bench harness (bench/harness.py): a benchmark writes a file only through `--out FILE`, stamped with the date,
+machine, commit and command, so a run never leaves a new file to commit by accident."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ import sys
 
 import pytest
 
-from bench.results import write
 from tests.conftest import ROOT
+from tokenloop.bench.__main__ import BENCHMARKS
+from tokenloop.bench.harness import write
 
-SCRIPTS = ["engine_bench.py", "service_overhead.py", "engine_gil.py", "prompt_stall.py", "idle_cpu.py", "soak.py",
-           "grammar_libs.py", "quant_kernels.py", "slow_readers.py", "grammar_bounds.py", "bandwidth.py"]
+RECORDED = sorted(name for name, b in BENCHMARKS.items() if b.results)  # benchmarks whose figures are recorded
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_benchmark_takes_out_and_writes_nothing_by_default(script):
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
+@pytest.mark.parametrize("name", RECORDED)
+def test_every_recorded_benchmark_takes_out_and_writes_nothing_by_default(name):
+    run = subprocess.run([sys.executable, "-m", "tokenloop.bench", name, "--help"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "--out FILE" in run.stdout and "none by default" in " ".join(run.stdout.split())
@@ -30,20 +31,24 @@ def test_the_client_bench_takes_out():
     assert build_parser().parse_args(["bench"]).out is None
 
 
-def test_write_stamps_the_date_and_machine(tmp_path, capsys):
+def test_write_stamps_the_date_machine_commit_and_command(tmp_path, capsys, monkeypatch):
+    from tokenloop.bench import harness
     write(None, {"a": 1})
     assert capsys.readouterr().out == ""
     out = tmp_path / "r.json"
+    monkeypatch.setattr(harness, "COMMAND", ["tokenloop-bench", "engine", "--weights", "int4"])
     write(str(out), {"a": 1})
     data = json.loads(out.read_text())
     assert data["a"] == 1 and data["cpus"] >= 1 and data["date"].endswith("Z") and data["cpu"]
+    assert data["command"] == "tokenloop-bench engine --weights int4"
+    assert data["commit"] == harness.commit() and data["commit"] != ""
 
 
 def test_one_current_result_file_per_benchmark():
+    """Every results file belongs to a benchmark of `tokenloop-bench` (results-clients.*: `tokenloop-cli bench`)."""
     files = sorted(p.name for p in (ROOT / "bench").glob("results-*"))
-    assert files == ["results-clients.json", "results-clients.png", "results-engine-gil.json", "results-engine.json",
-                     "results-grammar-bounds.json", "results-grammar-libs.json", "results-lora.json", "results-overhead.json",
-                     "results-prompt-stall.json", "results-quant-kernels.json", "results-shared-prefix.json", "results-structured.json"]
+    owned = {b.results for b in BENCHMARKS.values()} | {"results-clients.json", "results-clients.png"}
+    assert [f for f in files if f not in owned] == []
 
 
 # /proc/cpuinfo's first processor on the two kinds of VM the project runs on (abridged: the fields cpu_record reads)
@@ -69,7 +74,8 @@ flags		: avx avx2 fma f16c avx_vnni avx512f avx512bw avx512vl avx512_vnni avx512
 
 
 def test_cpu_record_names_the_model_family_and_isa_flags():
-    from bench.results import cpu_record, describe
+    from tokenloop.bench.harness import describe
+    from tokenloop_client.machine import cpu_record
     amd = cpu_record(ZEN4_VM)
     assert (amd["cpu"], amd["cpu_vendor"], amd["cpu_family"], amd["cpu_model"], amd["cpu_stepping"]) == (
         "AMD EPYC", "AuthenticAMD", 25, 17, 1)
@@ -85,7 +91,7 @@ def test_cpu_record_names_the_model_family_and_isa_flags():
 
 
 def test_write_records_this_machines_cpu(tmp_path):
-    from bench.results import cpu_record
+    from tokenloop_client.machine import cpu_record
     out = tmp_path / "r.json"
     write(str(out), {"a": 1})
     data = json.loads(out.read_text())
@@ -93,7 +99,7 @@ def test_write_records_this_machines_cpu(tmp_path):
 
 
 def _file_writes(tree) -> list[str]:
-    """The calls in a module that write a file other than through bench.results.write."""
+    """The calls in a module that write a file other than through tokenloop.bench.harness.write."""
     import ast
     found = []
     for node in ast.walk(tree):
@@ -109,20 +115,22 @@ def _file_writes(tree) -> list[str]:
 
 
 # files a bench writes that are not its figures: soak's Markdown table (its first line is machine()'s record,
-# through describe()), service_overhead's per-run emission log, hygiene_probe's and llama_server's server logs,
-# attention_bench's copy of the kernel source at the base revision (built to compare against)
-NOT_FIGURES = {"soak.py": 1, "service_overhead.py": 1, "hygiene_probe.py": 1, "llama_server.py": 1,
-               "attention_bench.py": 1}
+# through describe()), service_overhead's per-run emission log, llama_server's server log, attention_bench's copy
+# of the kernel source at the base revision (built to compare against)
+NOT_FIGURES = {"soak.py": 1, "service_overhead.py": 1, "llama_server.py": 1, "attention_bench.py": 1}
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name != "results.py"))
-def test_every_benchmark_writes_its_figures_through_results_write(script):
-    """Every --out goes through bench.results.write, which stamps the CPU record: no bench writes JSON itself."""
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py")
+                                          if p.name not in ("harness.py", "figures.py")))
+def test_every_benchmark_writes_its_figures_through_the_harness(script):
+    """Every --out goes through harness.write, which stamps the CPU record, commit and command: no bench writes JSON
+    itself (figures.py rewrites the README's table between its markers)."""
     import ast
     source = (ROOT / "bench" / script).read_text()
     assert len(_file_writes(ast.parse(source))) == NOT_FIGURES.get(script, 0), _file_writes(ast.parse(source))
     if '"--out"' in source or "add_out_argument" in source:
-        assert "from bench.results import" in source and ("write(args.out" in source or script == "soak.py")
+        assert "from tokenloop.bench.harness import" in source
+        assert "write(args.out" in source or "write(out," in source or script == "soak.py"
     if script == "soak.py":
         assert "describe(where)" in source
 
@@ -136,21 +144,13 @@ def test_the_bandwidth_bench_out_carries_the_machine_record(tmp_path):
                                                    "num_key_value_heads": 2, "vocab_size": 256,
                                                    "num_hidden_layers": 2}))
     out = tmp_path / "bw.json"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "bandwidth.py"), "--model", str(model), "--mb", "16",
+    run = subprocess.run([sys.executable, "-m", "tokenloop.bench", "bandwidth", "--model", str(model), "--mb", "16",
                           "--rounds", "1", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["cpu"] and data["cpu_family"] is not None and "isa" in data and data["date"].endswith("Z")
+    assert data["command"].startswith("tokenloop-bench bandwidth --model ")  # as the runner started it
     figures = data["bandwidth"]
     assert figures["limit_bytes_per_s"] == max(figures["methods"].values()) > 0
     assert figures["weight_bytes_per_token"]["int4"] < figures["weight_bytes_per_token"]["int8"] \
         < figures["weight_bytes_per_token"]["fp32"]
-
-
-def test_no_bench_script_shadows_an_installed_package():
-    """A bench script runs with bench/ first on sys.path, so a script named like an installed package (kernels.py:
-    the Hugging Face `kernels` package that transformers imports) breaks every import of that package in the run."""
-    from importlib.metadata import packages_distributions
-    installed = set(packages_distributions())
-    clashes = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem in installed)
-    assert not clashes, f"bench scripts named like installed packages: {clashes}"

@@ -1,0 +1,267 @@
+"""The figures the README and docs quote, computed from the results files, and the check that the text agrees.
+
+In Markdown (README.md, docs/*.md):
+
+- `<!-- figure NAME -->` right after a number: the text just before the marker must end with FIGURES[NAME] as
+  computed from its results file (bold and spaces aside);
+- `<!-- figures table NAME -->` ... `<!-- figures end -->`: the lines between are TABLES[NAME], rendered from its
+  results file (`tokenloop-bench figures --write` rewrites them);
+- `<!-- history DATE COMMIT -->`: the paragraph or list item it opens (or ends) quotes figures that no results file
+  holds any more, measured on DATE and recorded by COMMIT.
+
+In the README's Measured and Features sections, in any `## Measured` section and in a paragraph that opens with
+"Measured", every number with a unit of measure (x, %, s, ms, µs, tok/s, GB/s) must be one of the first or inside
+the last two. `problems()` is what tests/docs_check.py runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import statistics
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenloop.bench.harness import ROOT, describe
+
+BENCH = ROOT / "bench"
+FIGURE = re.compile(r"<!-- figure (\S+) -->")
+TABLE = re.compile(r"^<!-- figures table (\S+) -->$")
+TABLE_END = "<!-- figures end -->"
+HISTORY = re.compile(r"<!-- history (\S+) (\S+) -->")
+# a number with a unit of measure: 3.14x, 72 %, 0.23 s, 1.5 ms, 211.6 tok/s, 32.7 GB/s, 0.76-0.95x
+MEASURE = re.compile(r"(?<![\w.+-])[~+]?\d[\d,]*(?:\.\d+)?(?:[–-]\d[\d,]*(?:\.\d+)?)?\s?(?:x|%|ms|µs|s|tok/s|GB/s)"
+                     r"(?![\w/])")
+CHECKED_SECTIONS = {"README.md": ("## Measured", "## Features")}  # where every measured number must be tied
+MEASURED = re.compile(r"^(- )?(\*\*)?Measured\b")  # a paragraph that opens so states measurements
+
+
+@functools.cache
+def load(name: str) -> dict | list:
+    return json.loads((BENCH / name).read_text())
+
+
+# --- results-engine.json ---
+
+def _result(data: dict, system: str, scenario: str) -> dict:
+    for r in data["results"]:
+        if r["system"] == system and r["scenario"] == scenario:
+            return r
+    raise KeyError(f"results-engine.json has no {system} on {scenario}")
+
+
+def _decode_median(r: dict) -> float:
+    """The median over the repeats of the rate after the first token (not the repeat that is median by tok/s)."""
+    rates = [rep[1] for rep in r.get("repeats") or [] if rep[1] is not None]
+    if rates:
+        return statistics.median(rates)
+    return (r["num_tokens"] - 1) / (r["wall_s"] - r["ttft_s"][0])
+
+
+def _share(data: dict, mode: str, rate: float) -> str:
+    bw = data["bandwidth"]
+    return f"{100 * bw['weight_bytes_per_token'][mode] * rate / bw['limit_bytes_per_s']:.0f} %"
+
+
+def _ratio(data: dict, a: tuple[str, str], b: tuple[str, str]) -> str:
+    return f"{_result(data, *a)['tokens_per_s'] / _result(data, *b)['tokens_per_s']:.2f}x"
+
+
+def _when(data: dict) -> str:
+    return data["date"].replace("T", " ").removesuffix("Z")[:16] + " UTC"
+
+
+LLAMA = "llama-server Q4_1"
+SYSTEMS = ("transformers", LLAMA, "tokenloop fp32", "tokenloop int8", "tokenloop int4")
+SCENARIOS = {"single": "single: 1 request, 128 new tokens", "eight": "eight: 8 requests, 64-token prompts, 128 new",
+             "uniform": "uniform: 32 requests, 64-token prompts, 128 new",
+             "mixed": "mixed: 64 requests, ≤ 32 in flight, 16–512 / 16–256 tokens"}
+
+
+def engine_table(data: dict) -> str:
+    """The README's Measured table: tok/s and TTFT p50 of each system on each scenario, with the run's date, CPU,
+    commit and command above it, and how the one-stream figures were taken."""
+    have = {(r["system"], r["scenario"]) for r in data["results"]}
+    repeats = {s: len(_result(data, s, "single").get("repeats") or []) or 1 for s in SYSTEMS if (s, "single") in have}
+    intro = (f"One run, {_when(data)}, every row on the same {data['cpus']}-vCPU {describe(data)}, code at "
+             f"`{data.get('commit', 'not recorded')}`: `{data.get('command', 'not recorded')}`. One stream: "
+             + "; ".join(f"{s} the median of {n}" if n > 1 else f"{s} one run, no warm-up" for s, n in repeats.items())
+             + ". Compare ratios within one run only.")
+    lines = [textwrap.fill(intro, 118, break_on_hyphens=False, break_long_words=False), "",
+             "| scenario (tok/s, TTFT p50) | transformers | llama-server | tokenloop fp32 | `--weights int8` | "
+             "`--weights int4` |", "| --- | --- | --- | --- | --- | --- |"]
+    for scenario, label in SCENARIOS.items():
+        cells = []
+        for system in SYSTEMS:
+            if (system, scenario) not in have:
+                cells.append("(slots too small)" if system == LLAMA else "—")
+                continue
+            r = _result(data, system, scenario)
+            cells.append(f"{r['tokens_per_s']:.1f}, {r['ttft_p50_s']:.2f} s")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ratio_256(res: dict) -> float:
+    """results-overhead.json: the full path's tokens/s at 256 streams, one token per message, over bare gRPC's."""
+    full = next(r for r in res["messages"] if r["streams"] == 256)
+    return full["tokens_per_s"] / next(r for r in res["bare"] if r["streams"] == 256)["messages_per_s"]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure the docs quote: its results file and how it is computed from it (as the text writes it)."""
+
+    results: str
+    compute: Callable[[dict], str]
+
+
+E = "results-engine.json"
+FIGURES = {
+    "engine.int8_vs_fp32_single": Figure(E, lambda d: _ratio(d, ("tokenloop int8", "single"),
+                                                             ("tokenloop fp32", "single"))),
+    **{f"engine.int4_vs_llama_{s}": Figure(E, lambda d, s=s: _ratio(d, ("tokenloop int4", s), (LLAMA, s)))
+       for s in ("single", "eight", "uniform")},
+    **{f"engine.fp32_vs_transformers_{s}": Figure(E, lambda d, s=s: _ratio(d, ("tokenloop fp32", s),
+                                                                            ("transformers", s)))
+       for s in ("uniform", "mixed")},
+    "engine.int4_decode_share": Figure(E, lambda d: _share(d, "int4", _decode_median(
+        _result(d, "tokenloop int4", "single")))),
+    "engine.int4_request_share": Figure(E, lambda d: _share(d, "int4", _result(d, "tokenloop int4", "single")
+                                                            ["tokens_per_s"])),
+    "engine.bandwidth_limit": Figure(E, lambda d: f"{d['bandwidth']['limit_bytes_per_s'] / 1e9:.1f} GB/s"),
+    "engine.int4_bytes_vs_int8": Figure(E, lambda d: f"{d['bandwidth']['weight_bytes_per_token']['int4'] / d['bandwidth']['weight_bytes_per_token']['int8']:.2f}x"),  # noqa: E501
+    "overhead.ratio_256_range": Figure("results-overhead.json", lambda runs: "–".join(
+        f"{f(_ratio_256(r['results']) for r in runs):.2f}" for f in (min, max)) + "x"),
+    "overhead.commit": Figure("results-overhead.json", lambda runs: "/".join(sorted({r["code"] for r in runs}))),
+}
+TABLES = {"engine": (E, engine_table)}
+
+
+def value(name: str) -> str:
+    figure = FIGURES[name]
+    return figure.compute(load(figure.results))
+
+
+def render(name: str) -> str:
+    results, table = TABLES[name]
+    return table(load(results))
+
+
+# --- the check ---
+
+def _plain(text: str) -> str:
+    return text.replace("*", "").rstrip()
+
+
+def _git_has(commit: str) -> bool | None:
+    """Whether the repository holds `commit`; None where git cannot tell (no git, a shallow clone)."""
+    try:
+        shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=30)
+        if shallow.returncode != 0 or shallow.stdout.strip() == "true":
+            return None
+        return subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def problems(path: Path, root: Path = ROOT) -> list[str]:
+    """Where the figures of one Markdown file disagree with their results files, or break the rules above."""
+    name, lines, out = path.relative_to(root), path.read_text().splitlines(), []
+    table, start = None, 0
+    for i, line in enumerate(lines, 1):
+        if m := TABLE.match(line.strip()):
+            if m.group(1) not in TABLES:
+                out.append(f"{name}:{i}: no table {m.group(1)!r} (known: {', '.join(TABLES)})")
+            table, start = m.group(1), i
+            continue
+        if line.strip() == TABLE_END and table:
+            if table in TABLES and "\n".join(lines[start:i - 1]).strip() != render(table):
+                out.append(f"{name}:{start}: the {table} table is not what bench/{TABLES[table][0]} renders: run "
+                           "`.venv/bin/tokenloop-bench figures --write`")
+            table = None
+            continue
+        for m in FIGURE.finditer(line):
+            if m.group(1) not in FIGURES:
+                out.append(f"{name}:{i}: no figure {m.group(1)!r} in bench/figures.py")
+                continue
+            want, before = value(m.group(1)), _plain(line[:m.start()])
+            if not before.endswith(want):
+                said = MEASURE.findall(before)
+                out.append(f"{name}:{i}: the text says {said[-1] if said else before[-20:]!r} where "
+                           f"bench/{FIGURES[m.group(1)].results} gives {want!r} (figure {m.group(1)})")
+        for m in HISTORY.finditer(line):
+            date, commit = m.groups()
+            if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date) or not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+                out.append(f"{name}:{i}: a history marker is <!-- history YYYY-MM-DD COMMIT -->; got {m.group(0)}")
+            elif _git_has(commit) is False:
+                out.append(f"{name}:{i}: history commit {commit} is not in this repository")
+    if table:
+        out.append(f"{name}:{start}: the {table} table has no {TABLE_END}")
+    return out + unmarked(path, root)
+
+
+def unmarked(path: Path, root: Path = ROOT) -> list[str]:
+    """Numbers with a unit that state a measurement (in CHECKED_SECTIONS, in any `## Measured` section, or in a
+    paragraph that opens with "Measured") and are neither a marked figure, in a rendered table, nor history."""
+    name = str(path.relative_to(root))
+    out, checked, paragraph, history, in_table, prev = [], False, False, False, False, ""
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        text = line.strip()
+        if line.startswith("## "):
+            checked = text in CHECKED_SECTIONS.get(name, ()) or text == "## Measured"
+        if not text or line.startswith("- "):
+            history = paragraph = False  # a history marker covers its paragraph or list item
+        if text and (not prev.strip() or HISTORY.fullmatch(prev.strip())) and MEASURED.match(text):
+            paragraph = True
+        history = history or bool(HISTORY.search(line))
+        in_table = (in_table or bool(TABLE.match(text))) and text != TABLE_END
+        prev = line
+        if not (checked or paragraph) or history or in_table:
+            continue
+        for m in MEASURE.finditer(line):
+            if not line[m.end():].lstrip("* ").startswith("<!-- figure "):
+                out.append(f"{name}:{i}: {m.group(0)!r} states a measurement with no <!-- figure NAME --> after it "
+                           "and no <!-- history DATE COMMIT --> over it")
+    return out
+
+
+def write_tables(path: Path) -> bool:
+    """Rewrite the rendered tables of `path` in place; whether anything changed."""
+    lines, out, skipping = path.read_text().splitlines(keepends=True), [], False
+    for line in lines:
+        m = TABLE.match(line.strip())
+        if skipping and line.strip() == TABLE_END:
+            skipping = False
+        if not skipping:
+            out.append(line)
+        if m and m.group(1) in TABLES:
+            out.append(render(m.group(1)) + "\n")
+            skipping = True
+    text = "".join(out)
+    changed = text != path.read_text()
+    path.write_text(text) if changed else None
+    return changed
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`tokenloop-bench figures`: check every figure marker and table; `--write` rewrites the tables first."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--write" in argv:
+        for path in doc_files():
+            if write_tables(path):
+                print(f"rewrote the tables of {path.relative_to(ROOT)}")
+    bad = [p for path in doc_files() for p in problems(path)]
+    print("\n".join(bad) or "every figure agrees with its results file")
+    return 1 if bad else 0
