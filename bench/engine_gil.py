@@ -24,10 +24,8 @@ every RPC and message (CPU contention hits both alike); the GIL shares say which
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
-import json
 import shutil
 import statistics
 import subprocess
@@ -39,18 +37,17 @@ from pathlib import Path
 import grpc
 
 from tokenloop.bench.harness import (
-    DEFAULT_MODEL,
     ROOT,
     TokenloopServer,
-    add_out_argument,
     free_port,
+    parser,
+    report,
+    stop_process,
     threads_cpu_s,
-    write,
 )
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
-MODEL = DEFAULT_MODEL
 PROMPT = "Write a short story about a looper thread that never spins."
 
 
@@ -180,26 +177,18 @@ async def measure(args) -> dict:
     finally:
         if served.proc:
             served.stop()
-        for proc in (control,):
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_process(control, 30)
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(MODEL))
+    p = parser(__doc__, "results-engine-gil.json")
     p.add_argument("--streams", type=int, default=16, help="concurrent Generate streams in the loaded phase")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--seconds", type=float, default=15.0, help="length of each phase")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the loaded phase is measured")
     p.add_argument("--front-cpu", default=None, help="the server's --front-cpu (default: its own, auto)")
     p.add_argument("--no-py-spy", action="store_true", help="skip the GIL sampling even when py-spy is found")
-    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
-    add_out_argument(p, "results-engine-gil.json")
     if argv is None and sys.argv[1:2] == ["serve-control"]:  # (internal) the control probe target
         import uvloop
         uvloop.run(serve_control(int(sys.argv[2])))
@@ -209,22 +198,20 @@ def main(argv=None) -> int:
         p.error("--streams and --tokens must be >= 1 and --seconds >= 1")
     import uvloop
     res = uvloop.run(measure(args))
-    write(args.out, res)
-    if args.json:
-        print(json.dumps(res))
-        return 0
-    print("| phase | tokenloop GetLoad p50 / p99 / max ms | control p50 / p99 / max ms (own process) |")
-    print("| --- | --- | --- |")
-    for phase in ("idle", "loaded"):
-        t, c = res[phase]["tokenloop"], res[phase]["control"]
-        print(f"| {phase} | {t['p50_ms']:.2f} / {t['p99_ms']:.2f} / {t['max_ms']:.2f} "
-              f"| {c['p50_ms']:.2f} / {c['p99_ms']:.2f} / {c['max_ms']:.2f} |")
-    print(f"\nloaded: {args.streams} streams, {res['tokens_per_s']:.0f} tokens/s; server CPU % of a core by thread: "
-          + ", ".join(f"{k} {v}" for k, v in res["cpu_pct"].items()))
+    return report(args, res, lambda: table(args, res))
+
+
+def table(args, res: dict) -> str:
+    rows = [f"| {phase} | {t['p50_ms']:.2f} / {t['p99_ms']:.2f} / {t['max_ms']:.2f} "
+            f"| {c['p50_ms']:.2f} / {c['p99_ms']:.2f} / {c['max_ms']:.2f} |"
+            for phase in ("idle", "loaded") for t, c in [(res[phase]["tokenloop"], res[phase]["control"])]]
+    lines = ["| phase | tokenloop GetLoad p50 / p99 / max ms | control p50 / p99 / max ms (own process) |",
+             "| --- | --- | --- |", *rows,
+             f"\nloaded: {args.streams} streams, {res['tokens_per_s']:.0f} tokens/s; server CPU % of a core by "
+             "thread: " + ", ".join(f"{k} {v}" for k, v in res["cpu_pct"].items())]
     if "gil_pct" in res:
-        print("GIL held, % of the time: " + ", ".join(f"{k} {v}" for k, v in res["gil_pct"].items()))
-    print(json.dumps(res))
-    return 0
+        lines.append("GIL held, % of the time: " + ", ".join(f"{k} {v}" for k, v in res["gil_pct"].items()))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

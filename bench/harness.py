@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,13 +117,18 @@ class TokenloopServer:
             raise
 
     def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc, timeout)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60) -> int:
+    """SIGTERM, then SIGKILL after `timeout` seconds: the exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 # --- clients ---
@@ -337,3 +342,21 @@ def write(path: str | None, figures: dict) -> None:
     if path:
         Path(path).write_text(json.dumps({**machine(), "command": command(), **figures}, indent=1) + "\n")
         print(f"wrote {path}")
+
+
+def parser(doc: str, results: str) -> argparse.ArgumentParser:
+    """A benchmark's command line with what such benchmarks share: --model, --json (only the JSON line) and --out."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--json", action="store_true", help="print only the JSON line")
+    add_out_argument(p, results)
+    return p
+
+
+def report(args: argparse.Namespace, figures: dict, table: Callable[[], str]) -> int:
+    """How a benchmark with `--json` ends: its figures to `--out`, its table unless `--json`, then one JSON line."""
+    write(args.out, figures)
+    if not args.json:
+        print(table() + "\n")
+    print(json.dumps(figures))
+    return 0

@@ -19,9 +19,7 @@ requests' own time to their answer (p50).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -29,7 +27,7 @@ import time
 import grpc
 
 from tokenloop.bench import service_overhead as so
-from tokenloop.bench.harness import add_out_argument, write
+from tokenloop.bench.harness import parser, report
 from tokenloop.bench.null_executor import SAMPLE_TEXT
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
@@ -105,31 +103,24 @@ async def measure(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(so.DEFAULT_MODEL))
+    p = parser(__doc__, "results-prompt-stall.json")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--rate", type=float, default=20.0, help="tokens/s per paced stream")
     p.add_argument("--seconds", type=float, default=5.0, help="length of each run")
     p.add_argument("--prompt-tokens", type=int, default=8000, help="tokens of each long prompt")
     p.add_argument("--prompts-per-s", type=float, default=8.0)
     p.add_argument("--repeat", type=int, default=3, help="interleaved runs per server; the median p99's is kept")
-    p.add_argument("--json", action="store_true", help="print only the JSON line")
-    add_out_argument(p, "results-prompt-stall.json")
     args = p.parse_args(argv)
     import uvloop
     out = uvloop.run(measure(args))
-    write(args.out, out)
-    if not args.json:
-        print(f"{args.streams} streams at {args.rate:g} tokens/s; long prompts of {out['prompt_tokens']} tokens "
-              f"({out['prompt_chars']} characters), {args.prompts_per_s:g}/s\n")
-        print("| run | paced tokens p50 / p99 / max ms | long prompts sent | a long request's time p50 ms |")
-        print("| --- | --- | --- | --- |")
-        for name in ("quiet", "offloaded", "inline"):
-            print(f"| {name} | {out[f'{name}_p50_ms']:.2f} / {out[f'{name}_p99_ms']:.2f} / {out[f'{name}_max_ms']:.2f} "
-                  f"| {out.get(f'{name}_prompts', 0)} | {out.get(f'{name}_prompt_ms_p50', float('nan')):.1f} |")
-        print()
-    print(json.dumps(out))
-    return 0
+    return report(args, out, lambda: "\n".join([
+        f"{args.streams} streams at {args.rate:g} tokens/s; long prompts of {out['prompt_tokens']} tokens "
+        f"({out['prompt_chars']} characters), {args.prompts_per_s:g}/s\n",
+        "| run | paced tokens p50 / p99 / max ms | long prompts sent | a long request's time p50 ms |",
+        "| --- | --- | --- | --- |",
+        *(f"| {name} | {out[f'{name}_p50_ms']:.2f} / {out[f'{name}_p99_ms']:.2f} / {out[f'{name}_max_ms']:.2f} "
+          f"| {out.get(f'{name}_prompts', 0)} | {out.get(f'{name}_prompt_ms_p50', float('nan')):.1f} |"
+          for name in ("quiet", "offloaded", "inline"))]))
 
 
 if __name__ == "__main__":

@@ -17,16 +17,14 @@ so that the `off` run ends in minutes; the server's default is 60 s, which makes
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import subprocess
 import sys
 import time
 
 import grpc
 
-from tokenloop.bench.harness import DEFAULT_MODEL, TokenloopServer, add_out_argument, write
+from tokenloop.bench.harness import TokenloopServer, parser, report
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
@@ -102,8 +100,7 @@ async def measure(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p = parser(__doc__, "results-slow-readers.json")
     p.add_argument("--streams", type=int, default=300, help="never-reading streams")
     p.add_argument("--hostile-tokens", type=int, default=1000, help="max_new_tokens each of them asks for")
     p.add_argument("--new-tokens", type=int, default=16, help="max_new_tokens of the new client's request")
@@ -113,23 +110,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-queue-wait", type=float, default=0.0,
                    help="--max-queue-wait of both runs (default 0, no bound: the wait itself is measured)")
     p.add_argument("--runs", default="off,on", help="which runs: off (--slow-reader-grace 0), on, or both")
-    p.add_argument("--json", action="store_true", help="print only the JSON line")
-    add_out_argument(p, "RESULTS-slow-readers.md (by hand)")
     args = p.parse_args(argv)
     out = asyncio.run(measure(args))
-    write(args.out, out)
-    if not args.json:
-        print(f"{args.streams} never-reading streams ({args.hostile_tokens} tokens asked each); the new client asks "
-              f"{args.new_tokens} tokens with a {args.deadline:g} s deadline; --stall-timeout {args.stall_timeout:g}, "
-              f"--max-queue-wait {args.max_queue_wait:g}\n")
-        print("| --slow-reader-grace | new client | first message s | total s | never-reading streams still open |")
-        print("| --- | --- | --- | --- | --- |")
-        for r in out["runs"].values():
-            print(f"| {r['slow_reader_grace_s']:g} | {r['outcome']} | {r['new_client_first_message_s']} "
-                  f"| {r['new_client_total_s']} | {r['hostile_open_on_server']} / {r['streams']} |")
-        print()
-    print(json.dumps(out))
-    return 0
+    return report(args, out, lambda: "\n".join([
+        f"{args.streams} never-reading streams ({args.hostile_tokens} tokens asked each); the new client asks "
+        f"{args.new_tokens} tokens with a {args.deadline:g} s deadline; --stall-timeout {args.stall_timeout:g}, "
+        f"--max-queue-wait {args.max_queue_wait:g}\n",
+        "| --slow-reader-grace | new client | first message s | total s | never-reading streams still open |",
+        "| --- | --- | --- | --- | --- |",
+        *(f"| {r['slow_reader_grace_s']:g} | {r['outcome']} | {r['new_client_first_message_s']} "
+          f"| {r['new_client_total_s']} | {r['hostile_open_on_server']} / {r['streams']} |"
+          for r in out["runs"].values())]))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from tokenloop.bench.harness import DEFAULT_MODEL, ROOT, describe, free_port, machine
+from tokenloop.bench.harness import DEFAULT_MODEL, ROOT, describe, free_port, machine, stop_process
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
@@ -100,13 +100,7 @@ class ServerProcess:
         return out
 
     def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_process(self.proc, timeout)
 
 
 def request(rng: random.Random, rid: str, kind: str) -> pb.GenerateRequest:
