@@ -136,9 +136,21 @@ FIGURES = {
                                                             ["tokens_per_s"])),
     "engine.bandwidth_limit": Figure(E, lambda d: f"{d['bandwidth']['limit_bytes_per_s'] / 1e9:.1f} GB/s"),
     "engine.int4_bytes_vs_int8": Figure(E, lambda d: f"{d['bandwidth']['weight_bytes_per_token']['int4'] / d['bandwidth']['weight_bytes_per_token']['int8']:.2f}x"),  # noqa: E501
+    **{f"engine.weight_mb_{m}": Figure(E, lambda d, m=m: f"{d['bandwidth']['weight_bytes_per_token'][m] / 1e6:.1f} MB")
+       for m in ("fp32", "int8", "int4")},
     "overhead.ratio_256_range": Figure("results-overhead.json", lambda runs: "–".join(
         f"{f(_ratio_256(r['results']) for r in runs):.2f}" for f in (min, max)) + "x"),
     "overhead.commit": Figure("results-overhead.json", lambda runs: "/".join(sorted({r["code"] for r in runs}))),
+}
+S = "results-structured.json"
+FIGURES |= {
+    "structured.ratio": Figure(S, lambda d: f"{d['throughput']['ratio']:.2f}x"),
+    "structured.constrained_tok_s": Figure(S, lambda d: f"{d['throughput']['constrained_tok_s']:.1f}"),
+    "structured.free_tok_s": Figure(S, lambda d: f"{d['throughput']['free_tok_s']:.1f}"),
+    "structured.schema_compile_p50": Figure(S, lambda d: f"{d['compile']['schema_p50_s'] * 1e3:.2f} ms"),
+    "structured.schema_compile_max": Figure(S, lambda d: f"{d['compile']['schema_max_s'] * 1e3:.2f} ms"),
+    "structured.admission_p50": Figure(S, lambda d: f"{d['admission']['p50_s'] * 1e6:.1f} µs"),
+    "structured.admission_p99": Figure(S, lambda d: f"{d['admission']['p99_s'] * 1e6:.1f} µs"),
 }
 TABLES = {"engine": (E, engine_table)}
 
