@@ -125,7 +125,7 @@ class App:
         self.placement.choose()  # a --front-cpu outside the process's CPUs fails here, before the model loads
         await asyncio.to_thread(self.load_model)
         await self.grammars.processes.start()
-        self.loras = LoraCatalog(self.executor, self.config.max_loras, self.capabilities)
+        self.loras = LoraCatalog(self.executor, self.config.max_loras, self.capabilities, self.config.lora_roots)
         for value in self.config.loras:  # a bad adapter fails start-up, naming it
             await self.loras.load(*parse_lora_flag(value))
         loop = asyncio.get_running_loop()

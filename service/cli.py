@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     lo = s.add_argument_group("LoRA adapters (docs/lora.md)")
     lo.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                     help="serve the PEFT adapter in DIR as NAME (repeatable); requests select it with `lora`")
+    lo.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                    help="LoadLoraAdapter reads adapters only under DIR (repeatable; a path is resolved under each, "
+                         "never out of it); without one, loading at run time is off")
     lo.add_argument("--max-loras", type=int, default=d.max_loras,
                     help="adapters resident at once; a request for another one swaps out the least recently used idle one")
     lo.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted (default 64)")
@@ -137,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-client-ca", default="", help="PEM CA bundle: require client certificates (mutual TLS)")
     sec.add_argument("--api-key-file", default="",
                      help="API keys, one per line (# comments); also $TOKENLOOP_API_KEYS, comma-separated")
+    sec.add_argument("--admin-key-file", default="",
+                     help="admin keys, one per line: the management RPCs (LoadLoraAdapter, UnloadLoraAdapter, "
+                          "FlushCache, profiling) need one (docs/robustness.md#who-may-manage-the-server)")
+    sec.add_argument("--handshake-timeout", type=float, default=d.handshake_timeout,
+                     help="seconds a new connection has to finish its TLS handshake and HTTP/2 preface")
+    sec.add_argument("--max-connections", type=int, default=d.max_connections,
+                     help="open connections at once; more are closed when accepted (0: no cap)")
+    sec.add_argument("--max-connections-per-peer", type=int, default=d.max_connections_per_peer,
+                     help="open connections from one client address; its newest beyond are closed (0: no cap)")
     sec.add_argument("--otel-endpoint", default="",
                      help="OTLP gRPC endpoint for traces (default $OTEL_EXPORTER_OTLP_ENDPOINT; pip install tokenloop[otel])")
     e = s.add_argument_group("embedded engine (--backend engine)")
@@ -232,7 +244,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         grammar_compile_workers=args.grammar_compile_workers,
         max_grammar_compiles_waiting=args.max_grammar_compiles_waiting,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
-        loras=tuple(args.lora), max_loras=args.max_loras,
+        loras=tuple(args.lora), max_loras=args.max_loras, lora_roots=tuple(args.lora_root),
+        admin_key_file=args.admin_key_file, handshake_timeout=args.handshake_timeout,
+        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer,
         tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file, otel_endpoint=args.otel_endpoint)
 
 

@@ -54,6 +54,9 @@ _AT_LEAST = (
     ("grammar_cache_size", 0, False, ""),
     ("grammar_compile_workers", 1, False, ""),
     ("max_grammar_compiles_waiting", 0, False, ""),
+    ("handshake_timeout", 0, True, ""),
+    ("max_connections", 0, False, " (0: no cap)"),
+    ("max_connections_per_peer", 0, False, " (0: no cap)"),
 )
 
 
@@ -84,6 +87,9 @@ class ServerConfig:
     grammar_compile_workers: int = 2  # compile processes (killed at the timeout) and the threads that build matchers
     max_grammar_compiles_waiting: int = 8  # compiles waiting for a process before RESOURCE_EXHAUSTED
     max_message_bytes: int = 16 * 1024 * 1024
+    handshake_timeout: float = 5.0  # seconds a new connection has for its TLS handshake, HTTP/2 preface and SETTINGS
+    max_connections: int = 1024  # open connections at once; more are closed at accept (0: no cap)
+    max_connections_per_peer: int = 256  # open connections from one peer address (0: no cap; Linux)
     poll_timeout: float = 0.02
     kv_events_heartbeat: float = 1.0  # SubscribeKvEvents: seconds between load-only batches while idle
     router_protocol: str = "both"  # smg's worker protocols served: both | vllm | trtllm (docs/router.md)
@@ -102,9 +108,11 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mutual TLS)
     api_key_file: str = ""  # one key per line, `#` comments; also $TOKENLOOP_API_KEYS (comma-separated)
+    admin_key_file: str = ""  # keys of the management RPCs (LoRA load / unload, FlushCache), one per line
     otel_endpoint: str = ""  # OTLP endpoint for traces (default: $OTEL_EXPORTER_OTLP_ENDPOINT; needs the otel extra)
     executor_options: dict = field(default_factory=dict)  # passed to the backend's factory
     loras: tuple[str, ...] = ()  # --lora NAME=DIR, loaded at start-up (service/lora.py)
+    lora_roots: tuple[str, ...] = ()  # --lora-root DIR: LoadLoraAdapter reads only under these (none: it is off)
     max_loras: int = 8  # --max-loras: adapters resident in the executor at once
 
     def __post_init__(self):

@@ -63,6 +63,10 @@ class InUse(ServiceError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """Unloading a LoRA adapter that requests are using."""
 
 
+class RuntimeLoadingOff(ServiceError, code=grpc.StatusCode.FAILED_PRECONDITION):
+    """LoadLoraAdapter on a server with no --lora-root."""
+
+
 class Unimplemented(ServiceError, code=grpc.StatusCode.UNIMPLEMENTED):
     """An RPC or ability this server or its executor does not provide (e.g. LoRA adapters, KV-cache events)."""
 

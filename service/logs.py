@@ -1,5 +1,9 @@
 """Structured logs: `--log-format json|text`, and one line per finished RPC (id, peer, tokens, timings, status).
 
+What a client sent reaches a line bounded (`bounded`: escaped, a field cut at 256 characters, a message at 4,096),
+and the lines of calls that did not end OK share a budget (`FAILED_LINES`: 50 at once, then 5 a second; the next
+line says how many were not logged), so a flood of refused calls cannot flood the log.
+
 `RequestLogInterceptor` wraps every handler: it keeps the RPC's record in a context variable,
 echoes `x-request-id` in the initial metadata, and logs the record when the handler ends. A
 streaming handler marked `@logs_itself` (Generate) does the same itself, in `async with
@@ -22,19 +26,42 @@ from .errors import status_of
 log = logging.getLogger("tokenloop.requests")
 _record: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tokenloop_rpc", default=None)
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+MAX_FIELD_CHARS = 256  # a field of a log line (a client's request id, peer, ...): longer is cut, and says so
+MAX_MESSAGE_CHARS = 4096  # a log line's message (a traceback after it is the server's own text, not cut)
+
+
+def _cut(text: str, limit: int = MAX_FIELD_CHARS) -> str:
+    """`bounded` without the escapes (JSON escapes its strings itself)."""
+    return text if len(text) <= limit else f"{text[:limit]}...[cut: {len(text)} characters]"
+
+
+def _format_exception(formatter: logging.Formatter, exc_info) -> str:
+    """A traceback with each line bounded (an exception's text can carry what a client sent)."""
+    text = logging.Formatter.formatException(formatter, exc_info)
+    return "\n".join(_cut(line, MAX_MESSAGE_CHARS) for line in text.split("\n"))
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, and any `extra=` fields."""
 
+    formatException = _format_exception
+
     def format(self, record: logging.LogRecord) -> str:
         out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
                + f".{int(record.msecs):03d}Z", "level": record.levelname, "logger": record.name,
-               "message": record.getMessage()}
-        out.update({k: v for k, v in vars(record).items() if k not in _STD_ATTRS})
+               "message": _cut(record.getMessage(), MAX_MESSAGE_CHARS)}
+        out.update({k: _cut(v) if isinstance(v, str) else v for k, v in vars(record).items() if k not in _STD_ATTRS})
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+def bounded(text: str, limit: int = MAX_FIELD_CHARS) -> str:
+    """`text` escaped (`escape_controls`), cut after `limit` characters with its length said: what a client sent
+    reaches a log line at a bounded size (an escape is at most 10 characters long)."""
+    if len(text) <= limit:
+        return escape_controls(text)
+    return f"{escape_controls(text[:limit])}...[cut: {len(text)} characters]"
 
 
 def escape_controls(text: str) -> str:
@@ -46,28 +73,55 @@ def escape_controls(text: str) -> str:
 
 
 def _value(value) -> str:
-    """An `extra=` value for the text format: escaped, and quoted (logfmt style) where it holds a space, a quote or
-    `=`, so that a client's `request_id` cannot add fields of its own."""
+    """An `extra=` value for the text format: escaped and bounded (`bounded`), and quoted (logfmt style) where it
+    holds a space, a quote or `=`, so that a client's `request_id` cannot add fields of its own."""
     text = str(value)
     if not any(c in text for c in ' "='):
-        return escape_controls(text)
-    return '"' + escape_controls(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
+        return bounded(text)
+    return '"' + bounded(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
 
 
 class TextFormatter(logging.Formatter):
     """`time LEVEL logger: message key=value ...` (the `extra=` fields appended); the message and the values with
     control characters escaped (a traceback that follows keeps its lines: it is the server's own text)."""
 
+    formatException = _format_exception
+
     def __init__(self):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = escape_controls(record.message)
+        record.message = bounded(record.message, MAX_MESSAGE_CHARS)
         return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         extras = " ".join(f"{k}={_value(v)}" for k, v in vars(record).items() if k not in _STD_ATTRS)
         return super().format(record) + (" " + extras if extras else "")
+
+
+class LineBudget:
+    """A token bucket of log lines: `burst` at once, then `rate` a second; `take()` says whether a line may go out,
+    `left_out()` how many did not since the last one that did (and starts counting again)."""
+
+    __slots__ = ("rate", "burst", "tokens", "last", "suppressed", "clock")
+
+    def __init__(self, rate: float = 5.0, burst: float = 50.0, clock=time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.last, self.suppressed = burst, clock(), 0
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        self.suppressed += 1
+        return False
+
+    def left_out(self) -> int:
+        count, self.suppressed = self.suppressed, 0
+        return count
 
 
 class RateLimitedLog:
@@ -93,6 +147,9 @@ class RateLimitedLog:
         self.last, self.suppressed = now, 0
         self.logger.warning(message, *args)
         return True
+
+
+FAILED_LINES = LineBudget()  # request lines of calls that did not end OK: 50 at once, then 5 a second
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
@@ -222,6 +279,11 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
         rec["total_s"] = round(time.monotonic() - rec.pop("start"), 6)
         level = logging.INFO if rec["rpc"].endswith("/Generate") else logging.DEBUG
         if log.isEnabledFor(level):
+            if rec["status"] != "OK":  # a client can repeat refused calls at will: a budget of lines for them
+                if not FAILED_LINES.take():
+                    return
+                if left_out := FAILED_LINES.left_out():
+                    rec["not_logged_before"] = left_out
             log.log(level, "request end", extra=rec)
 
     def _wrap_stream(self, fn, method: str, meta: dict):

@@ -1,9 +1,10 @@
 """The LoRA adapter catalog: names, ids and directories of the adapters this worker serves, and which are resident.
 
-Every adapter loaded (`--lora NAME=DIR` or `LoadLoraAdapter`) stays known until `UnloadLoraAdapter`; at most
-`--max-loras` are resident in the executor at once. A request for a known adapter that is not resident reads it
-again (off the event loop), pushing out the least recently used resident adapter that no request is using; when
-every resident adapter is in use, the request gets RESOURCE_EXHAUSTED. Reading an adapter (safetensors, a few MB)
+`LoadLoraAdapter` reads only under the `--lora-root` directories (none: it is off); `--lora` takes any directory
+(the operator's). Every adapter loaded (`--lora NAME=DIR` or `LoadLoraAdapter`) stays known until
+`UnloadLoraAdapter`; at most `--max-loras` are resident in the executor at once. A request for a known adapter that
+is not resident reads it again (off the event loop), pushing out the least recently used resident adapter that no
+request is using; when every resident adapter is in use, the request gets RESOURCE_EXHAUSTED. Reading an adapter (safetensors, a few MB)
 always happens on a worker thread, so the event loop keeps serving every other stream.
 
 Unloading an adapter that requests are using is refused with FAILED_PRECONDITION (they keep running); unload it
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -23,9 +25,12 @@ from tokenloop.core.request import ValidRequest
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 from .config import LORA_NAME as NAME
-from .errors import AlreadyExists, InUse, NotFound, Overloaded, Unimplemented, ValidationError
+from .errors import AlreadyExists, InUse, NotFound, Overloaded, RuntimeLoadingOff, Unimplemented, ValidationError
 
 MAX_TASK_ID = (1 << 63) - 1
+MAX_PATH_CHARS = 4096  # PATH_MAX: a longer `path` names nothing
+MAX_SHOWN_CHARS = 64  # of a refused name, in its message
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @dataclass(slots=True)
@@ -45,21 +50,52 @@ class Adapter:
 class LoraCatalog:
     """Adapters by name and by id, on one executor that can run them (`read_lora`, `add_lora`, `unload_lora`)."""
 
-    def __init__(self, executor, max_loras: int, capabilities: Capabilities):
+    def __init__(self, executor, max_loras: int, capabilities: Capabilities, roots: tuple[str, ...] = ()):
         self.executor = executor
         self.max_loras = max_loras
+        self.roots = tuple(os.path.realpath(r) for r in roots)  # --lora-root: where LoadLoraAdapter may read
         self.supported = capabilities.lora
         self._unsupported_reason = capabilities.lora_disabled_reason
         self._adapters: dict[str, Adapter] = {}
         self._lock = asyncio.Lock()  # one load, unload or swap at a time
 
     # -- RPCs ------------------------------------------------------------------------------------------------
-    async def load(self, name: str, path: str, adapter_id: int | None = None) -> Adapter:
-        """Read `path` (a PEFT adapter) and serve it as `name`; raises a ServiceError naming the adapter."""
+    async def load_at_run_time(self, name: str, path: str, adapter_id: int | None = None) -> Adapter:
+        """LoadLoraAdapter: `path` resolved under a --lora-root (`resolve`), then `load`."""
         self._require_support()
-        if not NAME.fullmatch(name):
-            raise ValidationError("lora_name", f"`name` must be 1-128 letters, digits, '.', '_' or '-' starting with "
-                                  f"a letter or digit; got {name!r}")
+        check_name(name)
+        return await self.load(name, self.resolve(name, path), adapter_id)
+
+    def resolve(self, name: str, path: str) -> str:
+        """The adapter directory `path` names under a --lora-root (relative: under each root in turn; absolute:
+        inside one), symlinks followed but never out of the root, no `..`, holding a PEFT adapter's two files.
+        Every way of failing (missing, outside the roots, not an adapter) gets the same NOT_FOUND, so that a caller
+        learns nothing of the server's disk beyond the roots; FAILED_PRECONDITION when no root is configured."""
+        if not self.roots:
+            raise RuntimeLoadingOff("LoadLoraAdapter is off: this server loads adapters at run time only from "
+                                    "--lora-root directories, and none is configured (--lora adapters are served)")
+        if not path:
+            raise ValidationError("lora_path", f"LoRA adapter `{name}`: `path` must name an adapter directory")
+        refusal = NotFound(f"LoRA adapter `{name}`: `path` names no PEFT adapter under this server's --lora-root "
+                           "directories (not found, or not allowed)")
+        if len(path) > MAX_PATH_CHARS or not path.isprintable() or ".." in path.replace("\\", "/").split("/"):
+            raise refusal
+        for root in self.roots:
+            try:
+                real = os.path.realpath(os.path.join(root, path))  # an absolute `path` replaces the root
+                files = [os.path.realpath(os.path.join(real, f)) for f in PEFT_FILES]  # links out count as out
+                inside = all(os.path.commonpath([p, root]) == root for p in (real, *files))
+                if inside and all(map(os.path.isfile, files)):
+                    return real
+            except (OSError, ValueError):  # a name too long for the file system, ...
+                continue
+        raise refusal
+
+    async def load(self, name: str, path: str, adapter_id: int | None = None) -> Adapter:
+        """Read `path` (a PEFT adapter the operator named: --lora, or `resolve`d) and serve it as `name`; raises a
+        ServiceError naming the adapter."""
+        self._require_support()
+        check_name(name)
         if not path:
             raise ValidationError("lora_path", f"LoRA adapter `{name}`: `path` must name an adapter directory")
         if adapter_id is not None and not 1 <= adapter_id <= MAX_TASK_ID:
@@ -160,6 +196,14 @@ class LoraCatalog:
     def _require_support(self) -> None:
         if not self.supported:
             raise Unimplemented(self._unsupported_reason)
+
+
+def check_name(name: str, field: str = "name") -> None:
+    """An adapter's name: ValidationError naming `field` unless 1-128 letters, digits, '.', '_' or '-'."""
+    if not NAME.fullmatch(name):
+        shown = f"{name[:MAX_SHOWN_CHARS]!r}{'...' if len(name) > MAX_SHOWN_CHARS else ''}"
+        raise ValidationError("lora_name", f"`{field}` must be 1-128 letters, digits, '.', '_' or '-' starting with "
+                              f"a letter or digit; got {shown}")
 
 
 def with_lora(valid: ValidRequest, name: str) -> ValidRequest:

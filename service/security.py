@@ -1,8 +1,10 @@
-"""Who may talk to the server: TLS / mutual TLS with certificate reload, and API keys.
+"""Who may talk to the server: TLS / mutual TLS with certificate reload, API keys, and admin keys.
 
 API keys travel as `authorization: Bearer KEY` metadata and are checked on every RPC except
-health and reflection, in constant time against every configured key. Certificates are read
-again on SIGHUP or when a file's modification time changes (checked at each new handshake).
+health and reflection, in constant time against every configured key; the management RPCs
+(loading and unloading LoRA adapters, flushing the cache, profiling) need an admin key
+(`--admin-key-file`). Certificates are read again on SIGHUP or when a file's modification
+time changes (checked at each new handshake).
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ log = logging.getLogger("tokenloop.security")
 API_KEYS_ENV = "TOKENLOOP_API_KEYS"
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 UNAUTHENTICATED_MESSAGE = "missing or invalid API key"
+# The operators' RPCs of every API: they change what the server serves or drop its state (an admin key each)
+MANAGEMENT_METHODS = frozenset({
+    "/tokenloop.v1.TextGeneration/LoadLoraAdapter", "/tokenloop.v1.TextGeneration/UnloadLoraAdapter",
+    "/vllm.grpc.engine.VllmEngine/FlushCache", "/vllm.grpc.engine.VllmEngine/StartProfile",
+    "/vllm.grpc.engine.VllmEngine/StopProfile",
+})
+MAX_METHOD_CHARS = 200  # a method path a client sent, as logged
 
 
 def load_api_keys(path: str = "", env: str | None = None) -> list[bytes]:
@@ -55,20 +64,20 @@ def key_matches(token: bytes, keys: list[bytes]) -> bool:
 
 
 def _unread(data: bytes) -> None:
-    """The refusal's request deserializer: a caller without a key gets UNAUTHENTICATED, garbage or not, and the
-    server spends no parsing on what it sent."""
+    """The refusal's request deserializer: a caller refused here gets its status, garbage or not, and the server
+    spends no parsing on what it sent."""
     return None
 
 
-def _refusal(handler):
+def _refusal(handler, code: grpc.StatusCode, message: str):
     async def refuse(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        await context.abort(code, message)
 
     async def refuse_stream(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        await context.abort(code, message)
         yield  # pragma: no cover (an async generator, like the handler it replaces)
 
-    ser, de = handler.response_serializer, _unread  # an unauthenticated payload is never parsed
+    ser, de = handler.response_serializer, _unread  # a refused payload is never parsed
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(refuse, de, ser)
     if handler.unary_stream:
@@ -79,24 +88,46 @@ def _refusal(handler):
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses RPCs without a valid `authorization: Bearer KEY` (health and reflection exempt)."""
+    """Refuses RPCs without a valid `authorization: Bearer KEY` (health and reflection exempt), and management RPCs
+    (MANAGEMENT_METHODS) without an admin key.
 
-    def __init__(self, keys: list[bytes]):
-        if not keys:
+    `keys`: the API keys (none: every RPC but the management ones is open); `admin_keys`: the admin keys (none:
+    management RPCs are refused whenever API keys are set, open on a server with no key at all). An admin key is an
+    API key too. Every comparison is constant-time against every key (`key_matches`)."""
+
+    def __init__(self, keys: list[bytes], admin_keys: list[bytes] = ()):
+        if not keys and not admin_keys:
             raise ValueError("ApiKeyInterceptor needs at least one key")
-        self.keys = keys
+        self.keys, self.admin_keys = list(keys), list(admin_keys)
         self.num_refused = 0
         self.refusals = RateLimitedLog(log)  # a caller without a key repeats at will: one line per 10 s at most
+
+    def decide(self, method: str, token: bytes) -> tuple[grpc.StatusCode, str] | None:
+        """None when the call may go on, else the status and message of its refusal."""
+        is_admin = key_matches(token, self.admin_keys)  # both comparisons always run: no early exit
+        is_user = key_matches(token, self.keys) or is_admin
+        if method in MANAGEMENT_METHODS:
+            if is_admin:
+                return None
+            if not is_user and (self.keys or token):
+                return grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE
+            return grpc.StatusCode.PERMISSION_DENIED, (
+                f"{method.rsplit('/', 1)[-1]} is a management RPC: it needs an admin key (--admin-key-file)"
+                + ("" if self.admin_keys else "; this server has none, so management RPCs are off"))
+        if is_user or not self.keys:
+            return None
+        return grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(EXEMPT_PREFIXES):
             return handler
-        if key_matches(_bearer(details.invocation_metadata), self.keys):
+        refusal = self.decide(details.method, _bearer(details.invocation_metadata))
+        if refusal is None:
             return handler
         self.num_refused += 1
-        self.refusals.warning("refused an RPC to %s: %s", details.method, UNAUTHENTICATED_MESSAGE)
-        return _refusal(handler)
+        self.refusals.warning("refused an RPC to %s: %s", details.method[:MAX_METHOD_CHARS], refusal[1])
+        return _refusal(handler, *refusal)
 
 
 class CertificateReloader:

@@ -16,6 +16,7 @@ from tokenloop.v1 import tokenloop_pb2
 
 from .app import App
 from .config import ServerConfig
+from .connections import ConnectionWatch, check_fd_limit, grpc_connection_options
 from .corelog import CoreLogRelay
 from .decoding import DecodingInterceptor
 from .executors import default_executor_factory
@@ -36,14 +37,23 @@ def interceptors(config: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
     keys = load_api_keys(config.api_key_file)
     if config.api_key_file and not keys:  # never serve openly by mistake
         raise ValueError(f"--api-key-file {config.api_key_file} holds no API key")
-    if keys:
-        out.append(ApiKeyInterceptor(keys))
-        log.info("API keys required (%d configured)", len(keys))
+    admin = load_api_keys(config.admin_key_file, env="") if config.admin_key_file else []
+    if config.admin_key_file and not admin:
+        raise ValueError(f"--admin-key-file {config.admin_key_file} holds no admin key")
+    if keys or admin:
+        out.append(ApiKeyInterceptor(keys, admin))
+        log.info("API keys %s; management RPCs need an admin key (%s)",
+                 f"required ({len(keys)} configured)" if keys else "not required",
+                 f"{len(admin)} configured" if admin else "none configured: management RPCs are off")
+    else:
+        log.warning("no --api-key-file nor --admin-key-file: every RPC is open to every caller, management RPCs "
+                    "(LoRA load and unload, FlushCache) included")
     return out
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
-    """Transport settings that tolerate routers' keepalive pings from idle connections."""
+    """Transport settings that tolerate routers' keepalive pings from idle connections, and the bounds on
+    connections grpc core enforces (service.connections)."""
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -54,6 +64,7 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.so_reuseport", 0),
+        *grpc_connection_options(config.handshake_timeout, config.max_connections),
     ]
 
 
@@ -68,6 +79,7 @@ class Server:
         self.grpc = grpc.aio.server(options=grpc_options(config), interceptors=interceptors(config))
         self.certificates = None  # security.CertificateReloader when serving TLS
         self.port = 0
+        self.connections: ConnectionWatch | None = None  # the per-peer cap and the cap's log line (Linux)
         self.extra_services: list[str] = []
         self._stop = asyncio.Event()
         self._stop_now = asyncio.Event()  # a second SIGTERM/SIGINT: end the drain at once
@@ -93,6 +105,7 @@ class Server:
     async def start(self) -> int:
         """Listen (health NOT_SERVING), load the model, start the looper, serve. Returns the port."""
         self._add_services()
+        check_fd_limit(self.config.max_connections)
         address = f"{self.config.host}:{self.config.port}"
         if self.config.tls_cert:
             creds, self.certificates = server_credentials(self.config.tls_cert, self.config.tls_key,
@@ -103,6 +116,7 @@ class Server:
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
         await self.grpc.start()
+        self._watch_connections()
         if self.config.metrics_port:
             from .metrics import start_metrics_server  # Prometheus /metrics
             start_metrics_server(self.app, self.config.host, self.config.metrics_port)
@@ -110,6 +124,17 @@ class Server:
         log.info("tokenloop ready: serving %s (backend %s) on %s:%d", self.app.card.model_id,
                  self.config.backend, self.config.host, self.port)
         return self.port
+
+    def _watch_connections(self) -> None:
+        c = self.config
+        if not (c.max_connections or c.max_connections_per_peer):
+            return
+        if not ConnectionWatch.available():
+            if c.max_connections_per_peer:
+                log.warning("--max-connections-per-peer is not enforced here (no /proc/self/net/tcp)")
+            return
+        self.connections = ConnectionWatch(self.port, c.max_connections, c.max_connections_per_peer)
+        self.connections.start()
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """SIGTERM/SIGINT: the first drains (Server.stop); the next one cancels what is left at once."""
@@ -148,6 +173,8 @@ class Server:
                  grace, num_open)
         await self.app.drain(grace, self._stop_now)
         await self.grpc.stop(0 if self._stop_now.is_set() else 1.0)
+        if self.connections is not None:
+            self.connections.stop()
         if self.config.metrics_port:
             from .metrics import stop_metrics_server
             stop_metrics_server(self.app)

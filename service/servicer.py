@@ -54,7 +54,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
             ids, tokens = tok.encode_chat(chat, add_special_tokens=tok.add_bos)
         else:
             ids, tokens = tok.encode_with_tokens(text, add_special_tokens=tok.add_bos)
-        validator.check_prompt_length(len(ids))
+        validator.check_prompt_length(len(ids), which or "text")
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens, text=text if which == "chat" else "")
 
     @unary()
@@ -71,7 +71,8 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
     @unary()
     async def LoadLoraAdapter(self, request, context):
         loras = self.app.loras
-        adapter = await loras.load(request.name, request.path, request.id if request.HasField("id") else None)
+        adapter_id = request.id if request.HasField("id") else None
+        adapter = await loras.load_at_run_time(request.name, request.path, adapter_id)
         log.info("LoRA adapter %s loaded from %s (id %d, rank %d)", adapter.name, adapter.path, adapter.id,
                  adapter.rank)
         return loras.describe(adapter)

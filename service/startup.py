@@ -3,8 +3,9 @@
 `check_startup(config)` runs first in `tokenloop serve` (before the port opens or the model loads) and raises
 `StartupError` with one sentence: what is wrong, and the flag or path to fix. The CLI prints it and exits 2.
 Order: the model directory (exists, config.json, tokenizer.json, readable weights, a supported architecture for
-the embedded engine) or GGUF file (core/gguf_file.py's refusals), the `--lora` adapter directories, then TLS files, the API-key file, the ports, and for `--backend trtllm` that TensorRT-LLM is
-installed.
+the embedded engine) or GGUF file (core/gguf_file.py's refusals), the `--lora` adapter directories, then TLS files,
+the API-key and admin-key files, the `--lora-root` directories, the ports, and for `--backend trtllm` that
+TensorRT-LLM is installed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def check_startup(config: ServerConfig) -> None:
     check_lora_dirs(config.loras)
     check_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
     check_api_key_file(config.api_key_file)
+    check_api_key_file(config.admin_key_file, "--admin-key-file")
+    check_lora_roots(config.lora_roots)
     check_listen(config.host, config.port, "--port")
     if config.metrics_port:
         check_listen(config.host, config.metrics_port, "--metrics-port")
@@ -202,13 +205,21 @@ def check_tls(cert: str, key: str, client_ca: str) -> None:
                 from None
 
 
-def check_api_key_file(path: str) -> None:
+def check_api_key_file(path: str, flag: str = "--api-key-file") -> None:
     """The file is readable and holds at least one key (never serve openly by mistake)."""
     if not path:
         return
-    text = _readable(path, "--api-key-file").decode(errors="replace")
+    text = _readable(path, flag).decode(errors="replace")
     if not any(line.split("#", 1)[0].strip() for line in text.splitlines()):
-        raise StartupError(f"--api-key-file {path}: holds no API key (one per line; # starts a comment)")
+        what = "admin key" if flag == "--admin-key-file" else "API key"
+        raise StartupError(f"{flag} {path}: holds no {what} (one per line; # starts a comment)")
+
+
+def check_lora_roots(roots: tuple[str, ...]) -> None:
+    """Each `--lora-root DIR` is a directory."""
+    for root in roots:
+        if not Path(root).is_dir():
+            raise StartupError(f"--lora-root {root}: no such directory")
 
 
 # -- ports ---------------------------------------------------------------------------------

@@ -73,7 +73,8 @@ def _check_supported(request) -> None:
     check(s.beam_width >= 0, "beam_width",
            f"`sampling_config.beam_width` must be >= 1 (0, unset, means 1); got {s.beam_width}")
     if s.beam_width > 1 or s.beam_width_array:
-        refuse("sampling_config.beam_width", "beam search is not supported by this executor")
+        refuse(f"sampling_config.beam_width{'_array' if s.beam_width_array else ''}",
+               "beam search is not supported by this executor")
     for name in UNSUPPORTED_SAMPLING:
         if s.HasField(name):
             refuse(f"sampling_config.{name}", "this executor does not implement it")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tokenloop.core.request import OutputParams, SamplingParams, StoppingParams, ValidRequest
 from tokenloop.core.tokenizer import ChatPrompt, ChatTemplateError, ModelCard, Tokenizer
 
+from .config import LORA_NAME
 from .errors import ValidationError
 from .structured import structured_of
 
@@ -128,8 +129,8 @@ class Validator:
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_bos))
         else:  # special-token text in a message's content: encoded as text
             ids = tuple(self.tokenizer.encode_chat(chat, add_special_tokens=add_bos)[0])
-        check(len(ids) > 0, "empty_prompt", "the prompt encodes to no tokens")
-        self.check_prompt_length(len(ids))
+        check(len(ids) > 0, "empty_prompt", f"`{which}` encodes to no tokens")
+        self.check_prompt_length(len(ids), which)
         return ids, text
 
     def check_text_length(self, text: str, field: str) -> None:
@@ -150,15 +151,16 @@ class Validator:
         """A prompt given as token ids (`field` names them): not empty, within the prompt limit, in the vocabulary."""
         ids = tuple(token_ids)
         check(len(ids) > 0, "empty_token_ids", f"`{field}` must not be empty")
-        self.check_prompt_length(len(ids))  # before looking at every id
+        self.check_prompt_length(len(ids), field)  # before looking at every id
         bad = next((t for t in ids if t >= self.vocab_size), None)
         check(bad is None, "token_id_out_of_range", f"`{field}` must be < the vocabulary size {self.vocab_size}; got {bad}")
         return ids
 
-    def check_prompt_length(self, num: int) -> None:
-        """The prompt limit, for a prompt of `num` tokens (either API)."""
+    def check_prompt_length(self, num: int, field: str) -> None:
+        """The prompt limit, for a prompt of `num` tokens given in `field` (every API names its own)."""
         check(num <= self.limits.max_prompt_tokens, "prompt_too_long",
-               f"the prompt has {num} tokens; the limit is {self.limits.max_prompt_tokens}")
+               f"the prompt (`{field}`) has {num} tokens; the limit is {self.limits.max_prompt_tokens} "
+               "(--max-prompt-tokens)")
 
     # -- parameters ------------------------------------------------------------------------
     def sampling(self, request) -> SamplingParams:
@@ -280,4 +282,13 @@ class Validator:
         return ValidRequest(
             request_id=self.request_id(request_id), prompt_token_ids=ids, sampling=self.sampling(request),
             stopping=self.stopping(request, len(ids)), output=self.output(request), n=n,
-            stream=request.stream, prompt_text=text, deadline=deadline, structured=structured, lora=request.lora)
+            stream=request.stream, prompt_text=text, deadline=deadline, structured=structured,
+            lora=self.lora_name(request.lora))
+
+    @staticmethod
+    def lora_name(name: str) -> str:
+        """`lora`: empty (the base model) or an adapter's name (LORA_NAME), checked before it is looked up."""
+        check(not name or LORA_NAME.fullmatch(name) is not None, "lora_name",
+              "`lora` must be empty (the base model) or an adapter's name: 1-128 letters, digits, '.', '_' or '-' "
+              "starting with a letter or digit")
+        return name

@@ -47,6 +47,7 @@ UNSUPPORTED_REQUEST = {
     "kv_transfer_params_json": "KV transfer (prefill/decode disaggregation) is not supported by this executor",
 }
 # generation_config.json key -> the key of `default_sampling_params_json` (vLLM's names)
+INT32_MAX = 2**31 - 1
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
@@ -77,9 +78,11 @@ def generation_defaults(card: ModelCard) -> dict:
 def _sampling_message(s, defaults: dict) -> pb.SamplingParams:
     """vLLM SamplingParams -> tokenloop.v1 SamplingParams for the validator: what a request leaves unset takes the
     model's defaults (`defaults`, as GetModelInfo reports them), as smg does before it sends. proto3 cannot tell an
-    unset `top_p`, `top_k` or `repetition_penalty` from 0: 0 means unset, as in vLLM's servicer."""
+    unset `top_p`, `top_k` or `repetition_penalty` from 0: 0 means unset, as in vLLM's servicer. vLLM's `top_k` is a
+    uint32 and ours an int32: a k past 2^31 - 1 keeps every token, so it is clamped to 2^31 - 1, which does the same."""
+    top_k = min(s.top_k, INT32_MAX)  # no vocabulary is that large: a larger k keeps every token, as this one does
     msg = pb.SamplingParams(min_p=s.min_p, presence_penalty=s.presence_penalty,
-                            frequency_penalty=s.frequency_penalty, top_k=s.top_k or defaults.get("top_k", 0))
+                            frequency_penalty=s.frequency_penalty, top_k=top_k or defaults.get("top_k", 0))
     if s.HasField("temperature"):
         msg.temperature = s.temperature
     elif "temperature" in defaults:

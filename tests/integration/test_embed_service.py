@@ -89,7 +89,7 @@ def test_embed_equals_transformers_beside_generation(checkpoint, hf):
     ({"token_ids": pb.TokenIds(ids=[])}, "`token_ids.ids` must not be empty"),
     ({"token_ids": pb.TokenIds(ids=[5, 100000])}, "`token_ids.ids` must be < the vocabulary size 384; got 100000"),
     ({"text": TEXT, "pooling": 7}, "`pooling` must be one of LAST, MEAN or unset; got 7"),
-    ({"token_ids": pb.TokenIds(ids=[5] * 1024)}, "the prompt has 1024 tokens; the limit is 1023"),
+    ({"token_ids": pb.TokenIds(ids=[5] * 1024)}, "the prompt (`token_ids.ids`) has 1024 tokens; the limit is 1023 (--max-prompt-tokens)"),
     ({"text": TEXT, "request_id": "bad\nid"}, "`request_id` must be printable and at most 256 characters"),
 ])
 def test_bad_input_is_refused_naming_the_field_and_nothing_else_breaks(checkpoint, hf, request_kw, message):

@@ -24,6 +24,8 @@ from tokenloop.engine.engine import Engine
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 PROMPT = "The capital of France is"
+NOT_FOUND_MESSAGE = ("LoRA adapter `{name}`: `path` names no PEFT adapter under this server's --lora-root directories "
+                     "(not found, or not allowed)")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    return {
+    adapters = {
         "a": write_adapter(checkpoint, root / "a", seed=1),
         "b": write_adapter(checkpoint, root / "b", r=8, targets=("o_proj", "gate_proj", "up_proj"), seed=2),
         "c": write_adapter(checkpoint, root / "c", targets=("k_proj",), seed=3),
@@ -42,11 +44,25 @@ def adapters(checkpoint, tmp_path_factory):
         "embed": write_adapter(checkpoint, root / "embed", seed=5, target_modules=["q_proj", "embed_tokens"]),
         "dora": write_adapter(checkpoint, root / "dora", seed=6, use_dora=True),
     }
+    (root / "plain").mkdir()  # a directory that holds no adapter
+    return adapters
+
+
+def roots(adapters) -> tuple[str, ...]:
+    """The --lora-root that holds the test's adapters."""
+    return (str(adapters["a"].parent),)
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory):
+    """A PEFT adapter outside the --lora-root, and links to it from inside."""
+    return tmp_path_factory.mktemp("outside")
 
 
 @asynccontextmanager
 async def engine_server(checkpoint, **config):
-    """(server, tokenloop.v1 stub, trtllm stub) with the embedded engine on the tiny checkpoint."""
+    """(server, tokenloop.v1 stub, trtllm stub) with the embedded engine on the tiny checkpoint (give `lora_roots` for
+    LoadLoraAdapter)."""
     engine = Engine.from_dir(checkpoint, EngineConfig(kv_cache_tokens=16384, max_batch_size=32, max_lora_rank=8))
     async with serving(checkpoint, engine, **config) as (server, stub, _):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -75,7 +91,8 @@ async def status_of(call) -> tuple[grpc.StatusCode, str]:
 
 def test_adapters_by_name_and_by_task_id(checkpoint, adapters):
     async def body():
-        async with engine_server(checkpoint, loras=(f"a={adapters['a']}",)) as (server, stub, trt):
+        async with engine_server(checkpoint, loras=(f"a={adapters['a']}",), lora_roots=roots(adapters)) as (
+                server, stub, trt):
             info = await stub.GetModelInfo(pb.GetModelInfoRequest())
             assert [(a.name, a.id, a.rank, a.alpha, list(a.target_modules)) for a in info.lora_adapters] == \
                 [("a", 1, 4, 8.0, ["q_proj", "v_proj", "down_proj"])]
@@ -112,18 +129,30 @@ def test_adapters_by_name_and_by_task_id(checkpoint, adapters):
      "LoRA adapter `embed` targets modules the model lacks or the engine does not adapt: embed_tokens (supported: "
      "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"),
     ("dora", "dora", grpc.StatusCode.INVALID_ARGUMENT, "LoRA adapter `dora`: unsupported PEFT options use_dora=True"),
-    ("plain", None, grpc.StatusCode.INVALID_ARGUMENT,
-     "LoRA adapter `plain`: <path> is not a PEFT adapter (no adapter_config.json)"),
+    ("plain", "plain", grpc.StatusCode.NOT_FOUND, NOT_FOUND_MESSAGE.format(name="plain")),
+    ("missing", "missing", grpc.StatusCode.NOT_FOUND, NOT_FOUND_MESSAGE.format(name="missing")),
+    ("out", "outside", grpc.StatusCode.NOT_FOUND, NOT_FOUND_MESSAGE.format(name="out")),
+    ("dots", "../outside/x", grpc.StatusCode.NOT_FOUND, NOT_FOUND_MESSAGE.format(name="dots")),
+    ("link", "link-out", grpc.StatusCode.NOT_FOUND, NOT_FOUND_MESSAGE.format(name="link")),
+    ("etc", "/etc", grpc.StatusCode.NOT_FOUND, NOT_FOUND_MESSAGE.format(name="etc")),
+    ("long", "a" * 100_000, grpc.StatusCode.NOT_FOUND, NOT_FOUND_MESSAGE.format(name="long")),
     ("a", "b", grpc.StatusCode.ALREADY_EXISTS, "LoRA adapter `a` is already loaded (unload it first)"),
     ("bad name", "b", grpc.StatusCode.INVALID_ARGUMENT,
      "`name` must be 1-128 letters, digits, '.', '_' or '-' starting with a letter or digit; got 'bad name'"),
 ])
-def test_bad_adapters_are_refused_naming_them_and_nothing_else_breaks(checkpoint, adapters, tmp_path, name, path_key,
+def test_bad_adapters_are_refused_naming_them_and_nothing_else_breaks(checkpoint, adapters, outside, name, path_key,
                                                                       code, message):
+    """Bad adapters by name; and every path that does not name an adapter under --lora-root (missing, a directory
+    without one, outside the root, `..`, a link out of the root, too long) gets the one same NOT_FOUND."""
+    root = adapters["a"].parent
+    if not (outside / "x").exists():
+        write_adapter(checkpoint, outside / "x", seed=7)
+        (root / "link-out").symlink_to(outside / "x")
     async def body():
-        async with engine_server(checkpoint, loras=(f"a={adapters['a']}",)) as (server, stub, _):
+        async with engine_server(checkpoint, loras=(f"a={adapters['a']}",), lora_roots=roots(adapters)) as (
+                server, stub, _):
             before = await ids_of(stub, greedy("a"))
-            path = adapters[path_key] if path_key else tmp_path
+            path = {"outside": outside / "x"}.get(path_key, adapters.get(path_key, path_key))
             got = await status_of(lambda: stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name=name, path=str(path))))
             assert got == (code, message)
             listed = await stub.ListLoraAdapters(pb.ListLoraAdaptersRequest())
@@ -132,9 +161,22 @@ def test_bad_adapters_are_refused_naming_them_and_nothing_else_breaks(checkpoint
     run(body())
 
 
+def test_loading_at_run_time_is_off_without_a_lora_root(checkpoint, adapters):
+    async def body():
+        async with engine_server(checkpoint, loras=(f"a={adapters['a']}",)) as (server, stub, _):
+            got = await status_of(lambda: stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name="b", path=str(
+                adapters["b"]))))
+            assert got == (grpc.StatusCode.FAILED_PRECONDITION, "LoadLoraAdapter is off: this server loads adapters "
+                           "at run time only from --lora-root directories, and none is configured (--lora adapters "
+                           "are served)")
+            assert (await stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(name="a"))).adapter.name == "a"
+    run(body())
+
+
 def test_unknown_adapter_and_unload_while_in_use(checkpoint, adapters):
     async def body():
-        async with engine_server(checkpoint, loras=(f"a={adapters['a']}", f"b={adapters['b']}")) as (_, stub, _t):
+        async with engine_server(checkpoint, loras=(f"a={adapters['a']}", f"b={adapters['b']}"),
+                                 lora_roots=roots(adapters)) as (_, stub, _t):
             code, msg = await status_of(lambda: stub.Generate(greedy("zzz")))
             assert (code, msg) == (grpc.StatusCode.NOT_FOUND, "LoRA adapter `zzz` is not loaded (loaded: `a`, `b`)")
             base, with_b = await ids_of(stub, greedy("")), await ids_of(stub, greedy("b"))
@@ -161,7 +203,7 @@ def test_unknown_adapter_and_unload_while_in_use(checkpoint, adapters):
 def test_max_loras_swaps_out_the_least_recently_used_idle_adapter(checkpoint, adapters):
     async def body():
         loras = (f"a={adapters['a']}", f"b={adapters['b']}")
-        async with engine_server(checkpoint, loras=loras, max_loras=2) as (server, stub, _):
+        async with engine_server(checkpoint, loras=loras, max_loras=2, lora_roots=roots(adapters)) as (server, stub, _):
             with_a = await ids_of(stub, greedy("a"))
             await ids_of(stub, greedy("b"))  # a is now the least recently used
             await stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name="c", path=str(adapters["c"])))
@@ -189,9 +231,9 @@ def test_python_client_and_cli_parsing(checkpoint, adapters):
     from tokenloop_client.cli import build_parser
 
     async def body():
-        async with engine_server(checkpoint) as (server, stub, _):
+        async with engine_server(checkpoint, lora_roots=roots(adapters)) as (server, stub, _):
             async with AsyncClient(f"127.0.0.1:{server.port}") as client:
-                loaded = await client.load_lora_adapter("a", str(adapters["a"]), id=5)
+                loaded = await client.load_lora_adapter("a", "a", id=5)  # a path under the root
                 assert (loaded.name, loaded.id, loaded.rank, loaded.target_modules) == \
                     ("a", 5, 4, ("q_proj", "v_proj", "down_proj"))
                 info = await client.model_info()

@@ -71,8 +71,8 @@ def test_more_tokens_than_the_limit_is_refused_once_counted(metaspace_dir, size)
 
     refused, ok = run(body())
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.details().startswith("the prompt has ")
-    assert refused.details().endswith(f" tokens; the limit is {LIMIT}")
+    assert refused.details().startswith("the prompt (`text`) has ")
+    assert refused.details().endswith(f" tokens; the limit is {LIMIT} (--max-prompt-tokens)")
     assert 0 < len(ok.token_ids) <= LIMIT
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
-from tokenloop.service.logs import JsonFormatter, RateLimitedLog, TextFormatter, escape_controls
+from tokenloop.service.logs import JsonFormatter, LineBudget, RateLimitedLog, TextFormatter, bounded, escape_controls
 
 
 def test_json_and_text_log_lines_carry_the_request_fields():
@@ -39,3 +39,37 @@ def test_rate_limited_log_says_how_many_it_left_out(caplog):
         now[0] += 10.5
         assert limited.warning("refused %s", "c")
     assert [r.getMessage() for r in caplog.records] == ["refused a", "refused c (and 40 more like it in the last 10s)"]
+
+
+def test_client_values_reach_a_line_bounded_in_either_format():
+    record = logging.LogRecord("tokenloop.requests", logging.INFO, __file__, 1, "request %s", ("m" * 20_000,), None)
+    record.request_id = "r" * 7000 + "\n"
+    text = TextFormatter().format(record)
+    assert len(text) < 4096 + 256 + 200 and "\n" not in text
+    assert "request_id=" + "r" * 256 + "...[cut: 7001 characters]" in text
+    assert "request " + "m" * 4088 + "...[cut: 20008 characters]" in text
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == "r" * 256 + "...[cut: 7001 characters]"
+    assert len(line["message"]) < 4200
+    assert bounded("\x00" * 300) == "\\x00" * 256 + "...[cut: 300 characters]"
+
+
+def test_a_traceback_keeps_its_lines_each_bounded():
+    try:
+        raise OSError("File name too long: " + "a" * 100_000)
+    except OSError:
+        import sys
+        record = logging.LogRecord("tokenloop.service", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    text = TextFormatter().format(record)
+    assert "Traceback" in text and len(text) < 6000 and text.endswith("...[cut: 100029 characters]")
+
+
+def test_failed_request_lines_share_a_budget():
+    now = [0.0]
+    budget = LineBudget(rate=5.0, burst=50.0, clock=lambda: now[0])
+    assert sum(budget.take() for _ in range(1000)) == 50  # a burst, then nothing
+    assert budget.left_out() == 950 and budget.left_out() == 0
+    now[0] += 2.0
+    assert sum(budget.take() for _ in range(1000)) == 10  # 5 a second
+    now[0] += 1000.0
+    assert sum(budget.take() for _ in range(1000)) == 50  # never more than the burst

@@ -37,7 +37,8 @@ CASES = [
     ("empty chat", pb.GenerateRequest(chat=pb.Chat()), "empty_chat", "`chat.messages` must not be empty"),
     ("unknown role", pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="robot", content="x")])),
      "unknown_chat_role", "`chat.messages[0].role` must be one of system, user, assistant, tool; got 'robot'"),
-    ("too many prompt tokens", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 150)), "prompt_too_long", "the prompt has 150 tokens; the limit is 100"),
+    ("too many prompt tokens", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 150)), "prompt_too_long",
+     "the prompt (`token_ids.ids`) has 150 tokens; the limit is 100 (--max-prompt-tokens)"),
     ("max_new_tokens 0", req(stopping=pb.StoppingCriteria(max_new_tokens=0)), "max_new_tokens",
      "`stopping.max_new_tokens` must be between 1 and 200; got 0"),
     ("max_new_tokens too big", req(stopping=pb.StoppingCriteria(max_new_tokens=201)), "max_new_tokens",
@@ -179,12 +180,13 @@ def test_text_too_long_for_any_tokenization_is_refused_untokenized(tokenizer_dir
     # at the bound the text is tokenized, then judged by its token count
     with pytest.raises(ValidationError) as exc:
         v.generate(req(text="a" * (100 * per)), "rid")
-    assert exc.value.message.startswith("the prompt has ") and tok.calls == 1
+    assert exc.value.message.startswith("the prompt (`text`) has ") and tok.calls == 1
 
 
 def test_prompt_length_is_checked_before_every_id(validator):
     rule, message = error_of(validator, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 150 + [99999])))
-    assert (rule, message) == ("prompt_too_long", "the prompt has 151 tokens; the limit is 100")
+    assert (rule, message) == ("prompt_too_long",
+                               "the prompt (`token_ids.ids`) has 151 tokens; the limit is 100 (--max-prompt-tokens)")
 
 
 def _releases_gil(call) -> bool:

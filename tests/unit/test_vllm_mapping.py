@@ -86,7 +86,7 @@ RULES = [
     ("json_object false", gen(json_object=False), "json_object_false", "`sampling_params.json_object` must be true"),
     ("empty choice", gen(choice=vpb.ChoiceConstraint()), "empty_structure",
      "`sampling_params.choice.choices` must not be empty"),
-    ("prompt too long", gen(range(3, 104)), "prompt_too_long", "the prompt has 101 tokens; the limit is 100"),
+    ("prompt too long", gen(range(3, 104)), "prompt_too_long", "the prompt (`tokenized.input_ids`) has 101 tokens; the limit is 100 (--max-prompt-tokens)"),
 ]
 
 
