@@ -285,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true")
     ll = lsub.add_parser("load", parents=parents, help="load a PEFT adapter directory (a path on the server) as NAME")
     ll.add_argument("name")
-    ll.add_argument("path", help="the adapter's directory as the server sees it (relative: to the server's "
-                                 "working directory)")
+    ll.add_argument("path", help="the adapter's directory as the server sees it: under one of its --lora-root "
+                                 "directories (relative: under each)")
     ll.add_argument("--id", type=int, help="its integer id, the router API's lora_config.task_id (default: next free)")
     lu = lsub.add_parser("unload", parents=parents, help="unload an adapter no request is using")
     lu.add_argument("name")
