@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 READY_TIMEOUT_S = 300.0
 _server: LiveServer | None = None
+_lora_root: Path | None = None
 
 
 class LiveServer:
@@ -89,6 +91,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def shared_lora_root() -> Path:
+    """The shared server's --lora-root (a directory of this test session): a test that loads an adapter by
+    LoadLoraAdapter writes it here."""
+    global _lora_root
+    if _lora_root is None:
+        _lora_root = Path(tempfile.mkdtemp(prefix="tokenloop-e2e-lora-"))
+        atexit.register(shutil.rmtree, _lora_root, True)
+    return _lora_root
+
+
 def live_address() -> str:
     """HOST:PORT of a live server: $TOKENLOOP_E2E_ADDRESS, or a shared `tokenloop serve` child."""
     global _server
@@ -97,7 +109,7 @@ def live_address() -> str:
     if not (DEFAULT_MODEL / "config.json").is_file():
         pytest.skip("the default model is not prepared: run `make model`")
     if _server is None:
-        _server = LiveServer(DEFAULT_MODEL)
+        _server = LiveServer(DEFAULT_MODEL, ("--lora-root", str(shared_lora_root())))
         atexit.register(_server.stop)
         _server.wait_ready()
     elif _server.proc.poll() is not None:

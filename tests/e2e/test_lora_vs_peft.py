@@ -114,7 +114,8 @@ def test_through_the_grpc_server_loaded_by_rpc(default_model_dir, engine, adapte
     from tokenloop.v1 import tokenloop_pb2 as pb
 
     async def body():
-        async with serving(default_model_dir, engine) as (_, stub, _e):
+        root = str(next(iter(adapters.values())).parent)  # LoadLoraAdapter reads under --lora-root only
+        async with serving(default_model_dir, engine, lora_roots=(root,)) as (_, stub, _e):
             for name in ADAPTERS:
                 await stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name=f"rpc-{name}", path=str(adapters[name])))
             for name in [""] + list(ADAPTERS):

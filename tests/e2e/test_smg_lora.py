@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tests.e2e.gateway import Router, post, smg_binary
-from tests.e2e.live_server import DEFAULT_MODEL, live_address
+from tests.e2e.live_server import DEFAULT_MODEL, live_address, shared_lora_root
 from tests.lora_helpers import write_adapter
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
@@ -49,12 +49,12 @@ def chat(router: Router, model: str) -> tuple[int, dict]:
     return resp.status, (json.loads(raw) if raw.startswith(b"{") else {"raw": raw.decode(errors="replace")})
 
 
-def test_task_id_reaches_the_adapter_and_smg_http_reaches_the_base(router, tmp_path):
-    adapter = write_adapter(DEFAULT_MODEL, tmp_path / "smg-poet", r=8, alpha=16,
-                            targets=("q_proj", "v_proj", "o_proj", "down_proj"), seed=3, scale=0.08)
+def test_task_id_reaches_the_adapter_and_smg_http_reaches_the_base(router):
+    write_adapter(DEFAULT_MODEL, shared_lora_root() / "smg-poet", r=8, alpha=16,
+                  targets=("q_proj", "v_proj", "o_proj", "down_proj"), seed=3, scale=0.08)
     with grpc.insecure_channel(live_address()) as channel:
         stub, trt = pb_grpc.TextGenerationStub(channel), tpb_grpc.TrtllmServiceStub(channel)
-        stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name="smg-poet", path=str(adapter), id=TASK_ID))
+        stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name="smg-poet", path="smg-poet", id=TASK_ID))  # --lora-root
         try:
             ids = list(stub.Tokenize(pb.TokenizeRequest(chat=pb.Chat(
                 messages=[pb.ChatMessage(role="user", content=QUESTION)]))).token_ids)
