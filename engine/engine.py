@@ -7,14 +7,13 @@ The looper thread calls enqueue / cancel / await_responses; the engine thread ru
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,19 +21,20 @@ import torch
 from ..core.executor import EngineDeadError, ErrorKind, ExecutorStats, Step, merge_steps
 from ..core.kv_events import CacheCleared, KvEventHub
 from ..core.lora import LoraRegistry
-from ..core.request import EmbedParams, FinishReason, ValidRequest
+from ..core.request import EmbedParams, ValidRequest
 from ..core.tokenizer import ModelCard
-from . import kernels, runner
+from . import kernels
+from .admission import check_request
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .layer_kernels import PagedAttention
-from .loader import ModelConfig, load_weights
+from .isolation import StepRun, run_isolated
+from .load_stats import update_stats
+from .loader import ModelConfig
 from .lora import LoraWeights, read_adapter
-from .matmul import Backend, MatmulPolicy, set_blas_threads
-from .model import Model
-from .pooling import embed_defaults
+from .matmul import set_blas_threads
+from .model_setup import build_model, default_num_threads
+from .pooling import embed_defaults, pool_rows
 from .postprocess import cancelled_steps, error_steps, steps_for_samples
-from .quant import Q4Weight, QWeight
 from .sampler import RowFailure, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -43,22 +43,6 @@ from .speculation import SpecState, SpecStats
 
 log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-
-def default_num_threads() -> int:
-    """All cores but one: the gRPC front and the looper need one, and an OpenMP barrier that waits
-    for a descheduled worker costs a whole scheduler time slice."""
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
-@dataclass(slots=True)
-class StepRun:
-    """A step's forward pass: the scheduled sequences that ran, the model's output for them, and the error steps of
-    the requests that failed in it (Engine._run_isolated)."""
-
-    scheduled: list[tuple[Sequence, int]]
-    output: runner.ModelOutput
-    failed: list[Step]
 
 
 class Engine:
@@ -73,17 +57,8 @@ class Engine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.max_context_length = min(self.model_config.max_context_length,
                                       self.config.max_model_len or self.model_config.max_context_length)
-        dtype = self.config.torch_dtype
-        started = time.perf_counter()
-        weights = load_weights(model_dir, self.model_config, dtype, self.config.weights)
-        log.info("engine: weights %s loaded in %.1f s", self.dtype, time.perf_counter() - started)
-        num_blocks = self.config.num_kv_blocks(Model.kv_bytes_per_token(self.model_config, dtype))
-        self._gate_ups = [weights[f"layers.{i}.gate_up"] for i in range(self.model_config.num_layers)]
-        paged = self._paged_attention(dtype)
-        self.model = Model(self.model_config, weights, dtype, num_blocks, self.config.block_size,
-                           self._matmul_policy(weights["layers.0.gate_up"]), paged,
-                           split_attention=(os.cpu_count() or 1) >= 2,
-                           ops=kernels.load_ops() if paged is not None else None)
+        self.model = build_model(model_dir, self.config, self.model_config, self.dtype)
+        num_blocks = self.model.num_blocks
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_tokens, self.config.max_batch_size)
         self.kv_events = KvEventHub()  # the prefix cache's stored / removed blocks, for SubscribeKvEvents
@@ -108,7 +83,7 @@ class Engine:
         self._woken = False  # wake() was called: the next (or current) await_responses returns at once
         self._dead: str | None = None
         self._on_death: Callable[[str], None] | None = None  # set_death_callback
-        self._num_failures = 0
+        self.num_failed_steps = 0  # steps in a row that failed for a fault of the engine (StepRun.fault)
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
         self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
         self.speculative = self.config.speculative_config  # engine/speculation.py; off unless --speculative ngram
@@ -127,39 +102,18 @@ class Engine:
         """Load the checkpoint in `model_dir` and start the engine thread."""
         return cls(model_dir, config)
 
-    def _paged_attention(self, dtype: torch.dtype) -> PagedAttention | None:
-        """The native decode-attention kernel when wanted and there is a C compiler; `native` insists (start-up error).
-        A kernel that fails to build raises kernels.KernelBuildError (start-up error) whatever is wanted."""
-        wanted = self.config.attention_backend
-        if wanted == "torch" or dtype != torch.float32:
-            return None
-        paged = kernels.load_paged_attention()
-        if paged is None and wanted == "native":
-            raise RuntimeError(f"attention_backend 'native' is unavailable here ({kernels.NO_COMPILER}); use 'torch'")
-        return paged
-
     @property
     def dtype(self) -> str:
         """The weights' data type (GetModelInfo.dtype): `int8` / `int4` with --weights int8 / int4, else the engine's
         dtype."""
         return self.config.weights if self.config.weights in ("int8", "int4") else self.config.dtype
 
-    def _matmul_policy(self, sample_weight: torch.Tensor | QWeight | Q4Weight) -> MatmulPolicy:
-        if isinstance(sample_weight, Q4Weight):  # timed over every layer's gate_up, as int8
-            return MatmulPolicy.calibrate_int4(self._gate_ups, kernels.load_int4(), kernels.load_int8())
-        if isinstance(sample_weight, QWeight):  # timed over every layer's gate_up: they stream from memory
-            return MatmulPolicy.calibrate_int8(self._gate_ups, kernels.load_int8())
-        if self.config.matmul_backend == "auto":
-            return MatmulPolicy.calibrate(self._gate_ups, kernels.load_int8())
-        usable = sample_weight.dtype in (torch.float32, torch.float64)
-        wanted = Backend(self.config.matmul_backend)
-        return MatmulPolicy.fixed(wanted if usable else Backend.TORCH)
-
     # --- the Executor protocol (looper thread) ---
 
     def enqueue(self, request: ValidRequest) -> int:
         """Submit a request; raises ValueError for one this engine cannot serve."""
-        self._check_request(request)
+        check_request(request, self.max_context_length, self.model_config.vocab_size,
+                      self.block_manager.num_blocks * self.block_manager.block_size)
         lora = self.loras.acquire(request.lora) if request.lora else None  # LoraError (ValueError) when unknown
         request_id = next(self._ids)
         with self._lock:
@@ -184,27 +138,6 @@ class Engine:
     def unload_lora(self, name: str) -> LoraWeights:
         """Remove an adapter no request uses; LoraInUseError while requests use it (they keep running)."""
         return self.loras.remove(name)
-
-    def _check_request(self, request: ValidRequest) -> None:
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if len(prompt) >= self.max_context_length:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; this model takes at most "
-                             f"{self.max_context_length - 1} so that one can be generated")
-        vocab = self.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        if request.n < 1:
-            raise ValueError(f"n must be >= 1, got {request.n}")
-        if request.embed is not None and (request.n != 1 or request.structured is not None):
-            raise ValueError("an embedding request has n 1 and no `structured` constraint")
-        if request.structured is not None and request.structured.grammar is None:
-            raise ValueError(f"`{request.structured.kind}` was not compiled (validation compiles it)")
-        need = min(len(prompt) + request.stopping.max_new_tokens, self.max_context_length)
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if need > capacity:
-            raise ValueError(f"prompt plus max_new_tokens ({need} tokens) exceeds the KV cache ({capacity} tokens)")
 
     def await_responses(self, timeout: float) -> list[Step]:
         """Block up to `timeout` s for steps (releases the GIL); raises EngineDeadError once dead and drained."""
@@ -258,12 +191,7 @@ class Engine:
     def stats(self) -> ExecutorStats:
         """Thread-safe snapshot."""
         with self._lock:
-            s = self._stats
-            return ExecutorStats(s.num_running, s.num_waiting + len(self._new), s.kv_blocks_used, s.kv_blocks_total,
-                                 s.tokens_per_block, s.step_latency_s, s.num_preemptions, s.num_steps,
-                                 s.kv_blocks_cached, s.prefix_cache_hit_rate, s.num_prefix_cache_evictions,
-                                 s.num_prefix_cache_hit_tokens, s.num_prefix_cache_query_tokens, s.spec_num_drafts,
-                                 s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_accepted_per_pos)
+            return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + len(self._new))
 
     def shutdown(self) -> None:
         """Stop the engine thread; pending requests get no more steps."""
@@ -346,7 +274,7 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: schedule, run the model, sample, advance, postprocess, publish. A row that fails fails its
-        request alone (`_run_isolated`, `_sampled`)."""
+        request alone (`_run`, `_sampled`)."""
         start = time.perf_counter()
         if self.speculative.enabled:  # 0. draft (speculation: spec_step.py)
             running = self.scheduler.running
@@ -355,13 +283,13 @@ class Engine:
         scheduled = self.scheduler.schedule()  # 1. schedule
         if not scheduled:
             return
-        ran = self._run_isolated(scheduled)  # 2. run the model
+        ran = self._run(scheduled)  # 2. run the model
         if ran is None:
             return
         out = ran.output
         samples = sample_batch(out.logits, out.samplers, self.eos_token_ids) if out.samplers else []  # 3. sample
         self.scheduler.advance(ran.scheduled)  # 4. advance
-        steps = ran.failed + self._embedded(out.pooled) + self._sampled(out.samplers, samples, out.drafts)  # 5.
+        steps = ran.error_steps + self._embedded(out.pooled) + self._sampled(out.samplers, samples, out.drafts)  # 5.
         self._latencies.append(time.perf_counter() - start)
         self._publish(steps)  # 6. publish
 
@@ -401,76 +329,34 @@ class Engine:
                 self._forget(seq.executor_id)
 
     def _embedded(self, pooled: list[tuple[Sequence, torch.Tensor]]) -> list[Step]:
-        """Pool the embedding sequences' new hidden states; one whose prompt is all computed ends with its vector
-        and leaves at once (its blocks freed; the full ones stay in the prefix cache like any prompt's)."""
-        steps = []
-        for seq, hidden in pooled:
-            seq.pool(hidden)
-            if seq.num_uncomputed_tokens == 0:
-                steps.append(Step(seq.executor_id, seq.seq_index, [], is_final=True,
-                                  finish_reason=FinishReason.LENGTH, embedding=seq.embedding(),
-                                  num_cached_prompt_tokens=seq.num_cached_prompt_tokens or 0))
-                self.scheduler.finish(seq)
-                self._forget(seq.executor_id)
+        """Pool the embedding sequences' new hidden states (pooling.pool_rows); the requests that end leave."""
+        steps = pool_rows(pooled, self.scheduler)
+        for step in steps:
+            self._forget(step.executor_id)
         return steps
 
-    def _run_isolated(self, scheduled: list[tuple[Sequence, int]]) -> StepRun | None:
-        """The model over `scheduled`. When the batch fails, each sequence runs alone (`_run_each_alone`)."""
-        try:
-            output = runner.run(self.model, scheduled, self.block_manager.block_size)
-        except Exception as exc:  # noqa: BLE001 - find the rows at fault before failing anyone
-            log.exception("engine forward failed for %d sequences; running each alone", len(scheduled))
-            return self._run_each_alone(scheduled, exc)
-        self._num_failures = 0
-        return StepRun(scheduled, output, [])
-
-    def _run_each_alone(self, scheduled: list[tuple[Sequence, int]], batch_error: Exception) -> StepRun | None:
-        """Run each sequence of a failed batch alone: the requests of those that fail alone fail (their error steps
-        in `failed`), the rest go on. None when nothing is left to run. The step counts towards the engine's death
-        only when every sequence failed alone and a one-token probe fails too (a fault no request explains)."""
-        block_size = self.block_manager.block_size
-        outputs, bad = [], {}
-        for seq, n in scheduled:
-            try:
-                outputs.append((seq, runner.run(self.model, [(seq, n)], block_size)))
-            except Exception as exc:  # noqa: BLE001 - this sequence's forward fails alone
-                bad.setdefault(seq.executor_id, exc)
-        ok = [(seq, n) for seq, n in scheduled if seq.executor_id not in bad]
-        if not ok and not self._probe_runs():
-            self._fail_step(scheduled, batch_error)  # raises once MAX_CONSECUTIVE_STEP_FAILURES steps failed so
+    def _run(self, scheduled: list[tuple[Sequence, int]]) -> StepRun | None:
+        """The model over `scheduled`, failures isolated (isolation.run_isolated): the requests that fail alone fail
+        (their error steps in the StepRun); None when nothing is left to sample or pool."""
+        ran = run_isolated(self.model, self.block_manager, scheduled)
+        if ran.fault is not None:
+            self._fail_step(scheduled, ran.fault)  # raises once MAX_CONSECUTIVE_STEP_FAILURES steps failed so
             return None
-        failed = []
-        for request_id, exc in bad.items():
+        for request_id, exc in ran.errors.items():
             log.warning("request %d fails alone in the model forward: %s: %s", request_id, type(exc).__name__, exc)
-            failed += error_steps(request_id, self._forget(request_id), self.scheduler,
-                                  f"generation failed: the model failed on this request: {type(exc).__name__}: {exc}")
-        if not ok:
-            self._publish(failed)
+            ran.error_steps += error_steps(request_id, self._forget(request_id), self.scheduler, "generation failed: "
+                                           f"the model failed on this request: {type(exc).__name__}: {exc}")
+        if ran.output is None:
+            self._publish(ran.error_steps)
             return None
-        self._num_failures = 0
-        parts = [output for seq, output in outputs if seq.executor_id not in bad]
-        return StepRun(ok, runner.ModelOutput.concat(parts), failed)
-
-    def _probe_runs(self) -> bool:
-        """Whether the model still runs a one-token sequence of no request (in a free block, freed after): when
-        it does, the sequences that failed alone explain their failure."""
-        probe = Sequence(-1, 0, [0], 1)
-        if not self.block_manager.append_slots(probe, 1):
-            return False  # no block to try in: count the failure
-        try:
-            runner.run(self.model, [(probe, 1)], self.block_manager.block_size)
-            return True
-        except Exception:  # noqa: BLE001 - the engine's own fault
-            log.exception("the model fails a one-token probe too")
-            return False
-        finally:
-            self.block_manager.free(probe)
+        self.num_failed_steps = 0
+        return ran
 
     def _fail_step(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> None:
         """A model forward failed for every sequence of the step, each alone too: a fault of the engine, not of a
         request. Its requests fail; MAX_CONSECUTIVE_STEP_FAILURES such steps in a row kill the engine."""
-        log.error("engine step failed for every sequence (%d in a row)", self._num_failures + 1)
-        self._num_failures += 1
+        log.error("engine step failed for every sequence (%d in a row)", self.num_failed_steps + 1)
+        self.num_failed_steps += 1
         message = f"generation failed: {type(exc).__name__}: {exc}"
         request_ids = dict.fromkeys(seq.executor_id for seq, _ in scheduled)
         steps = []
@@ -478,32 +364,17 @@ class Engine:
             seqs = self._forget(request_id)
             steps.extend(error_steps(request_id, seqs, self.scheduler, message))
         self._publish(steps)
-        if self._num_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-            raise RuntimeError(f"{self._num_failures} engine steps failed in a row; last: {message}")
+        if self.num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(f"{self.num_failed_steps} engine steps failed in a row; last: {message}")
 
     def _publish(self, steps: list[Step]) -> None:
-        sched, blocks = self.scheduler, self.block_manager
-        running = {s.executor_id for s in sched.running}
+        """Hand `steps` to await_responses, with the engine's load as it is now; then the prefix cache's events."""
         with self._lock:
             self._outputs.extend(steps)
-            st = self._stats
-            st.num_running = len(running)
-            st.num_waiting = len({s.executor_id for s in sched.waiting} - running) if sched.waiting else 0
-            st.kv_blocks_used = blocks.num_used_blocks
-            st.num_preemptions = sched.num_preemptions
-            st.num_steps += 1
-            st.step_latency_s = sum(self._latencies) / len(self._latencies) if self._latencies else 0.0
-            st.kv_blocks_cached = blocks.num_cached_blocks
-            st.prefix_cache_hit_rate = blocks.hit_rate
-            st.num_prefix_cache_evictions = blocks.num_evictions
-            st.num_prefix_cache_hit_tokens = blocks.num_hit_tokens
-            st.num_prefix_cache_query_tokens = blocks.num_query_tokens
-            spec = self.spec_stats
-            st.spec_num_drafts, st.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
-            st.spec_num_accepted_tokens, st.spec_accepted_per_pos = spec.num_accepted_tokens, tuple(spec.accepted_per_pos)
+            update_stats(self._stats, self.scheduler, self.block_manager, self._latencies, self.spec_stats)
             if steps:
                 self._has_output.notify_all()
-        self.kv_events.publish(blocks.take_events())  # after the stats: a batch's load record is current
+        self.kv_events.publish(self.block_manager.take_events())  # after the stats: a batch's load record is current
 
     def set_death_callback(self, callback: Callable[[str], None]) -> None:
         """`callback(reason)` is called once, from the engine thread, when the engine dies (the looper uses it to

@@ -76,7 +76,7 @@ class Model:
             weights[f"layers.{i}.o"], weights[f"layers.{i}.post_norm"], weights[f"layers.{i}.gate_up"],
             weights[f"layers.{i}.down"]) for i in range(config.num_layers)]
         c = config
-        self.block_size = block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
         # k_cache, v_cache: [L, num_blocks * block_size, K, E]; slot = block_id * block_size + offset; on huge pages
         # like the weights (hugepages.py): attention streams them too
         cache_shape = (c.num_layers, num_blocks * block_size, c.num_kv_heads, c.head_dim)

@@ -1,4 +1,5 @@
-"""Which pooling and normalization an embedding request gets when it names none (core.request.EmbedParams).
+"""Embedding requests: which pooling and normalization one gets when it names none (core.request.EmbedParams), and
+the pooling of its rows' hidden states step by step (`pool_rows`).
 
 Order, as vLLM for a decoder-only model: the server's flags (--embed-pooling, --embed-normalize) where given, else
 the model's sentence-transformers config where it has one (`modules.json` naming a `Pooling` module, whose
@@ -11,7 +12,12 @@ import json
 import logging
 from pathlib import Path
 
-from ..core.request import POOLINGS, EmbedParams
+import torch
+
+from ..core.executor import Step
+from ..core.request import POOLINGS, EmbedParams, FinishReason
+from .scheduler import Scheduler
+from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}  # the ones the engine runs
@@ -58,3 +64,17 @@ def embed_defaults(model_dir: str | Path, pooling: str | None = None, normalize:
     defaults = EmbedParams()
     return EmbedParams(pooling or model_pooling or defaults.pooling,
                        next(v for v in (normalize, model_normalize, defaults.normalize) if v is not None))
+
+
+def pool_rows(pooled: list[tuple[Sequence, torch.Tensor]], scheduler: Scheduler) -> list[Step]:
+    """Pool each embedding sequence's new rows' final hidden states [n, D]; one whose prompt is all computed ends
+    with its vector: its final Step, and the scheduler finishes it (its blocks freed; the full ones stay in the prefix
+    cache like any prompt's)."""
+    steps = []
+    for seq, hidden in pooled:
+        seq.pool(hidden)
+        if seq.num_uncomputed_tokens == 0:
+            steps.append(Step(seq.executor_id, seq.seq_index, [], is_final=True, finish_reason=FinishReason.LENGTH,
+                              embedding=seq.embedding(), num_cached_prompt_tokens=seq.num_cached_prompt_tokens or 0))
+            scheduler.finish(seq)
+    return steps

@@ -111,7 +111,7 @@ def test_v1_bad_requests_fail_alone_beside_16_streams_that_get_their_tokens(chec
             for (code, details), (_, want_code, want) in zip(together[16:-1], bad):
                 assert code is want_code and want in details, (code, details)
             assert together[-1] == alone[0]
-            assert engine._num_failures == 0 and engine._dead is None
+            assert engine.num_failed_steps == 0 and engine._dead is None
             assert await health(health_stub) == health_pb2.HealthCheckResponse.SERVING
 
     run(body())
@@ -127,7 +127,7 @@ def test_the_server_keeps_serving_after_many_bad_requests_in_a_row(checkpoint):
                 request, code, want = runtime_bad[k % 3]
                 got_code, details = await outcome(stub.Generate(request))
                 assert got_code is code and want in details, (k, got_code, details)
-            assert engine._num_failures == 0 and engine._dead is None and not server.app.dead.is_set()
+            assert engine.num_failed_steps == 0 and engine._dead is None and not server.app.dead.is_set()
             assert await health(health_stub) == health_pb2.HealthCheckResponse.SERVING
             assert await outcome(stub.Generate(v1_good(3))) == first
 
@@ -185,7 +185,7 @@ def test_trtllm_bad_requests_fail_alone_beside_8_streams(checkpoint):
             assert together[:8] == alone, "a router stream's tokens changed beside the bad requests"
             for (code, details), (_, want_code, want) in zip(together[8:], bad):
                 assert code is want_code and want in details, (code, details)
-            assert engine._num_failures == 0 and engine._dead is None
+            assert engine.num_failed_steps == 0 and engine._dead is None
             assert await health(health_stub) == health_pb2.HealthCheckResponse.SERVING
 
     run(body())

@@ -104,7 +104,7 @@ def greedy(engine: Engine, batch: list[list[int]], num_new: int = 24, **request)
 def test_equals_float32_on_the_dequantized_weights_alone_and_batched(checkpoints, engines, mode):
     quant, ref = engines
     assert quant.dtype == mode and ref.dtype == "float32"
-    assert all(isinstance(w, Q4Weight if mode == "int4" else QWeight) for w in quant._gate_ups)
+    assert all(isinstance(w, Q4Weight if mode == "int4" else QWeight) for w in (layer.gate_up for layer in quant.model.layers))
     batch = prompts(16)
     expected = greedy(ref, batch)
     alone = [greedy(quant, [p])[0] for p in batch[:4]]
@@ -120,7 +120,7 @@ def test_equals_float32_on_the_dequantized_weights_alone_and_batched(checkpoints
 
 def test_start_up_log_says_the_mode_and_its_routes(checkpoints, caplog, mode, monkeypatch):
     monkeypatch.delenv(ROUTE_ENV, raising=False)
-    with caplog.at_level(logging.INFO, logger="tokenloop.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="tokenloop.engine"):
         e = Engine(checkpoints[0], EngineConfig(weights=mode, kv_cache_tokens=512), start=False)
     assert f"weights {mode} loaded in" in caplog.text and "matmul routes (" in caplog.text
     if kernels.load_int8() is not None:
