@@ -72,6 +72,8 @@ BENCHMARKS = {
                       "", ("--quick", "--num", "40", "--death-streams", "4")),
     "lora": Benchmark("lora_bench", "32 streams over 4 LoRA adapters against the base model", "results-lora.json",
                       ("--num-adapters", "2", "--rank", "4", "--concurrency", "2", "--requests", "2", "--max-new-tokens", "4", "--rounds", "1")),
+    "model_load": Benchmark("model_load", "load time, resident and peak memory per model and weights mode, each in a "
+                            "child process", "results-model-load.json", ("--weights", "int4")),
     "grammar_libs": Benchmark("grammar_libs", "xgrammar against llguidance: compile, mask per token",
                               "results-grammar-libs.json", ("--walks", "1")),
 }

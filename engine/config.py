@@ -15,6 +15,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 MATMUL_BACKENDS = ("auto", "torch", "numpy", "numpy2", "native2", "f32c2")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 DEFAULT_KV_CACHE_TOKENS = 32768
+DEFAULT_KV_MEMORY_FRACTION = 0.25  # of MemAvailable after the weights load, at most, for the default KV cache
 
 
 @dataclass(slots=True)
@@ -98,15 +99,27 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def num_kv_blocks(self, bytes_per_token: int) -> int:
-        """Blocks in the KV cache, from kv_cache_tokens, a memory fraction, or the default token count."""
+        """Blocks in the KV cache, from kv_cache_tokens, a memory fraction, or default_kv_tokens (the model's bytes per
+        token and the machine's free memory)."""
         if self.kv_cache_memory_fraction is not None:
             tokens = int(available_memory_bytes() * self.kv_cache_memory_fraction) // bytes_per_token
         else:
-            tokens = self.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS
+            tokens = self.kv_cache_tokens or default_kv_tokens(bytes_per_token, self.block_size)
         num_blocks = tokens // self.block_size
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget ({tokens} tokens) is smaller than one block ({self.block_size})")
         return num_blocks
+
+
+def default_kv_tokens(bytes_per_token: int, block_size: int = 16, available: int | None = None) -> int:
+    """The KV cache's size when no flag sets it, from the model and the machine (docs/models.md#the-kv-cache): 32,768
+    tokens, or fewer where those would take more than DEFAULT_KV_MEMORY_FRACTION of the memory available once the
+    weights are loaded (a 1.7B Llama in float32 takes 384 KiB per token: 12 GiB at 32,768), and never under one
+    block. vLLM's CPU backend reserves a fixed KV space (4 GiB by default); llama.cpp sizes its context from the
+    model; this takes the smaller of a fixed count and a share of free memory."""
+    free = available_memory_bytes() if available is None else available
+    fitting = int(free * DEFAULT_KV_MEMORY_FRACTION) // max(1, bytes_per_token)
+    return max(block_size, min(DEFAULT_KV_CACHE_TOKENS, fitting))
 
 
 def available_memory_bytes() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloop.engine.config import DEFAULT_KV_CACHE_TOKENS, EngineConfig
+from tokenloop.engine.config import DEFAULT_KV_CACHE_TOKENS, EngineConfig, default_kv_tokens
 from tokenloop.engine.loader import ModelConfig, rope_inv_freq
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -84,3 +84,12 @@ def test_llama3_rope_scaling_matches_transformers():
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
     assert torch.equal(ours, theirs)
     assert not torch.equal(ours, rope_inv_freq(ModelConfig.from_dict({**LLAMA, "rope_theta": 5e5})))
+
+
+def test_default_kv_cache_is_sized_from_the_model_and_free_memory():
+    """32,768 tokens where a quarter of the free memory holds them; fewer for a large model on a small machine; never
+    under one block (docs/models.md#the-kv-cache)."""
+    gib = 1 << 30
+    assert default_kv_tokens(46 * 1024, 16, available=20 * gib) == DEFAULT_KV_CACHE_TOKENS  # 135M: 1.4 GiB
+    assert default_kv_tokens(384 * 1024, 16, available=20 * gib) == 5 * gib // (384 * 1024)  # 1.7B: 13,653 tokens
+    assert default_kv_tokens(1 << 30, 16, available=gib) == 16
