@@ -80,7 +80,7 @@ def native2(model_dir: Path, mb: int, rounds: int) -> float | None:
 
     from tokenloop.engine.matmul import Backend, MatmulPolicy
 
-    policy = MatmulPolicy.fixed(Backend.NATIVE2)
+    policy = MatmulPolicy.fixed(Backend.C_GEMV_TWO_THREADS)
     if policy.native is None:
         return None
     layer_shapes, _, _ = shapes(model_dir)
@@ -90,7 +90,7 @@ def native2(model_dir: Path, mb: int, rounds: int) -> float | None:
                for n, k in layer_shapes]
     x = torch.randn(1, max(k for _, k in layer_shapes))
     with torch.inference_mode():
-        seconds = _best(lambda: [policy.linear(x[:, :w.shape[1]], w, Backend.NATIVE2) for w in weights], rounds)
+        seconds = _best(lambda: [policy.linear(x[:, :w.shape[1]], w, Backend.C_GEMV_TWO_THREADS) for w in weights], rounds)
     return sum(w.numel() * 4 for w in weights) / seconds
 
 

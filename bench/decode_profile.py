@@ -189,21 +189,23 @@ def product_routes(model_dir: str, rows: int, rounds: int = 7) -> tuple[dict[str
     """(ms, flops): ms for the 30 layers' products (qkv, o, gate_up, down) of `rows` tokens on each fp32 route,
     interleaved rounds, best of each: the engine's torch (one thread, its torch thread count), transformers' torch (two OpenMP threads),
     numpy2 (OpenBLAS halves on two threads), torch halves on two threads (MKL per half, the helper thread), and the
-    engine's float32 C kernel (f32_linear.c, Backend.F32C2: halves on its own worker thread; and on one thread)."""
+    engine's float32 C kernel (f32_linear.c, Backend.C_GEMM_TWO_THREADS: halves on its own worker thread; and on one thread)."""
     import torch.nn.functional as F
 
+    from tokenloop.engine.calibration import best_times
+    from tokenloop.engine.helper_thread import HelperThread
     from tokenloop.engine.kernels import load_f32
     from tokenloop.engine.loader import ModelConfig, load_weights
-    from tokenloop.engine.matmul import Backend, MatmulPolicy, _Helper, _timings, set_blas_threads
+    from tokenloop.engine.matmul import Backend, MatmulPolicy, set_blas_threads
 
     set_blas_threads(1)
     config = ModelConfig.from_dir(model_dir)
     weights = load_weights(model_dir, config, torch.float32, "fp32")
     mats = [weights[f"layers.{i}.{n}"] for i in range(config.num_layers) for n in ("qkv", "o", "gate_up", "down")]
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in mats}
-    helper = _Helper()
+    helper = HelperThread()
     f32 = load_f32()
-    policy = MatmulPolicy({1: Backend.NUMPY2}, helper)
+    policy = MatmulPolicy({1: Backend.NUMPY_TWO_THREADS}, helper)
 
     def torch_threads(n):
         def run():
@@ -215,7 +217,7 @@ def product_routes(model_dir: str, rows: int, rounds: int = 7) -> tuple[dict[str
 
     def numpy2():
         for w in mats:
-            policy.linear(xs[w.shape[1]], w, Backend.NUMPY2)
+            policy.linear(xs[w.shape[1]], w, Backend.NUMPY_TWO_THREADS)
 
     def torch_halves():
         for w in mats:
@@ -243,7 +245,7 @@ def product_routes(model_dir: str, rows: int, rounds: int = 7) -> tuple[dict[str
         routes[f"f32c ({f32.isa}), 1 thread"] = f32c(1)
     torch.set_num_threads(1)
     with torch.inference_mode():
-        best = _timings(routes, rounds)  # the calibration's interleaved best-of rounds
+        best = best_times(routes, rounds)  # the calibration's interleaved best-of rounds
     return {name: 1e3 * t for name, t in best.items()}, 2 * rows * sum(w.numel() for w in mats)
 
 

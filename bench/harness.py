@@ -273,14 +273,14 @@ class CpuMeter:
         self.name, self.pid, self.record = name, server_pid, {}
 
     def __enter__(self) -> CpuMeter:
-        from tokenloop.engine.matmul import machine_busy_s  # torch: only a benchmark that meters imports it
+        from tokenloop.engine.calibration import machine_busy_s  # torch: only a benchmark that meters imports it
 
         self._server = cpu_by_thread_name(self.pid) if self.pid else {}
         self._client, self._busy = time.process_time(), machine_busy_s()
         return self
 
     def __exit__(self, *exc) -> None:
-        from tokenloop.engine.matmul import machine_busy_s
+        from tokenloop.engine.calibration import machine_busy_s
 
         after = cpu_by_thread_name(self.pid) if self.pid else {}
         client, busy = time.process_time() - self._client, machine_busy_s() - self._busy

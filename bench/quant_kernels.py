@@ -67,16 +67,17 @@ def torch_threads(n: int, fn):
 def candidates(mode: str, weights: list[torch.Tensor]) -> dict[str, tuple[callable, int]]:
     """name -> (fn(x) running x through every weight, bytes of weights that reads)."""
     from tokenloop.engine import kernels
-    from tokenloop.engine.matmul import Backend, MatmulPolicy, quant_routes
+    from tokenloop.engine.matmul import Backend, MatmulPolicy
     from tokenloop.engine.quant import quantize, quantize4
+    from tokenloop.engine.quant_routes import quant_routes
 
     out: dict[str, tuple[callable, int]] = {}
     dense = sum(nbytes(w) for w in weights)
     if mode == "fp32":
         out["fp32 torch 2t"] = (torch_threads(2, lambda x: [F.linear(x[:, :w.shape[1]], w) for w in weights]), dense)
-        native2 = MatmulPolicy.fixed(Backend.NATIVE2)
+        native2 = MatmulPolicy.fixed(Backend.C_GEMV_TWO_THREADS)
         if native2.native is not None:
-            out["fp32 native2"] = (lambda x: [native2.linear(x[:, :w.shape[1]], w, Backend.NATIVE2) for w in weights],
+            out["fp32 native2"] = (lambda x: [native2.linear(x[:, :w.shape[1]], w, Backend.C_GEMV_TWO_THREADS) for w in weights],
                                    dense)
         return out
     quantized = [(quantize4 if mode == "int4" else quantize)(w) for w in weights]

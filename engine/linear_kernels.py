@@ -66,7 +66,7 @@ class QuantKernel(CodePaths):
 
     def with_isa(self, isa: str, packings: dict | None = None):
         """`CodePaths.with_isa`; `packings`: a dict of packed weights to share with other instances (vnni and int4's
-        x22 paths read the same layout: matmul.quant_routes packs a weight once for all its routes); its own by
+        x22 paths read the same layout: quant_routes.quant_routes packs a weight once for all its routes); its own by
         default."""
         other = super().with_isa(isa)
         if packings is not None:

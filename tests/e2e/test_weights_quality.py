@@ -26,8 +26,8 @@ from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.matmul import ROUTE_ENV, route_missing
 from tokenloop.engine.perplexity import DEFAULT_TEXT, load_engine, perplexity
+from tokenloop.engine.quant_routes import ROUTE_ENV, route_missing
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

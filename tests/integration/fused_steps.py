@@ -11,7 +11,7 @@ from tests.tiny_model import make_tiny_model
 from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.matmul import ROUTE_ENV
+from tokenloop.engine.quant_routes import ROUTE_ENV
 
 ops, paged = kernels.load_ops(), kernels.load_paged_attention()
 needs_kernels = pytest.mark.skipif(ops is None or paged is None or kernels.load_int8() is None

@@ -18,7 +18,7 @@ from tokenloop.core.executor import Step
 from tokenloop.engine import kernels, runner, sequence
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.matmul import ROUTE_ENV
+from tokenloop.engine.quant_routes import ROUTE_ENV
 
 needs_kernels = pytest.mark.skipif(kernels.load_ops() is None or kernels.load_paged_attention() is None
                                    or kernels.load_int4() is None, reason="no C compiler here: the torch path serves")

@@ -1,4 +1,4 @@
-"""The engine's float32 products on f32_linear.c (Backend.F32C2, chosen by the calibration where it measures fastest:
+"""The engine's float32 products on f32_linear.c (Backend.C_GEMM_TWO_THREADS, chosen by the calibration where it measures fastest:
 steps of a batch on this machine) give transformers' greedy tokens: a float32 batch of 16 mixed-length requests
 with every product of every step forced onto the C GEMM, each request against transformers' generate() alone.
 The kernel itself (every path, bits alone and batched): tests/unit/test_f32_linear.py."""
@@ -34,7 +34,7 @@ def test_a_float32_batch_on_the_c_gemm_equals_transformers(arch, tied, tmp_path,
     counting = Counting(f32.path)
     monkeypatch.setattr(MatmulPolicy, "calibrate",
                         classmethod(lambda cls, weights, native=None: cls(dict.fromkeys((1, 4, 16, 64, 256, 1024),
-                                                                                         Backend.F32C2), f32=counting)))
+                                                                                         Backend.C_GEMM_TWO_THREADS), f32=counting)))
     checkpoint = make_tiny_model(tmp_path, arch, tied=tied)
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     rng = random.Random(3)

@@ -13,7 +13,7 @@ from tests.tiny_model import make_tiny_model
 from tokenloop.engine import hugepages, kernels
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.matmul import ROUTE_ENV
+from tokenloop.engine.quant_routes import ROUTE_ENV
 from tokenloop.engine.runner import prepare
 
 

@@ -33,8 +33,8 @@ from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.matmul import ROUTE_ENV
 from tokenloop.engine.quant import Q4Weight, QWeight, qweight, qweight4
+from tokenloop.engine.quant_routes import ROUTE_ENV
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 CONFIG = dict(kv_cache_tokens=4096, max_num_tokens=64, max_batch_size=16, block_size=8, max_lora_rank=8)

@@ -1,4 +1,4 @@
-"""f32_linear.c (Backend.F32C2, --weights fp32 steps of a batch): x @ w.T for float32 weights read in place, on every
+"""f32_linear.c (Backend.C_GEMM_TWO_THREADS, --weights fp32 steps of a batch): x @ w.T for float32 weights read in place, on every
 code path this CPU runs, against a float64 product; each output one FMA chain over the columns in order, so a row gets
 the same bits alone and in any batch, split over threads or not, and avx2 == avx512.
 

@@ -103,16 +103,11 @@ def private_imports(path: Path, root: Path = ROOT) -> list[str]:
 SHARING = (*PACKAGES, "bench", "clients/python/tokenloop_client")  # the code that must share by publishing
 
 
-# Imports the engine part of issue 42 is still to make public (engine/matmul.py owns these names).
-NOT_YET_PUBLIC = {"bench/decode_profile.py:197 imports _Helper from tokenloop.engine.matmul",
-                  "bench/decode_profile.py:197 imports _timings from tokenloop.engine.matmul"}
-
-
 def test_no_private_name_is_imported_from_another_module():
     """CONTRIBUTING.md, "Layers": a helper two modules need is public in the module that owns it."""
     bad = [line for folder in SHARING for path in sorted((ROOT / folder).rglob("*.py"))
            if "_gen" not in path.parts for line in private_imports(path)]
-    assert not set(bad) - NOT_YET_PUBLIC, "\n".join(bad)
+    assert not bad, "\n".join(bad)
 
 
 FOLDERS = {"core", "looper", "engine", "trtllm", "service", "bench"}  # folders that are packages only under tokenloop.*

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloop.engine.matmul import BUCKETS, Backend, MatmulPolicy
+from tokenloop.engine.calibration import BUCKETS
+from tokenloop.engine.matmul import Backend, MatmulPolicy
 
 
 @pytest.mark.parametrize("backend", list(Backend))
@@ -41,27 +42,27 @@ def test_calibration_times_the_native_gemm_and_uses_it_where_it_wins(monkeypatch
     if f32 is None:
         pytest.skip("no C compiler here: torch multiplies instead")
     timed = []
-    real = matmul._fastest
+    real = matmul.fastest
 
     def fastest(candidates, rounds=7):
         timed.append(set(candidates))
-        return Backend.F32C2 if Backend.F32C2 in candidates else real(candidates, rounds)
-    monkeypatch.setattr(matmul, "_fastest", fastest)
+        return Backend.C_GEMM_TWO_THREADS if Backend.C_GEMM_TWO_THREADS in candidates else real(candidates, rounds)
+    monkeypatch.setattr(matmul, "fastest", fastest)
     policy = MatmulPolicy.calibrate(torch.randn(64, 32), use_cache=False)
     if len(timed) == len(BUCKETS):  # two CPUs or more: the two-thread backends are candidates
-        assert all(Backend.F32C2 in c and Backend.TORCH in c and Backend.NUMPY2 in c for c in timed)
-        assert set(policy.buckets.values()) == {Backend.F32C2} and policy.f32 is f32
+        assert all(Backend.C_GEMM_TWO_THREADS in c and Backend.TORCH in c and Backend.NUMPY_TWO_THREADS in c for c in timed)
+        assert set(policy.buckets.values()) == {Backend.C_GEMM_TWO_THREADS} and policy.f32 is f32
         gen = torch.Generator().manual_seed(3)
         x, w = torch.randn(33, 576, generator=gen), torch.randn(70, 576, generator=gen)
         torch.testing.assert_close(policy.linear(x, w, policy.backend(33)), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
 def test_f32c2_leaves_other_dtypes_and_layouts_to_torch():
-    policy = MatmulPolicy.fixed(Backend.F32C2)
+    policy = MatmulPolicy.fixed(Backend.C_GEMM_TWO_THREADS)
     gen = torch.Generator().manual_seed(6)
     x, w = torch.randn(20, 48, generator=gen), torch.randn(30, 48, generator=gen)
     for xs, ws in ((x, w.T.contiguous().T), (x.double(), w.double()), (x[:, ::2], w[:, ::2])):
-        torch.testing.assert_close(policy.linear(xs, ws, Backend.F32C2), xs @ ws.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(policy.linear(xs, ws, Backend.C_GEMM_TWO_THREADS), xs @ ws.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["native2", "f32c2"])

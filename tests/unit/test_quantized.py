@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenloop.engine import kernel_lib, kernels, matmul
-from tokenloop.engine.matmul import BUCKETS, ROUTE_ENV, Backend, MatmulPolicy, QuantRoute, quant_routes, route_missing
+from tokenloop.engine import calibration, kernel_lib, kernels, matmul
+from tokenloop.engine.calibration import BUCKETS
+from tokenloop.engine.matmul import Backend, MatmulPolicy
 from tokenloop.engine.quant import quantize, quantize4
+from tokenloop.engine.quant_routes import ROUTE_ENV, QuantRoute, choose_routes, quant_routes, route_missing
 
 MODES = {"int8": (quantize, kernels.load_int8()), "int4": (quantize4, kernels.load_int4())}
 ALL_PATHS = list(kernels.QuantKernel.PATHS)
@@ -392,7 +394,7 @@ def test_without_the_kernel_torch_multiplies(mode):
 def test_calibration_keeps_one_family_and_caches_its_choice(mode, tmp_path, monkeypatch):
     kernel = native(mode)
     monkeypatch.setattr(matmul, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(matmul, "LOAD_LIMIT", float("inf"))  # cached for good however busy the machine (test_route_cache.py)
+    monkeypatch.setattr(calibration, "LOAD_LIMIT", float("inf"))  # cached for good however busy the machine (test_route_cache.py)
     monkeypatch.delenv(ROUTE_ENV, raising=False)
     weights = [quantized(mode, torch.randn(64, 32)) for _ in range(2)]
     int4 = kernel if mode == "int4" else None
@@ -421,10 +423,10 @@ def test_the_choice_keeps_one_family_and_never_an_ineligible_route():
               "int8-vnni": QuantRoute("int8-vnni", "vnni")}
     times = {1: {"int8-avx2/1t": 1.0, "int8-avx512/2t": 1.1, "int8-vnni/1t": 1.2, "torch-dynq/1t*": 0.1},
              4: {"int8-avx2/2t": 2.0, "int8-avx512/2t": 1.5, "int8-vnni/2t": 1.0, "torch-dynq/1t*": 0.1}}
-    choice = matmul._choose(times, routes)  # exact: log(1) + log(1.5); vnni: log(1.2) + log(1): vnni
+    choice = choose_routes(times, routes)  # exact: log(1) + log(1.5); vnni: log(1.2) + log(1): vnni
     assert choice["family"] == "vnni" and choice["buckets"] == {1: ("int8-vnni", False), 4: ("int8-vnni", True)}
     times[4]["int8-vnni/2t"] = 1.45  # now exact costs log(1.5 / 1.45) < vnni's log(1.2): exact, mixing its paths
-    choice = matmul._choose(times, routes)
+    choice = choose_routes(times, routes)
     assert choice["family"] == "exact" and choice["buckets"] == {1: ("int8-avx2", False), 4: ("int8-avx512", True)}
 
 

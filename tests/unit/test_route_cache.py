@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 
-from tokenloop.engine import kernels, matmul
-from tokenloop.engine.matmul import CACHE_ENV, ROUTE_ENV, Backend, MatmulPolicy
+from tokenloop.engine import calibration, kernels, matmul
+from tokenloop.engine.calibration import CACHE_ENV
+from tokenloop.engine.matmul import Backend, MatmulPolicy
 from tokenloop.engine.quant import quantize
+from tokenloop.engine.quant_routes import ROUTE_ENV
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="OthersLoad reads /proc/stat (Linux)")
@@ -22,14 +24,14 @@ def test_others_load_sees_a_busy_process_and_not_this_one():
     busy = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(0.3)  # the child is running
-        load = matmul.OthersLoad()
+        load = calibration.OthersLoad()
         time.sleep(0.8)
         share = load.share()
     finally:
         busy.wait()
     # one spinning process holds one CPU: 1 / cpu_count of the machine, less whatever the scheduler took from it
     assert share is not None and share > 0.5 / (os.cpu_count() or 1)
-    load = matmul.OthersLoad()  # this process's own work is not the others'
+    load = calibration.OthersLoad()  # this process's own work is not the others'
     end = time.process_time() + 0.5
     while time.process_time() < end:
         pass
@@ -49,7 +51,7 @@ def calibrate(tmp_path, monkeypatch):
     if int8 is None:
         pytest.skip("the int8 C kernel cannot be built here")
     monkeypatch.setattr(matmul, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(matmul, "OthersLoad", FakeLoad)
+    monkeypatch.setattr(calibration, "OthersLoad", FakeLoad)
     monkeypatch.delenv(ROUTE_ENV, raising=False)
     weights = [quantize(torch.randn(64, 32), 32) for _ in range(2)]
     return lambda: MatmulPolicy.calibrate_quant("int8", weights, int8)
@@ -58,7 +60,7 @@ def calibrate(tmp_path, monkeypatch):
 def test_a_choice_timed_on_a_quiet_machine_is_cached(calibrate, monkeypatch):
     first = calibrate()
     assert first.chosen.startswith("timed in") and "provisional" not in first.chosen
-    monkeypatch.setattr(matmul, "quiet_now", lambda: True)
+    monkeypatch.setattr(calibration, "quiet_now", lambda: True)
     assert calibrate().chosen.startswith("cached in")
 
 
@@ -67,10 +69,10 @@ def test_a_choice_timed_under_load_is_timed_again_on_a_quiet_start(calibrate, mo
     first = calibrate()
     assert "other processes used 60% of the CPUs: cached as provisional" in first.chosen
     assert "cached as provisional" in caplog.text
-    monkeypatch.setattr(matmul, "quiet_now", lambda: False)  # still busy: the provisional choice serves
+    monkeypatch.setattr(calibration, "quiet_now", lambda: False)  # still busy: the provisional choice serves
     busy = calibrate()
     assert busy.chosen.startswith("cached in") and "timed while other processes used 60% of the CPUs" in busy.chosen
-    monkeypatch.setattr(matmul, "quiet_now", lambda: True)
+    monkeypatch.setattr(calibration, "quiet_now", lambda: True)
     monkeypatch.setattr(FakeLoad, "share_of_others", 0.02)
     quiet = calibrate()  # re-timed, and now cached for good
     assert quiet.chosen.startswith("timed in") and "timed under load" in quiet.chosen
@@ -83,7 +85,7 @@ def test_a_machine_with_a_busy_process_is_not_quiet():
     busy = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(0.3)
-        assert not matmul.quiet_now()
+        assert not calibration.quiet_now()
     finally:
         busy.wait()
 
@@ -92,17 +94,17 @@ def test_the_float32_choice_is_cached_as_the_quantized_one(tmp_path, monkeypatch
     """fp32's backends per bucket (MatmulPolicy.calibrate) are timed once and read back at the next start: the same
     backends, so the same bits, without the timing; a damaged file is timed again."""
     monkeypatch.setattr(matmul, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(matmul, "OthersLoad", FakeLoad)
+    monkeypatch.setattr(calibration, "OthersLoad", FakeLoad)
     monkeypatch.delenv(CACHE_ENV, raising=False)
     weights = [torch.randn(64, 32) for _ in range(2)]
     first = MatmulPolicy.calibrate(weights)
     assert first.chosen.startswith("timed in") and first.chosen in first.describe()
-    monkeypatch.setattr(matmul, "_fastest", lambda *args, **kwargs: pytest.fail("timed again"))
+    monkeypatch.setattr(matmul, "fastest", lambda *args, **kwargs: pytest.fail("timed again"))
     again = MatmulPolicy.calibrate(weights)
     assert again.chosen.startswith("cached in") and again.buckets == first.buckets
     [path] = tmp_path.glob("matmul-float32-*.json")
     path.write_text('{"buckets": {"1": "torch"}}')  # a bucket short
-    monkeypatch.setattr(matmul, "_fastest", lambda candidates, rounds=7: Backend.TORCH)
+    monkeypatch.setattr(matmul, "fastest", lambda candidates, rounds=7: Backend.TORCH)
     retimed = MatmulPolicy.calibrate(weights)
     assert retimed.chosen.startswith("timed in") and set(retimed.buckets.values()) == {Backend.TORCH}
     assert MatmulPolicy.calibrate(weights).chosen.startswith("cached in")
