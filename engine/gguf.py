@@ -192,4 +192,7 @@ def load_gguf_weights(path: str | Path, config, dtype: torch.dtype,
         out[f"layers.{i}.down"] = r.matrix([b + "ffn_down.weight"])
         out[f"layers.{i}.input_norm"] = r.cast(b + "attn_norm.weight")
         out[f"layers.{i}.post_norm"] = r.cast(b + "ffn_norm.weight")
+        if config.qk_norm:
+            out[f"layers.{i}.q_norm"] = r.cast(b + "attn_q_norm.weight")
+            out[f"layers.{i}.k_norm"] = r.cast(b + "attn_k_norm.weight")
     return hugepages.move_weights(out)

@@ -18,7 +18,7 @@ from ..core.gguf_file import check_servable, is_gguf
 from . import hugepages
 from .quant import Q4Weight, QWeight, qweight, qweight4
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,7 @@ class ModelConfig:
     qkv_bias: bool
     sliding_window: int | None
     rope_freq_factors: tuple[float, ...] | None = None  # a GGUF's rope_freqs.weight (Llama 3): each frequency / factor
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head (weights [E]) before the rotary embedding
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:
@@ -61,7 +62,7 @@ class ModelConfig:
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         window = config.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not config.get("use_sliding_window", False):
             window = None
         return cls(
             architecture=arch,
@@ -80,6 +81,7 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             sliding_window=int(window) if window else None,
             rope_freq_factors=tuple(config["rope_freq_factors"]) if config.get("rope_freq_factors") else None,
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
 
     @classmethod
@@ -186,4 +188,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         out[f"layers.{i}.down"] = linear(_take(raw, p + "mlp.down_proj.weight"))
         out[f"layers.{i}.input_norm"] = cast(_take(raw, p + "input_layernorm.weight"))
         out[f"layers.{i}.post_norm"] = cast(_take(raw, p + "post_attention_layernorm.weight"))
+        if config.qk_norm:
+            out[f"layers.{i}.q_norm"] = cast(_take(raw, a + "q_norm.weight"))
+            out[f"layers.{i}.k_norm"] = cast(_take(raw, a + "k_norm.weight"))
     return hugepages.move_weights(out)

@@ -39,6 +39,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [E], Qwen3's per-head query and key norms (ModelConfig.qk_norm)
+    k_norm: torch.Tensor | None = None
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, segments: list, layer: int, proj: str) -> torch.Tensor:
@@ -74,7 +76,8 @@ class Model:
         self.layers = [LayerWeights(
             weights[f"layers.{i}.input_norm"], weights[f"layers.{i}.qkv"], weights.get(f"layers.{i}.qkv_bias"),
             weights[f"layers.{i}.o"], weights[f"layers.{i}.post_norm"], weights[f"layers.{i}.gate_up"],
-            weights[f"layers.{i}.down"]) for i in range(config.num_layers)]
+            weights[f"layers.{i}.down"], weights.get(f"layers.{i}.q_norm"), weights.get(f"layers.{i}.k_norm"))
+            for i in range(config.num_layers)]
         c = config
         self.block_size, self.num_blocks = block_size, num_blocks
         # k_cache, v_cache: [L, num_blocks * block_size, K, E]; slot = block_id * block_size + offset; on huge pages
@@ -93,7 +96,7 @@ class Model:
         # built once here; None where the weights are not all quantized or the native ops / attention are missing
         self._plan_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size)
         self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args) \
-            if self.ops is not None and self.paged is not None else None
+            if self.ops is not None and self.paged is not None and not c.qk_norm else None  # the C step has no q/k norm
         self._packed_plans: dict[int, object] = {}  # by id(Int4Linear.packings): the plan over that x22 packing
         if self.plan is not None:  # pack the int4 weights for an x22 route now, not in the first request
             for route, _ in set(matmul.qroutes.values()):
@@ -151,6 +154,10 @@ class Model:
             add_lora(qkv, x, loras, i, "qkv")
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
+        if w.q_norm is not None:  # Qwen3: each query and key head normalized, then rotated
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, c.head_dim)  # [T, H+K, E]
+            qk[:, :c.num_heads] = rms_norm(qk[:, :c.num_heads], w.q_norm, eps)
+            qk[:, c.num_heads:] = rms_norm(qk[:, c.num_heads:], w.k_norm, eps)
         ops.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.cos, self.sin, batch.positions,
                        batch.slot_mapping, self.k_cache[i], self.v_cache[i], paged_q)  # in place, K/V cached
         q_end, k_end = self.q_size, self.q_size + self.kv_size

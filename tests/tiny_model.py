@@ -31,7 +31,7 @@ TRAINING_TEXT = [
     "Emoji 😀🎉 and CJK 你好世界 こんにちは 안녕하세요 survive byte-level BPE.",
 ]
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                 "mistral": ("MistralForCausalLM", "mistral")}
+                 "mistral": ("MistralForCausalLM", "mistral"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
@@ -58,7 +58,7 @@ def _config(arch: str, vocab_size: int, hidden: int, num_layers: int, num_heads:
     }
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
     if arch == "mistral":
         config["sliding_window"] = None
@@ -81,6 +81,8 @@ def _weights(config: dict, seed: int, std: float) -> dict[str, torch.Tensor]:
               p + "self_attn.v_proj.weight": rand(kv, d), p + "self_attn.o_proj.weight": rand(d, q),
               p + "mlp.gate_proj.weight": rand(i, d), p + "mlp.up_proj.weight": rand(i, d),
               p + "mlp.down_proj.weight": rand(d, i)}
+        if config["model_type"] == "qwen3":
+            w |= {p + "self_attn.q_norm.weight": 1 + rand(e), p + "self_attn.k_norm.weight": 1 + rand(e)}
         if config["model_type"] == "qwen2":
             w |= {p + "self_attn.q_proj.bias": rand(q), p + "self_attn.k_proj.bias": rand(kv),
                   p + "self_attn.v_proj.bias": rand(kv)}
@@ -91,7 +93,7 @@ def make_tiny_model(model_dir: str | Path, arch: str = "llama", tied: bool = Tru
                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 384,
                     max_positions: int = 1024, rope_scaling: dict | None = None, seed: int = 0,
                     std: float = 0.3) -> Path:
-    """Write a tiny random-weight checkpoint of `arch` ("llama", "qwen2", "mistral") to `model_dir`."""
+    """Write a tiny random-weight checkpoint of `arch` ("llama", "qwen2", "mistral", "qwen3") to `model_dir`."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     model_dir = Path(model_dir)

@@ -17,9 +17,11 @@ from tests.tiny_gguf import T, write_gguf
 from tests.tiny_model import make_tiny_model
 from tokenloop.core.gguf_file import open_gguf
 from tokenloop.core.tokenizer import ModelCard, Tokenizer
+from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.loader import ModelConfig, load_weights
+from tokenloop.engine.matmul import ROUTE_ENV
 from tokenloop.engine.quant import quantize4
 
 PROMPTS = [[1, 40, 41, 42, 43], [5, 6, 7, 8, 9, 10, 11, 12], [100, 3, 77]]
@@ -27,11 +29,11 @@ TEXTS = ["Hello, world!", " leading space", "The capital of France is Paris.", "
          "<|im_start|>user\nhi<|im_end|>", "x\n\n  y", "1234567"]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny(request, tmp_path_factory):
     """(checkpoint dir, its F32 GGUF) of one architecture."""
     root = tmp_path_factory.mktemp(f"gguf-{request.param}")
-    model = make_tiny_model(root / "model", request.param, tied=request.param == "llama")
+    model = make_tiny_model(root / "model", request.param, tied=request.param != "qwen2")
     return model, write_gguf(model, root / "model.gguf")
 
 
@@ -126,3 +128,27 @@ def test_card_from_metadata(tiny, tmp_path):
     assert (card.model_id, card.eos_token_ids, card.bos_token_id, card.max_context_length) == ("s", (2,), 1, 1024)
     assert card.generation == {"temperature": pytest.approx(0.6), "top_p": pytest.approx(0.95), "top_k": 20}
     assert card.default_top_k == 20
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_int4_on_q4_1_blocks_equals_fp32_on_the_same_file(tmp_path, monkeypatch, arch):
+    """The file's own Q4_1 / Q8_0 values in int4 (a float32-activation C path) give fp32's greedy tokens on the same
+    file, alone and in a batch (chunked prefill beside decodes); Qwen3's q/k norms run outside the fused step."""
+    model = make_tiny_model(tmp_path / "model", arch, num_layers=3)
+    gguf = write_gguf(model, tmp_path / "q4.gguf", T.Q4_1, T.Q8_0)
+    kernel = kernels.load_int4()
+    monkeypatch.setenv(ROUTE_ENV, f"int4-{kernel.isa}" if kernel is not None else "torch-fp32")
+    config = dict(kv_cache_tokens=2048, max_batch_size=8, max_num_tokens=32)
+    prompts = [[(7 * i + j) % 380 + 3 for j in range(5 + 9 * i)] for i in range(8)]
+    results = []
+    for weights in ("fp32", "int4"):
+        engine = Engine.from_dir(gguf, EngineConfig(weights=weights, **config))
+        try:
+            ids, steps = run_all(engine, [greedy_request(p, 12) for p in prompts])
+            results.append([tokens(steps[(i, 0)]) for i in ids])
+            if weights == "int4":
+                ids, steps = run_all(engine, [greedy_request(prompts[5], 12)])
+                assert tokens(steps[(ids[0], 0)]) == results[0][5]
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1]
