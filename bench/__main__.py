@@ -74,10 +74,13 @@ BENCHMARKS = {
                       ("--num-adapters", "2", "--rank", "4", "--concurrency", "2", "--requests", "2", "--max-new-tokens", "4", "--rounds", "1")),
     "model_load": Benchmark("model_load", "load time, resident and peak memory per model and weights mode, each in a "
                             "child process", "results-model-load.json", ("--weights", "int4")),
+    "spec": Benchmark("spec_bench", "speculative decoding off / ngram against llama-server plain and with its n-gram "
+                      "speculation (--llama-cpp DIR): grounded tasks and free chat, 1 and 8 streams", "results-spec.json",
+                      ("--scenarios", "grounded", "--streams", "1", "--new-tokens", "8", "--repeats", "1")),
     "grammar_libs": Benchmark("grammar_libs", "xgrammar against llguidance: compile, mask per token",
                               "results-grammar-libs.json", ("--walks", "1")),
 }
-SUPPORT = ("harness", "llama_server", "null_executor", "structured_cases")  # modules that are not benchmarks
+SUPPORT = ("harness", "llama_server", "null_executor", "structured_cases", "spec_cases")  # modules that are not benchmarks
 
 
 def listing() -> str:

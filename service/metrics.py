@@ -46,15 +46,17 @@ class LoadCollector:
              "since start.", load.prefix_cache_hit_rate),
         ):
             yield GaugeMetricFamily(f"tokenloop:{name}", doc, value=value)
-        yield from self._cache_counters()
-        yield from self._spec_counters()
+        yield from self._counters()
         info = GaugeMetricFamily("tokenloop:cache_config_info", "KV-cache layout in labels (vLLM's cache_config_info "
                                  "format, for endpoint pickers' prefix-cache scorers).",
                                  labels=["block_size", "num_gpu_blocks"])
         info.add_metric([str(load.kv_block_size), str(load.kv_blocks_total)], 1)
         yield info
 
-    def _cache_counters(self):
+    def _counters(self):
+        """The executor's totals since start: the prefix cache's, and speculative decoding's named as vLLM's
+        spec_decode counters (docs/engine.md, "Speculative decoding": acceptance rate = num_accepted_tokens /
+        num_draft_tokens; tokens per verification = 1 + num_accepted_tokens / num_drafts)."""
         executor = getattr(self.app, "executor", None)
         if executor is None:
             return
@@ -65,19 +67,6 @@ class LoadCollector:
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache (vLLM's prefix_cache_hits).",
              s.num_prefix_cache_hit_tokens),
             ("prefix_cache_evictions", "Cached KV blocks evicted to make room.", s.num_prefix_cache_evictions),
-        ):
-            yield CounterMetricFamily(f"tokenloop:{name}", doc, value=value)
-
-
-    def _spec_counters(self):
-        """Speculative decoding's totals, named as vLLM's spec_decode counters (docs/engine.md, "Speculative
-        decoding"): acceptance rate = num_accepted_tokens / num_draft_tokens; tokens per verification = 1 +
-        num_accepted_tokens / num_drafts."""
-        executor = getattr(self.app, "executor", None)
-        if executor is None:
-            return
-        s = executor.stats()
-        for name, doc, value in (
             ("spec_decode_num_drafts", "Verifications of a draft (steps in which a sequence had drafted tokens).",
              s.spec_num_drafts),
             ("spec_decode_num_draft_tokens", "Tokens drafted.", s.spec_num_draft_tokens),

@@ -14,6 +14,27 @@ if TYPE_CHECKING:
     from tokenloop.engine.sequence import Sequence
 
 
+# 16 fixed chat prompts for the default model's tests (weights quality, speculative decoding)
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences what a hash table is.",
+    "Give me three tips for sleeping better.",
+    "What is the difference between weather and climate?",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Write a short poem about a cat who likes rain.",
+    "How do I boil an egg?",
+    "Name the planets of the solar system in order.",
+    "What does a compiler do?",
+    "Suggest a name for a small bakery by the sea.",
+    "Summarise the story of Cinderella in one sentence.",
+    "What are the health benefits of walking every day?",
+    "Explain photosynthesis to a ten-year-old.",
+    "Write a polite email declining a meeting invitation.",
+]
+
+
 def greedy_request(prompt, max_new_tokens: int = 64, **stopping) -> ValidRequest:
     """A greedy request for `prompt` token ids that ignores EOS unless told otherwise."""
     stopping.setdefault("ignore_eos", True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.engine_helpers import CHAT_QUESTIONS as QUESTIONS
 from tests.engine_helpers import greedy_request, run_all, tokens
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine import kernels
@@ -32,24 +33,6 @@ from tokenloop.engine.quant_routes import ROUTE_ENV, route_missing
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 NUM_NEW = 16
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in two sentences what a hash table is.",
-    "Give me three tips for sleeping better.",
-    "What is the difference between weather and climate?",
-    "Translate 'good morning' into Spanish and German.",
-    "Why is the sky blue?",
-    "Write a short poem about a cat who likes rain.",
-    "How do I boil an egg?",
-    "Name the planets of the solar system in order.",
-    "What does a compiler do?",
-    "Suggest a name for a small bakery by the sea.",
-    "Summarise the story of Cinderella in one sentence.",
-    "What are the health benefits of walking every day?",
-    "Explain photosynthesis to a ten-year-old.",
-    "Write a polite email declining a meeting invitation.",
-]
 PERPLEXITY_RULE = {"int8": 0.01, "int4": 0.02}  # largest relative perplexity increase over fp32
 ENGINE = dict(kv_cache_tokens=8192, max_num_tokens=256, max_batch_size=16)
 # (mode, route): None is the calibration's choice; the others are forced
