@@ -152,3 +152,28 @@ def test_int4_on_q4_1_blocks_equals_fp32_on_the_same_file(tmp_path, monkeypatch,
         finally:
             engine.shutdown()
     assert results[0] == results[1]
+
+
+def test_sentencepiece_tokenizer_equals_transformers(tmp_path):
+    """A Llama-2-style sentencepiece vocabulary (tokenizer.ggml.model `llama`: scores, byte tokens, no merges, BOS
+    added by default): our ids equal transformers' GGUF tokenizer's, BOS included."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_tokenizer import build_metaspace
+
+    sp = build_metaspace()
+    vocab = sorted(sp.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab]
+    kinds = [3 if t.startswith("<|") else 6 if t.startswith("<0x") else 1 for t in tokens]
+    gguf = write_gguf(make_tiny_model(tmp_path / "model"), tmp_path / "sp.gguf", metadata={
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": None,
+        "tokenizer.ggml.scores": [-float(i) for i in range(len(tokens))], "tokenizer.ggml.token_type": kinds,
+        "tokenizer.ggml.add_bos_token": None, "tokenizer.ggml.pre": None})
+    ours = Tokenizer.from_dir(gguf)
+    ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    assert ours.add_bos
+    for text in TEXTS + ["hello world", "  two  spaces", "Ünïcödé ✓"]:
+        for special in (False, True):
+            assert ours.encode(text, special) == ref(text, add_special_tokens=special)["input_ids"], (text, special)
+        ids = ours.encode(text)
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids)
