@@ -7,6 +7,7 @@ tokenizer as `tokenizer.ggml.*` keys), with the matrices in the GGML type asked 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -90,8 +91,31 @@ def write_gguf(model_dir: str | Path, path: str | Path, matrix_type: T = T.F32, 
                                  matrix_type if t.ndim == 2 else T.F32)
         data = t if kind == T.F32 else t.astype(np.int8) if kind == T.I8 else quants.quantize(t, kind)
         w.add_tensor(out, data, raw_dtype=kind)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(config), raw_dtype=T.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama3_rope_factors(config: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel rope_freqs.weight for Llama 3 scaling: per rotary frequency, the factor
+    llama.cpp divides it by."""
+    s, dim = config["rope_scaling"], config["head_dim"]
+    freqs = 1.0 / (float(config["rope_theta"]) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)

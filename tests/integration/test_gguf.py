@@ -177,3 +177,27 @@ def test_sentencepiece_tokenizer_equals_transformers(tmp_path):
             assert ours.encode(text, special) == ref(text, add_special_tokens=special)["input_ids"], (text, special)
         ids = ours.encode(text)
         assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids)
+
+
+def test_llama3_rope_freqs_give_the_checkpoints_rotary_frequencies_and_tokens(tmp_path):
+    """A Llama 3.x file carries its rope scaling as rope_freqs.weight (a factor per frequency, as llama.cpp's
+    converter writes it); the frequencies it gives equal the checkpoint's llama3 scaling, and so do the tokens."""
+    from tokenloop.engine.loader import rope_inv_freq
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # the tiny head's wavelengths fall in all three bands
+    model = make_tiny_model(tmp_path / "model", rope_scaling=scaling)
+    gguf = write_gguf(model, tmp_path / "l3.gguf")
+    ours, ref = ModelConfig.from_dir(gguf), ModelConfig.from_dir(model)
+    assert ours.rope_freq_factors is not None and len(set(ours.rope_freq_factors)) > 2
+    torch.testing.assert_close(rope_inv_freq(ours), rope_inv_freq(ref), rtol=1e-6, atol=0)
+    config = EngineConfig(kv_cache_tokens=1024, max_batch_size=4, max_num_tokens=64)
+    results = []
+    for path in (model, gguf):
+        engine = Engine.from_dir(path, config)
+        try:
+            ids, steps = run_all(engine, [greedy_request(p, 24) for p in PROMPTS])
+            results.append([tokens(steps[(i, 0)]) for i in ids])
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1]
