@@ -83,7 +83,7 @@ class App:
         self.loras: LoraCatalog | None = None  # the LoRA adapters requests may name (service.lora)
         self.not_ready_reason = "the model is loading"
         self.dead = asyncio.Event()
-        self.observers: list = []  # objects with on_request_end(valid, completes, code) / on_error(code)
+        self.observers: list = []  # objects with on_request_end(valid, completes, code, streamed) / on_error(code)
         self._tokenize_pool: ThreadPoolExecutor | None = None  # started on the first long input
         self.placement = FrontPlacement(config.front_cpu)
 
@@ -206,10 +206,12 @@ class App:
             raise Unavailable(self.not_ready_reason)
 
     # -- reporting -------------------------------------------------------------------------
-    def observe_end(self, valid: ValidRequest, completes: list[Complete], code: grpc.StatusCode | None) -> None:
-        """A Generate ended: `code` is OK when every sequence completed, None when it was cut short."""
+    def observe_end(self, valid: ValidRequest, completes: list[Complete], code: grpc.StatusCode | None,
+                    streamed: dict[int, int] | None = None) -> None:
+        """A Generate ended: `code` is OK when every sequence completed, None when it was cut short; `streamed`:
+        the tokens each sequence's chunks carried (a sequence cut short has no `Complete`)."""
         for obs in self.observers:
-            obs.on_request_end(valid, completes, code)
+            obs.on_request_end(valid, completes, code, streamed or {})
 
     def observe_error(self, code: grpc.StatusCode) -> None:
         for obs in self.observers:

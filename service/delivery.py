@@ -90,13 +90,14 @@ class Delivery:
     `app.observe_end`. The per-message loop stays in each handler: a shared async generator would be one more
     frame to resume for every message."""
 
-    __slots__ = ("app", "valid", "stream", "slot", "watchdog", "completes", "paused")
+    __slots__ = ("app", "valid", "stream", "slot", "watchdog", "completes", "streamed", "paused")
 
     def __init__(self, app, valid, stream, slot=None):
         self.app, self.valid, self.stream, self.slot = app, valid, stream, slot
         self.watchdog = StallWatchdog(app.config.stall_timeout, getattr(app.config, "slow_reader_grace", 0.0),
                                       self._slow if slot is not None else None)
         self.completes: list[Complete] = []
+        self.streamed: dict[int, int] = {}  # sequence index -> tokens its chunks carried (what a cut-short one made)
         self.paused = False  # the slot was given back; `resume()` before reading the stream again
 
     def __enter__(self) -> Delivery:
@@ -105,7 +106,11 @@ class Delivery:
     def delivered(self, batch: list) -> None:
         """Every message of `batch` was written."""
         self.watchdog.disarm()
-        self.completes += [e for e in batch if type(e) is Complete]
+        for e in batch:
+            if type(e) is Complete:
+                self.completes.append(e)
+            else:
+                self.streamed[e.index] = self.streamed.get(e.index, 0) + len(e.token_ids)
 
     def _slow(self) -> None:
         """The reader stopped reading: give the slot to another request, pausing this one's generation (an
@@ -129,5 +134,6 @@ class Delivery:
         stream = self.stream
         if not stream.finished:
             stream.cancel()  # client gone, deadline, stalled reader, or server abort
-        self.app.observe_end(self.valid, self.completes, grpc.StatusCode.OK if stream.finished else None)
+        self.app.observe_end(self.valid, self.completes, grpc.StatusCode.OK if stream.finished else None,
+                             self.streamed)
         return False

@@ -169,14 +169,20 @@ def current_record() -> dict | None:
 class RequestLogObserver:
     """An `app.observers` entry: copies tokens, finish reasons and timings into the RPC's record."""
 
-    def on_request_end(self, valid, completes, code) -> None:
+    def on_request_end(self, valid, completes, code, streamed) -> None:
+        """`streamed`: tokens per sequence that its chunks carried. A sequence with no `Complete` (the call was cut
+        short) counts those, and its finish reason is `cancelled`: the record's `status` says why (CANCELLED: the
+        client left; UNAVAILABLE: drained at shutdown; DEADLINE_EXCEEDED; INTERNAL: the executor failed it)."""
         rec = _record.get()
         if rec is None:
             return
         rec["request_id"] = valid.request_id
         rec["prompt_tokens"] = len(valid.prompt_token_ids)
-        rec["output_tokens"] = sum(len(c.token_ids) for c in completes)
-        rec["finish_reason"] = ",".join(c.finish_reason.name.lower() for c in completes) or None
+        ends = {c.index: (len(c.token_ids), c.finish_reason.name.lower()) for c in completes}
+        if valid.embed is None:  # a generation: every sequence made tokens, finished or not
+            ends = {i: ends.get(i) or (streamed.get(i, 0), "cancelled") for i in range(valid.n)}
+        rec["output_tokens"] = sum(n for n, _ in ends.values())
+        rec["finish_reason"] = ",".join(reason for _, reason in (ends[i] for i in sorted(ends))) or None
         s = valid.sampling  # what the request ran with, its defaults applied (docs/router.md)
         rec.update(temperature=round(s.temperature, 6), top_p=round(s.top_p, 6), seed=s.seed,
                    max_new_tokens=valid.stopping.max_new_tokens)
@@ -195,7 +201,7 @@ def _metadata(pairs) -> dict[str, str]:
 def _outcome(exc: BaseException | None, context) -> str:
     if exc is None:
         return "OK"
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # GeneratorExit: grpc closed the stream at a yield
         return "CANCELLED"
     code = context.code() if hasattr(context, "code") else None
     if isinstance(code, grpc.StatusCode):

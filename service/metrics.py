@@ -100,7 +100,8 @@ class RequestMetrics:
         self.requests = Counter("tokenloop:requests", "Generate requests ended, by gRPC status code.",
                                 ["code"], registry=registry)
 
-    def on_request_end(self, valid: ValidRequest, completes: list[Complete], code: grpc.StatusCode | None) -> None:
+    def on_request_end(self, valid: ValidRequest, completes: list[Complete], code: grpc.StatusCode | None,
+                       streamed: dict[int, int]) -> None:
         """A Generate or Embed ended (code OK: every sequence completed; None: cut short)."""
         self.requests.labels(code=code.name if code is not None else "CANCELLED").inc()
         self.prompt_tokens.observe(len(valid.prompt_token_ids))

@@ -100,7 +100,7 @@ def make_app(batches=()):
 
     app.require_ready = require_ready
     app.observe_error = app.errors.append
-    app.observe_end = lambda valid, completes, code: app.ends.append((valid.request_id, len(completes), code))
+    app.observe_end = lambda valid, completes, code, streamed: app.ends.append((valid.request_id, len(completes), code))
     return app
 
 

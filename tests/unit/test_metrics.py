@@ -22,7 +22,7 @@ def test_a_generation_counts_its_finish_reason_and_tokens():
     metrics = RequestMetrics(registry)
     done = _complete()
     done.token_ids = [4, 5]
-    metrics.on_request_end(ValidRequest("g", (1, 2, 3)), [done], grpc.StatusCode.OK)
+    metrics.on_request_end(ValidRequest("g", (1, 2, 3)), [done], grpc.StatusCode.OK, {})
     assert _sample(registry, "tokenloop:requests_total", {"code": "OK"}) == 1
     assert _sample(registry, "tokenloop:request_success_total", {"finished_reason": "length"}) == 1
     assert _sample(registry, "tokenloop:time_to_first_token_seconds_count") == 1
@@ -32,7 +32,7 @@ def test_an_embedding_counts_as_a_request_but_not_as_a_generated_sequence():
     registry = CollectorRegistry()
     metrics = RequestMetrics(registry)
     valid = ValidRequest("e", (1, 2, 3), embed=EmbedParams("last", True))
-    metrics.on_request_end(valid, [_complete(embedding=[0.5, 0.5])], grpc.StatusCode.OK)
+    metrics.on_request_end(valid, [_complete(embedding=[0.5, 0.5])], grpc.StatusCode.OK, {})
     assert _sample(registry, "tokenloop:requests_total", {"code": "OK"}) == 1
     assert _sample(registry, "tokenloop:request_success_total", {"finished_reason": "length"}) == 0
     assert _sample(registry, "tokenloop:time_to_first_token_seconds_count") == 0
