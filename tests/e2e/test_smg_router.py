@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import time
 
 import grpc
 import pytest
@@ -107,16 +108,21 @@ def protocol_table() -> dict[str, dict[str, str]]:
 
 
 def received(worker: LiveServer, router: Router, path: str, **body) -> dict:
-    """Send one OpenAI request through the router; the worker's request-log record of the Generate it caused."""
-    before = len(generate_records(worker))
+    """Send one OpenAI request through the router; the worker's request-log record of the Generate it caused, found
+    by its request id (smg sends the response's `id` as the Generate's `request_id`). Not by counting the records
+    that arrive after the request: a record is logged once its stream ends, after smg may have answered, and is read
+    from the worker's output on a thread, so under load an earlier test's record (its refused request's) arrived
+    after the count and was taken for a second Generate (issue 44)."""
     conn = http.client.HTTPConnection(router.base, timeout=120)
     conn.request("POST", path, body=json.dumps({"model": DEFAULT_MODEL.name, **body}).encode(),
                  headers={"content-type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()[-500:]
-    resp.read()
-    records = poll(lambda: generate_records(worker)[before:], timeout=10)  # the log is read on a thread
-    assert len(records) == 1, records
+    rid = json.loads(resp.read())["id"]
+    records = poll(lambda: [r for r in generate_records(worker) if r["request_id"] == rid], timeout=10)
+    time.sleep(0.5)  # a second Generate of this id (a retry by smg) would be logged by now
+    records = [r for r in generate_records(worker) if r["request_id"] == rid]
+    assert len(records) == 1, (rid, records)
     return records[0]
 
 

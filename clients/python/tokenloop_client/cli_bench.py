@@ -1,5 +1,10 @@
 """`tokenloop-cli bench`: load levels one after another; the expected time first, progress as it goes, and on
-Ctrl-C the levels that finished (printed, and written with --out)."""
+Ctrl-C (or SIGTERM) the levels that finished (printed, and written with --out).
+
+A shell that runs a command in the background without job control (`cmd &` in a script, `make test &`) starts it
+with SIGINT ignored, and Python then installs no KeyboardInterrupt handler: Ctrl-C and `kill -INT` do nothing. So
+SIGTERM (`kill PID`, never ignored that way) stops the bench the same way, and the first line says so when SIGINT
+is ignored."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import signal
 import sys
 import time
 
@@ -16,6 +22,7 @@ from .machine import cpu_record
 
 DEFAULT_DURATION_S = 20.0  # seconds per level when neither --num-requests nor --duration is given
 INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
+TERMINATED = 143  # after SIGTERM (128 + 15)
 
 
 def add_parser(sub, parents: list) -> None:
@@ -55,16 +62,19 @@ def concurrency_list(text: str) -> list[int]:
 
 
 def plan(args: argparse.Namespace) -> str:
-    """The line printed first: what will run and about how long it takes."""
+    """The line printed first: what will run, about how long it takes, and how to stop it."""
     levels = ", ".join(map(str, args.concurrency))
     what = f"{len(args.concurrency)} level{'s' * (len(args.concurrency) > 1)} (concurrency {levels})"
+    stop = "Ctrl-C stops and keeps the levels that finished"
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        stop = ("SIGINT is ignored in this process (started in the background by a script?): `kill PID` (SIGTERM) "
+                "stops and keeps the levels that finished")
     if args.duration:
         total = len(args.concurrency) * args.duration
         more = f", at most {args.num_requests} requests each" if args.num_requests else ""
         return (f"bench: {what}, {args.duration:g} s each{more}, then the requests in flight finish: "
-                f"about {total:.0f} s or a little more; Ctrl-C stops and keeps the levels that finished")
-    return (f"bench: {what}, {args.num_requests} requests each; the time depends on the server "
-            f"(-d S bounds each level); Ctrl-C stops and keeps the levels that finished")
+                f"about {total:.0f} s or a little more; {stop}")
+    return f"bench: {what}, {args.num_requests} requests each; the time depends on the server (-d S bounds each level); {stop}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,23 +83,26 @@ def run(args: argparse.Namespace) -> int:
         args.duration = DEFAULT_DURATION_S
     print(plan(args), file=sys.stderr, flush=True)
     state: dict = {"server": {"address": args.address}, "results": []}
-    interrupted = False
+    status = 0
     try:
         asyncio.run(_levels(args, state))
     except KeyboardInterrupt:
-        interrupted = True
-    if interrupted:
+        status = INTERRUPTED
+    except asyncio.CancelledError:  # SIGTERM cancelled the levels
+        status = TERMINATED
+    if status:
         done = ", ".join(str(level["concurrency"]) for level in state["results"]) or "none"
-        print(f"\nbench: interrupted; levels that finished: {done} (the level cut short is left out)",
-              file=sys.stderr)
+        how = "interrupted" if status == INTERRUPTED else "terminated (SIGTERM)"
+        print(f"\nbench: {how}; levels that finished: {done} (the level cut short is left out)", file=sys.stderr)
         state["interrupted"] = True
     _output(args, state)
-    return INTERRUPTED if interrupted else 0
+    return status
 
 
 async def _levels(args: argparse.Namespace, state: dict) -> None:
     from .cli import client_kwargs
     mode = "off" if args.progress is False else ("bar" if sys.stderr.isatty() else "lines")
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     async with AsyncClient(args.address, **client_kwargs(args)) as client:
         state["server"].update(dataclasses.asdict(await client.model_info()))
         for concurrency in args.concurrency:
