@@ -56,12 +56,13 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenloop", description="gRPC text-generation worker",
-                                     epilog="`tokenloop serve --help` for the server's flags; docs/operations.md")
+                                     epilog="`tokenloop serve --help` for the server's flags; docs/server.md")
     parser.add_argument("-V", "--version", action="version", version=f"tokenloop {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="serve")
     s = sub.add_parser("serve", help="serve a model over gRPC", formatter_class=_HelpFormatter,
                        usage="tokenloop serve [--model DIR] [--host HOST] [--port N] [options]",
-                       description="Serve a model over gRPC. Flags by group below; docs/operations.md has them all.")
+                       description="Serve a model over gRPC. Flags by group below; docs/server.md has them all "
+                                   "(security, logs and deployment: docs/operations.md).")
     d = ServerConfig()
     s.add_argument("--model", default=None, help=f"checkpoint directory or GGUF file (default: {DEFAULT_MODEL_DIR}, made by `make model`)")
     s.add_argument("--backend", choices=("engine", "trtllm"), default=d.backend,

@@ -1,12 +1,16 @@
-"""gRPC core's log lines, read off stderr: failed TLS handshakes logged rate-limited, every other line passed on.
+"""gRPC core's log lines, read off stderr: failed TLS handshakes logged rate-limited, core lines below ERROR dropped
+unless asked, every other line passed on.
 
 gRPC's C++ core writes one line per failed TLS handshake straight to file descriptor 2 (`ssl_transport_security.cc
 ... Handshake failed with error SSL_ERROR_SSL: ... WRONG_VERSION_NUMBER`), and Python has no hook for it: a
-plaintext client retrying against a TLS port filled the log with a line per attempt. When the server serves TLS,
-`CoreLogRelay` puts a pipe in place of fd 2 and reads it on a thread: a failed handshake becomes one warning with
-its reason, then at most one line per interval with the count (`HandshakeLog`); every other line is written to
-the real stderr unchanged. Python's own logging is pointed at the real stderr directly, so it never passes
-through the relay.
+plaintext client retrying against a TLS port filled the log with a line per attempt. grpcio 1.85 also prints its
+INFO lines by default (`I1206 ... fork_posix.cc:71] Other threads are currently calling into gRPC, skipping fork()
+handlers` when the compile processes start). `CoreLogRelay` puts a pipe in place of fd 2 and reads it on a thread:
+a failed handshake (an INFO line) becomes one warning with its reason, then at most one line per interval with the
+count (`HandshakeLog`); gRPC's other INFO, WARNING and DEBUG lines are dropped unless GRPC_VERBOSITY asks for them
+(DEBUG or INFO) or GRPC_TRACE is set; every other line (gRPC's errors, anything else) is written to the real stderr
+unchanged. Python's own logging is pointed at the real stderr directly, so it never passes through the relay.
+(GRPC_VERBOSITY=ERROR itself would silence the handshake lines too, which the relay needs.)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ log = logging.getLogger("tokenloop.security")
 INTERVAL_ENV = "TOKENLOOP_HANDSHAKE_LOG_INTERVAL_S"
 DEFAULT_INTERVAL_S = 60.0
 _MARK = b"Handshake failed"
+_CORE_BELOW_ERROR = re.compile(rb"^[IWD]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] ")  # absl's prefix: I1206 23:10:33.708895 6684 file.cc:71]
 _REASON = re.compile(r"SSL routines:(?:[^:]*:)?([A-Z][A-Z0-9_]+)(?::|$)")
 HINTS = {
     "WRONG_VERSION_NUMBER": "a client speaking plaintext to this TLS port?",
@@ -34,6 +39,11 @@ HINTS = {
     "TLSV1_ALERT_UNKNOWN_CA": "the client does not trust this server's certificate (its CA)",
     "SSLV3_ALERT_BAD_CERTIFICATE": "the client rejected this server's certificate",
 }
+
+
+def core_info_asked(env=os.environ) -> bool:
+    """Whether the user asked for gRPC's lines below ERROR (GRPC_VERBOSITY DEBUG or INFO, or any GRPC_TRACE)."""
+    return env.get("GRPC_VERBOSITY", "").upper() in ("DEBUG", "INFO") or bool(env.get("GRPC_TRACE"))
 
 
 def reason_of(line: str) -> str:
@@ -84,6 +94,7 @@ class CoreLogRelay:
     def __init__(self, interval: float | None = None):
         interval = float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL_S)) if interval is None else interval
         self.handshakes = HandshakeLog(interval)
+        self.keep_info = core_info_asked()
         self._saved_fd: int | None = None
         self._read_fd: int | None = None
         self._thread: threading.Thread | None = None
@@ -140,5 +151,5 @@ class CoreLogRelay:
     def _line(self, line: bytes) -> None:
         if _MARK in line:
             self.handshakes.failed(line.decode(errors="replace"))
-        elif self._saved_fd is not None:
+        elif self._saved_fd is not None and (self.keep_info or not _CORE_BELOW_ERROR.match(line)):
             os.write(self._saved_fd, line)

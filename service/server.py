@@ -194,9 +194,8 @@ async def run(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop, sig)
     loop.add_signal_handler(signal.SIGHUP, server.reload_certificates)
-    relay = CoreLogRelay() if config.tls_cert else None  # failed TLS handshakes: rate-limited log lines
-    if relay is not None:
-        relay.start()
+    relay = CoreLogRelay()  # gRPC core's stderr: failed TLS handshakes rate-limited, its INFO lines unless asked
+    relay.start()
     try:
         try:
             await server.start()
@@ -206,5 +205,4 @@ async def run(config: ServerConfig) -> int:
             return 2
         return await server.wait()
     finally:
-        if relay is not None:
-            relay.stop()
+        relay.stop()

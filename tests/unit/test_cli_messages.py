@@ -87,6 +87,20 @@ def test_the_library_names_the_unreadable_tls_file():
     (["generate", "x", "-n", "0"], "tokenloop-cli generate: error: argument -n/--n: must be >= 1; got 0"),
     (["bench", "-c", "1,x"], "tokenloop-cli bench: error: argument -c/--concurrency: expected comma-separated "
                              "integers such as 1,4,16; got '1,x'"),
+    # the flag's name and one range, not the library's parameter and its uint32 range (issue 44)
+    (["generate", "x", "--max-new-tokens", "-5"], "tokenloop-cli generate: error: argument --max-new-tokens: must be "
+                                                  ">= 1; got -5"),
+    (["generate", "x", "--seed", "-1"], "tokenloop-cli generate: error: argument --seed: must be between 0 and "
+                                        "18446744073709551615; got -1"),
+    # a typo after the command: that command's error (and usage), with the closest option
+    (["generate", "x", "--max-new-tokns", "5"], "tokenloop-cli generate: error: unrecognized arguments: "
+                                                "--max-new-tokns 5 (did you mean --max-new-tokens?)"),
+    (["lora", "list", "--jsn"], "tokenloop-cli lora list: error: unrecognized arguments: --jsn (did you mean --json?)"),
+    # an address gRPC cannot parse was UNAVAILABLE with a `serve --port xx` hint (issue 44)
+    (["--address", "not a host:xx", "info"], "tokenloop-cli: error: address 'not a host:xx': the port must be a number "
+                                             "from 1 to 65535, not 'xx' (HOST:PORT, e.g. 127.0.0.1:50051)"),
+    (["info", "--address", "my host:50051"], "tokenloop-cli: error: address 'my host:50051': 'my host' is not a host "
+                                             "name or address (HOST:PORT, e.g. 127.0.0.1:50051)"),
 ])
 def test_usage_mistakes_exit_2_with_the_rule(args, message):
     run = cli(*args)
@@ -159,3 +173,8 @@ def test_the_library_refuses_n_0_instead_of_running_one_sequence():
     with pytest.raises(ParameterError) as info:
         GenerationParams(n=0).apply(pb.GenerateRequest())
     assert (info.value.parameter, str(info.value)) == ("n", "`n` must be >= 1 (the number of sequences); got 0")
+
+
+def test_a_typo_after_the_command_prints_that_commands_usage():
+    run = cli("info", "--jsonn")
+    assert run.returncode == 2 and run.stderr.startswith("usage: tokenloop-cli info [-h] [--json]"), run.stderr

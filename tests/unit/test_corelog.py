@@ -1,10 +1,14 @@
-"""Failed TLS handshakes are logged with their reason, then counted: one line per interval, not one per attempt."""
+"""Failed TLS handshakes are logged with their reason, then counted: one line per interval, not one per attempt;
+gRPC core's lines below ERROR are dropped unless asked (end to end: tests/e2e/test_core_log.py)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
-from tokenloop.service.corelog import HandshakeLog, reason_of
+import pytest
+
+from tokenloop.service.corelog import CoreLogRelay, HandshakeLog, reason_of
 
 LINE = ("I1204 15:43:18.104506   15420 ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL: "
         "error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate verification context")
@@ -38,3 +42,29 @@ def test_first_failure_at_once_then_one_count_per_interval(caplog):
         "TLS handshake failed: WRONG_VERSION_NUMBER (a client speaking plaintext to this TLS port?); further "
         "failures are counted and logged every 60 s",
     ]
+
+
+INFO = b"I1206 22:48:00.929646   12057 fork_posix.cc:71] Other threads are currently calling into gRPC, skipping fork()\n"
+ERROR = b"E1206 22:48:00.929646   12057 chttp2_server.cc:1053] UNKNOWN:No address added out of total 1 resolved\n"
+OTHER = b"something else on stderr\n"
+
+
+@pytest.mark.parametrize("env, kept", [({}, [ERROR, OTHER]), ({"GRPC_VERBOSITY": "info"}, [INFO, ERROR, OTHER]),
+                                       ({"GRPC_TRACE": "http"}, [INFO, ERROR, OTHER]),
+                                       ({"GRPC_VERBOSITY": "ERROR"}, [ERROR, OTHER])])
+def test_core_lines_below_error_are_dropped_unless_asked(monkeypatch, env, kept):
+    """grpcio 1.85 prints its INFO lines by default (issue 44); a handshake line still reaches HandshakeLog."""
+    for name in ("GRPC_VERBOSITY", "GRPC_TRACE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    relay = CoreLogRelay(interval=60.0)
+    read_fd, relay._saved_fd = os.pipe()
+    failed = []
+    relay.handshakes.failed = failed.append
+    for line in (INFO, ERROR, LINE.encode() + b"\n", OTHER):
+        relay._line(line)
+    os.close(relay._saved_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        assert f.read().splitlines(keepends=True) == kept
+    assert failed == [LINE + "\n"]

@@ -65,3 +65,11 @@ def test_configuration_errors_name_the_flag(flags, message, capsys):
 def test_a_small_max_new_tokens_lowers_the_default_instead_of_failing():
     config = config_from_args(build_parser().parse_args(["serve", "--max-new-tokens", "50"]))
     assert (config.max_new_tokens, config.default_max_new_tokens) == (50, 50)
+
+
+def test_the_help_points_where_the_readme_does():
+    """docs/server.md has every flag (the README's pointer); serve --help named docs/operations.md (issue 44)."""
+    parser = build_parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    assert "docs/server.md has them all" in serve.description and parser.epilog.endswith("docs/server.md")
+    assert "[docs/server.md](docs/server.md): every flag" in (ROOT / "README.md").read_text()

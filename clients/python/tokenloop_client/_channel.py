@@ -96,6 +96,22 @@ def with_port(target: str) -> str:
     return target if ":" in target else f"{target}:{DEFAULT_PORT}"
 
 
+def check_address(address: str) -> None:
+    """A ParameterError naming `address` when it is not HOST:PORT (a port from 1 to 65535, a host without blanks):
+    gRPC would take it, fail to resolve it, and say UNAVAILABLE as if no server were there."""
+    target = with_port(address.split("://", 1)[-1])
+    if target.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return
+    host, _, port = target.rpartition(":")
+    ok_port = port.isdigit() and 1 <= int(port) <= 65535
+    ok_host = bool(host) and not any(c.isspace() for c in host) and (
+        host.startswith("[") == host.endswith("]"))
+    if not (ok_port and ok_host):
+        why = f"the port must be a number from 1 to 65535, not {port!r}" if not ok_port else \
+            f"{host!r} is not a host name or address"
+        raise ParameterError("address", f"address {address!r}: {why} (HOST:PORT, e.g. {DEFAULT_ADDRESS})")
+
+
 def read_pem(name: str, path: str | None) -> bytes | None:
     """The bytes of a PEM file; a ParameterError naming `name` when it cannot be read."""
     if not path:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import os
 import re
 import sys
@@ -20,6 +22,8 @@ TLS_FILE_FLAGS = (("tls_ca", "--tls-ca"), ("tls_cert", "--tls-cert"), ("tls_key"
 _NOT_CONNECTED = re.compile(r"failed to connect|connection refused|errors resolving|dns resolution|socket closed|"
                             r"handshake|connections to all backends failing|connection reset|end of tcp stream|"
                             r"\bssl\b|\btls\b", re.IGNORECASE)
+# a peer that answered but does not speak gRPC's HTTP/2 (an HTTP/1 server's "HTTP/1.0 ..." starts with 'H' = 72)
+_NOT_HTTP2 = re.compile(r"Failed parsing HTTP/2|Expected SETTINGS frame", re.IGNORECASE)
 _RETRIED = " (retried "  # the client's suffix after retries: `first status (retried N times; last: ...)`
 
 
@@ -72,8 +76,24 @@ def connection_hints(args: argparse.Namespace) -> str:
             f"  {tls}")
 
 
+def answered_but_not(err: TokenloopError) -> str | None:
+    """When a connection was made but the peer is not what was dialled: what it is not (a gRPC server, a TLS one)."""
+    first = err.message.split(_RETRIED, 1)[0]
+    if err.code != grpc.StatusCode.UNAVAILABLE:
+        return None
+    if _NOT_HTTP2.search(first):
+        return "not a gRPC server (it does not speak HTTP/2: an HTTP/1 web server?)"
+    if "WRONG_VERSION_NUMBER" in first:
+        return "not a TLS server (it answered in plaintext): drop --tls/--tls-ca/https://"
+    return None
+
+
 def report(err: TokenloopError, args: argparse.Namespace) -> None:
     """Print a failed call: the status and message, and for a connection that failed what was tried and hints."""
+    if (what := answered_but_not(err)) is not None:
+        print(f"error: UNAVAILABLE: something answered at {describe_target(args)}, but {what}: {err.message}\n"
+              f"  another address? tokenloop-cli --address HOST:PORT ... (or set $TOKENLOOP_ADDRESS)", file=sys.stderr)
+        return
     if not_connected(err):
         print(f"error: UNAVAILABLE: no tokenloop server answered at {describe_target(args)}: {err.message}",
               file=sys.stderr)
@@ -82,9 +102,34 @@ def report(err: TokenloopError, args: argparse.Namespace) -> None:
     print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
 
 
-
 class Parser(argparse.ArgumentParser):
-    """argparse whose "unrecognized arguments" error says where a command's own option goes."""
+    """argparse whose "unrecognized arguments" error is the command's own (its usage, the closest option) or, for
+    a command's option put before the command, says where it goes."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self._command(parsed)
+            if command is not None and not any(w in command._option_string_actions for w in extras):
+                command.unknown(extras)  # a typo after the command: that command's usage, not the top one's
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _command(self, parsed: argparse.Namespace) -> Parser | None:
+        """The innermost sub-command parser `parsed` chose (`lora list` -> the `list` parser)."""
+        parser, found = self, None
+        while True:
+            subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+            name = getattr(parsed, subs[0].dest, None) if subs else None
+            if name is None:
+                return found
+            parser = found = subs[0].choices[name]
+
+    def unknown(self, extras: list[str]):
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        close = difflib.get_close_matches(extras[0].split("=", 1)[0], options, n=1)
+        self.error(message + (f" (did you mean {close[0]}?)" if close else ""))
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):
@@ -105,12 +150,22 @@ class Parser(argparse.ArgumentParser):
 
 def positive(text: str) -> int:
     """argparse type: an integer >= 1."""
+    return _integer(text, 1)
+
+
+def non_negative(text: str) -> int:
+    """argparse type: an integer >= 0 (a seed: 0 to 2**64 - 1)."""
+    return _integer(text, 0, 2**64 - 1)
+
+
+def _integer(text: str, low: int, high: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"must be >= {low}; got {value}" if high is None else
+                                         f"must be between {low} and {high}; got {value}")
     return value
 
 
@@ -120,14 +175,99 @@ def short(message: str) -> str:
 
 
 def check_complete(result: GenerateResult, args: argparse.Namespace) -> None:
-    """A constrained sequence that ended at LENGTH is cut off mid-structure (not valid JSON): say so, exit 3."""
+    """A constrained sequence that ended at LENGTH is cut off mid-structure (not valid JSON): say so, where the text
+    stopped (what ran on), and exit 3."""
     flag = next((f"--{name.replace('_', '-')}" for name in CONSTRAINTS if getattr(args, name, None)), None)
     cut = [c for c in result.completions if c.truncated]
     if flag is None or not cut:
         return
     which = ", ".join(str(c.index) for c in cut)
+    cause = incomplete_cause(cut[0].text, _schema(args)) if flag in ("--json-schema", "--json-object") else None
     print(f"error: incomplete output: sequence {which} ended at LENGTH after {cut[0].usage.completion_tokens} tokens, "
           f"before the {flag} structure was complete (the text above is cut off).\n"
-          "  raise --max-new-tokens, or bound the schema (maxLength for strings, maximum for numbers, maxItems for "
-          "arrays): see docs/structured-output.md", file=sys.stderr)
+          + (f"  {cause}\n" if cause else "")
+          + "  raise --max-new-tokens, or bound the schema (maxLength for strings, maximum for numbers, maxItems for "
+          "arrays, \"additionalProperties\": false for objects): see docs/structured-output.md#bounding-a-schema",
+          file=sys.stderr)
     raise IncompleteOutput(which)
+
+
+def _schema(args: argparse.Namespace) -> dict | None:
+    try:
+        with open(args.json_schema, encoding="utf-8") as f:
+            schema = json.load(f)
+    except (OSError, TypeError, ValueError):  # --json-object (no file), or unreadable now
+        return None
+    return schema if isinstance(schema, dict) else None
+
+
+def _declared_keys(schema) -> set[str]:
+    """Every property name the schema lists, at any depth."""
+    keys: set[str] = set()
+    if isinstance(schema, dict):
+        if isinstance(schema.get("properties"), dict):
+            keys |= set(schema["properties"])
+        for value in schema.values():
+            keys |= _declared_keys(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            keys |= _declared_keys(value)
+    return keys
+
+
+def incomplete_cause(text: str, schema: dict | None) -> str | None:
+    """What ran on in a JSON text cut off at LENGTH: keys the schema does not list, or the string, number or array
+    the text ends inside; None when nothing stands out (the budget was simply too small)."""
+    stack: list[list] = []  # open containers: [kind "{" or "[", items so far]
+    keys: list[str] = []
+    in_string = escaped = is_key = False
+    literal = number = ""
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped, literal = False, literal + ch
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if is_key:
+                    keys.append(literal)
+            else:
+                literal += ch
+            continue
+        if ch == '"':
+            in_string, literal, number = True, "", ""
+            is_key = bool(stack) and stack[-1][0] == "{" and stack[-1][2]
+            continue
+        if ch in "-+.eE0123456789":
+            number += ch
+            continue
+        number = ""
+        if ch in "{[":
+            stack.append([ch, 0, ch == "{"])  # [kind, items, expecting a key]
+        elif ch in "}]" and stack:
+            stack.pop()
+        elif ch == "," and stack:
+            stack[-1][1] += 1
+            stack[-1][2] = stack[-1][0] == "{"
+        elif ch == ":" and stack:
+            stack[-1][2] = False
+    declared = _declared_keys(schema) if schema is not None else set()
+    extra = [k for k in dict.fromkeys(keys) if k not in declared] if declared else []
+    if extra:
+        shown = ", ".join(extra[:4]) + (", ..." if len(extra) > 4 else "")
+        return (f"the object has keys the schema does not list ({shown}): the schema allows them; set "
+                "\"additionalProperties\": false")
+    if in_string and len(literal) >= 16:
+        what = "a key" if is_key else "a string"
+        return f"the text ends inside {what} {len(literal)} characters long: give it a \"maxLength\""
+    digits = sum(c.isdigit() for c in number)
+    if digits >= 10:
+        return f"the text ends inside a number {digits} digits long: give it a \"maximum\" (and a \"minimum\")"
+    arrays = [items + 1 for kind, items, _ in stack if kind == "["]
+    if arrays and max(arrays) >= 8:
+        return f"the text ends inside an array of {max(arrays)} items: give it \"maxItems\""
+    objects = [items + 1 for kind, items, _ in stack if kind == "{"]
+    if objects and max(objects) >= 8 and schema is None:
+        return f"the text ends inside an object of {max(objects)} keys: give it \"maxProperties\" (or send a schema)"
+    return None

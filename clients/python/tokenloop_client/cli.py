@@ -10,7 +10,7 @@ import sys
 import time
 
 from . import __version__, cli_bench
-from ._channel import DEFAULT_ADDRESS
+from ._channel import DEFAULT_ADDRESS, check_address
 from ._cli_help import (
     INCOMPLETE,
     IncompleteOutput,
@@ -19,6 +19,7 @@ from ._cli_help import (
     check_complete,
     check_tls_files,
     describe_target,
+    non_negative,
     positive,
     report,
     short,
@@ -193,11 +194,12 @@ def cmd_health(client: Client, args: argparse.Namespace) -> None:
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, help="most tokens to generate")
+    p.add_argument("--max-new-tokens", type=positive, help="most tokens to generate (>= 1; the server's limit: "
+                                                           "`info`)")
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-k", type=int, help="0 = off")
+    p.add_argument("--seed", type=non_negative, help="0 to 2**64 - 1; the same seed gives the same output")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     p.add_argument("--lora", metavar="NAME", help="generate with this loaded LoRA adapter (see `lora list`)")
@@ -324,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of tokenloop-cli: exit 0, 1 (the server refused or failed), 2 (usage), 3 (incomplete), 130."""
     args = build_parser().parse_args(argv)
     try:
+        check_address(args.address)
         check_tls_files(args)
         if args.command == "bench":
             return cli_bench.run(args)
