@@ -110,6 +110,8 @@ def build(source: Path = PAGED_SOURCE, compile_flags: tuple[str, ...] | None = N
     target = cache_dir() / f"{source.stem}-{digest}.so"
     if target.is_file():
         return target
+    log.info("compiling the native kernel %s with %s (once per CPU and source: cached in %s)", source.name, cc,
+             target.parent)  # a first start is otherwise silent for seconds
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from tokenloop.core.executor import Executor
 from tokenloop.v1 import tokenloop_pb2
 
+from . import reflection
 from .app import App
 from .config import ServerConfig
 from .connections import ConnectionWatch, check_fd_limit, grpc_connection_options
@@ -100,7 +100,7 @@ class Server:
                 names.append(add_vllm_service(self.app, self.grpc))
         except ImportError:  # no smg-grpc-proto
             pass
-        reflection.enable_server_reflection(names + [reflection.SERVICE_NAME], self.grpc)
+        reflection.enable(names, self.grpc)  # method symbols resolve too (grpcurl describe Service.Method)
 
     async def start(self) -> int:
         """Listen (health NOT_SERVING), load the model, start the looper, serve. Returns the port."""

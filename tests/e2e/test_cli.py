@@ -122,6 +122,11 @@ def test_structured_output_cut_off_at_length_exits_3(address, tmp_path):
     assert isinstance(json.loads(whole.stdout)["n"], int)
 
 
+def test_lora_list_with_none_loaded_says_so(address):
+    run = cli("--address", address, "lora", "list")
+    assert (run.returncode, run.stdout) == (0, "no adapters loaded (load one: tokenloop-cli lora load NAME PATH)\n")
+
+
 def test_lora_load_names_the_path_as_typed(address):
     run = cli("--address", address, "lora", "load", "x", "/no/such/dir")
     assert run.returncode == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 
@@ -131,11 +132,16 @@ def test_model_splits_a_decode_batch_over_two_threads_with_the_same_result():
 
 
 @needs_kernel
-def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TOKENLOOP_KERNEL_CACHE", str(tmp_path))
-    first = kernels.build()
-    assert first.parent == tmp_path and first.suffix == ".so"
-    assert kernels.build() == first  # not rebuilt
+    with caplog.at_level(logging.INFO, logger=kernels.__name__):
+        first = kernels.build()
+        assert first.parent == tmp_path and first.suffix == ".so"
+        assert kernels.build() == first  # not rebuilt
+    # a first start says why it is quiet for seconds (issue 44); a cached build says nothing
+    compiling = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling the native kernel")]
+    assert len(compiling) == len({m.split()[4] for m in compiling}) >= 1
+    assert f"compiling the native kernel {kernels.SOURCE.name} with" in compiling[-1]
     other = tmp_path / "other.c"
     other.write_text(kernels.PAGED_SOURCE.read_text() + "\n/* changed */\n")
     assert kernels.build(other) != first
