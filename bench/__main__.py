@@ -40,6 +40,10 @@ BENCHMARKS = {
     "structured": Benchmark("structured_bench", "32 streams under one JSON schema against the same streams free; "
                             "compile times; a cached schema's admission", "results-structured.json",
                             ("--rounds", "1", "--streams", "2", "--new-tokens", "8")),
+    "structured_first_try": Benchmark("structured_first_try", "20 JSON schemas as a newcomer writes them, and two "
+                                      "jsonObject prompts: how many complete on the default model at temperature 0 "
+                                      "and 0.7 (a count, not a timing)", "results-structured-first-try.json",
+                                      ("--cases", "1")),
     "shared_prefix": Benchmark("shared_prefix", "prefix caching on and off: 64 requests sharing a 448-token system "
                                "prompt", "results-shared-prefix.json",
                                ("--new-tokens", "4", "--requests", "4")),

@@ -8,6 +8,7 @@ schema sent again is admitted without compiling. Why llguidance and not xgrammar
 
 JSON is laid out as `json.dumps` does by default (`", "` and `": "` between items, no other whitespace): with any
 whitespace allowed, a model can emit blanks forever and never finish the value (both libraries, bench/grammar_libs.py).
+A JSON schema gets the first-try defaults of `bounded_schema` before it compiles (docs/structured-output.md).
 """
 
 from __future__ import annotations
@@ -40,7 +41,25 @@ PROBE_TOKENS = 4
 MAX_GBNF_RULES = 256
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z0-9_-]+\s*::=", re.MULTILINE)
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The first-try defaults (`bounded_schema`), each applied only where the schema leaves that bound out: an object that
+# lists its properties admits no other key (OpenAI's strict mode; xgrammar's strict_mode, vLLM's default); an integer
+# or number stays within the integers a double holds exactly, 2**53 - 1 (JavaScript's Number.MAX_SAFE_INTEGER); a
+# number has at most NUMBER_DECIMALS decimals; a string at most MAX_STRING_CHARS characters, an array at most
+# MAX_ITEMS items. Every value the bounded schema admits is valid under the schema as sent.
+MAX_SAFE_INTEGER = 2**53 - 1
+NUMBER_DECIMALS = 6
+MAX_STRING_CHARS = 128
+MAX_ITEMS = 16
+MAX_PROPERTIES = 8  # an object that lists no properties (`json_object`, `{"type": "object"}`): at most this many keys
 ANY_OBJECT = '{"type": "object"}'
+# what `json_object` compiles to: any object, its values any JSON value, each bounded as above
+_ANY_VALUE = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"},
+                        {"type": "array", "items": {"$ref": "#/$defs/value"}},
+                        {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}
+BOUNDED_ANY_OBJECT = {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}, "$defs": {"value": _ANY_VALUE}}
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 _WHAT = {"json_schema": "a valid JSON schema", "json_object": "valid", "regex": "a valid regular expression",
          "grammar": "a valid grammar", "structural_tag": "a valid structural tag"}
 
@@ -74,6 +93,63 @@ def lark_of(kind: str, spec: str) -> str:
         raise GrammarError(kind, f"{type(exc).__name__}: {exc}") from None
 
 
+def bounded_schema(schema):
+    """`schema` (parsed JSON) with the first-try defaults filled in where it leaves a bound out (see MAX_SAFE_INTEGER
+    above): a new dict, the input untouched. A bound the schema gives is kept, so is `additionalProperties: true`."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_schema(sub) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = bounded_schema(out[key])
+    if "enum" in out or "const" in out or "$ref" in out:
+        return out
+    types = out.get("type")
+    types = set(types) if isinstance(types, list) else {types}
+    if "object" in types or "properties" in out:
+        _bound_object(out)
+    if types & {"integer", "number"}:
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = MAX_SAFE_INTEGER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -MAX_SAFE_INTEGER
+        if "number" in types and "integer" not in types and "multipleOf" not in out:
+            out["multipleOf"] = 10.0**-NUMBER_DECIMALS
+    if "string" in types and not {"maxLength", "pattern", "format"} & out.keys():
+        out["maxLength"] = MAX_STRING_CHARS
+    if "array" in types and "maxItems" not in out and not isinstance(out.get("items"), bool):
+        out["maxItems"] = MAX_ITEMS
+    return out
+
+
+def _bound_object(schema: dict) -> None:
+    if schema.get("properties"):
+        if not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys():
+            schema["additionalProperties"] = False
+    elif "maxProperties" not in schema:  # keys of any name: as many as a model wants, unless bounded
+        schema["maxProperties"] = MAX_PROPERTIES
+
+
+def schema_text(kind: str, spec: str) -> str:
+    """The JSON schema the server compiles for a `json_schema` or `json_object` constraint: the schema sent (or any
+    object) with the first-try defaults (`bounded_schema`). Raises GrammarError when the spec is not a JSON object."""
+    if kind == "json_object":
+        return json.dumps(bounded_schema(BOUNDED_ANY_OBJECT))
+    try:
+        schema = json.loads(spec)
+    except ValueError as exc:
+        raise GrammarError(kind, f"not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError(kind, f"a JSON schema is a JSON object; got {type(schema).__name__}")
+    return json.dumps(bounded_schema(schema))
+
+
 def grammar_text(kind: str, spec: str) -> str:
     """The llguidance grammar for one constraint; raises GrammarError for a spec that is not even well formed."""
     try:
@@ -85,16 +161,8 @@ def grammar_text(kind: str, spec: str) -> str:
 
 
 def _grammar_text(kind: str, spec: str) -> str:
-    if kind == "json_schema":
-        try:
-            schema = json.loads(spec)
-        except ValueError as exc:
-            raise GrammarError(kind, f"not JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise GrammarError(kind, f"a JSON schema is a JSON object; got {type(schema).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(spec, overrides=JSON_LAYOUT)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_LAYOUT)
+    if kind in ("json_schema", "json_object"):
+        return llguidance.LLMatcher.grammar_from_json_schema(schema_text(kind, spec), overrides=JSON_LAYOUT)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind in ("grammar", "structural_tag"):

@@ -159,17 +159,18 @@ def _with_layout(schema: str) -> str:
 
 def guide_for(structured: StructuredOutput, backend: str | None) -> tuple[str, str]:
     """(kind, text) of the guide TensorRT-LLM gets for a constraint: kind is `json` (a JSON schema), `regex`,
-    `grammar` or `structural_tag`. Any JSON object is the schema {"type": "object"}, as on the embedded engine.
+    `grammar` or `structural_tag`. A JSON schema (any JSON object: {"type": "object"}) goes with the first-try
+    defaults the embedded engine compiles (`schema_text`).
     TensorRT-LLM's llguidance backend reads a grammar as Lark and has no structural tags: both go as the Lark
     grammar the server compiled; xgrammar takes the GBNF grammar and the structural tag as they came.
     Raises ValueError when structured output is off."""
-    from tokenloop.core.structured import ANY_OBJECT, lark_of
+    from tokenloop.core.structured import lark_of, schema_text
 
     if backend is None:
         raise ValueError("structured output is off on this server (--guided-decoding-backend none)")
     kind, spec = structured.kind, structured.spec
     if kind in ("json_schema", "json_object"):
-        schema = spec if kind == "json_schema" else ANY_OBJECT
+        schema = schema_text(kind, spec)
         return "json", _with_layout(schema) if backend == "llguidance" else schema
     if kind == "regex":
         return "regex", spec

@@ -178,3 +178,15 @@ def test_the_library_refuses_n_0_instead_of_running_one_sequence():
 def test_a_typo_after_the_command_prints_that_commands_usage():
     run = cli("info", "--jsonn")
     assert run.returncode == 2 and run.stderr.startswith("usage: tokenloop-cli info [-h] [--json]"), run.stderr
+
+
+def test_the_json_schema_help_shows_a_bounded_schema():
+    """The example in `generate --help` is JSON, and bounds each of its values (issue 44)."""
+    import json
+
+    from tokenloop_client.cli import build_parser
+    generate = next(a for a in build_parser()._actions if a.dest == "command").choices["generate"]
+    text = next(a for a in generate._actions if a.dest == "json_schema").help
+    schema = json.loads(text[text.index("{"):text.index("; ")])
+    assert schema["properties"]["city"]["maxLength"] and schema["properties"]["population"]["maximum"]
+    assert "docs/structured-output.md" in text

@@ -13,11 +13,13 @@ from tests.fakes import scenarios
 from tests.fakes.fixtures import fake_trtllm, make_engine_dir
 from tokenloop.bench.structured_cases import ARITHMETIC_GRAMMAR, SCHEMAS
 from tokenloop.core.request import StructuredOutput
-from tokenloop.core.structured import JSON_LAYOUT, lark_of
+from tokenloop.core.structured import JSON_LAYOUT, lark_of, schema_text
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.trtllm import create_trtllm_executor
 
 SCHEMA = json.dumps(SCHEMAS["flat_object"])
+SENT = schema_text("json_schema", SCHEMA)  # with the first-try defaults, as the embedded engine compiles it
+ANY_OBJECT = schema_text("json_object", "")
 TAG = json.dumps({"structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}], "triggers": ["<f"]})
 CASES = [("json_schema", SCHEMA), ("json_object", ""), ("regex", "[a-z]+"), ("grammar", ARITHMETIC_GRAMMAR),
          ("structural_tag", TAG)]
@@ -64,16 +66,15 @@ def test_executor_requests_carry_guided_decoding_params(fake, tmp_path, tokenize
         request_id = adapter.enqueue(structured(kind, spec))
         params = engine.requests[request_id].guided_decoding_params
         sent[kind] = (params.guide_type, params.guide)
-    any_object = '{"type": "object"}'
     if backend == "xgrammar":
-        assert sent == {"json_schema": (types.JSON_SCHEMA, SCHEMA), "json_object": (types.JSON_SCHEMA, any_object),
+        assert sent == {"json_schema": (types.JSON_SCHEMA, SENT), "json_object": (types.JSON_SCHEMA, ANY_OBJECT),
                         "regex": (types.REGEX, "[a-z]+"), "grammar": (types.EBNF_GRAMMAR, ARITHMETIC_GRAMMAR),
                         "structural_tag": (types.STRUCTURAL_TAG, TAG)}
     else:  # TensorRT-LLM's llguidance reads EBNF as Lark and has no structural tags: both go as Lark
         assert engine.config.guided_decoding_config.backend.name == "LLGUIDANCE"
         assert {k: (t, json.loads(g)) for k, (t, g) in sent.items() if k.startswith("json")} == {
-            "json_schema": (types.JSON_SCHEMA, with_layout(SCHEMA)),
-            "json_object": (types.JSON_SCHEMA, with_layout(any_object))}
+            "json_schema": (types.JSON_SCHEMA, with_layout(SENT)),
+            "json_object": (types.JSON_SCHEMA, with_layout(ANY_OBJECT))}
         assert sent["grammar"] == (types.EBNF_GRAMMAR, lark_of("grammar", ARITHMETIC_GRAMMAR))
         assert sent["structural_tag"] == (types.EBNF_GRAMMAR, lark_of("structural_tag", TAG))
     assert engine.requests[adapter.enqueue(scenarios.request())].guided_decoding_params is None
@@ -114,13 +115,13 @@ def test_sampling_params_carry_guided_decoding(fake, tokenizer_dir, backend):
         adapter.enqueue(structured(kind, spec))
         sent[kind] = llm_of(fake).submits[-1][1].guided_decoding
     if backend == "xgrammar":
-        assert sent == {"json_schema": GuidedDecodingParams(json=SCHEMA),
-                        "json_object": GuidedDecodingParams(json='{"type": "object"}'),
+        assert sent == {"json_schema": GuidedDecodingParams(json=SENT),
+                        "json_object": GuidedDecodingParams(json=ANY_OBJECT),
                         "regex": GuidedDecodingParams(regex="[a-z]+"),
                         "grammar": GuidedDecodingParams(grammar=ARITHMETIC_GRAMMAR),
                         "structural_tag": GuidedDecodingParams(structural_tag=TAG)}
     else:
-        assert json.loads(sent["json_schema"].json) == with_layout(SCHEMA)
+        assert json.loads(sent["json_schema"].json) == with_layout(SENT)
         assert sent["grammar"] == GuidedDecodingParams(grammar=lark_of("grammar", ARITHMETIC_GRAMMAR))
         assert sent["structural_tag"] == GuidedDecodingParams(grammar=lark_of("structural_tag", TAG))
     adapter.enqueue(scenarios.request())

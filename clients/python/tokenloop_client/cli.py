@@ -204,8 +204,14 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     p.add_argument("--lora", metavar="NAME", help="generate with this loaded LoRA adapter (see `lora list`)")
     s = p.add_mutually_exclusive_group()
-    s.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid under this schema")
-    s.add_argument("--json-object", action="store_true", help="constrain the output to one JSON object")
+    s.add_argument("--json-schema", metavar="FILE",
+                   help='constrain the output to JSON valid under the schema in FILE, bounded like {"type": "object", '
+                        '"properties": {"city": {"type": "string", "maxLength": 40}, "population": {"type": '
+                        '"integer", "minimum": 0, "maximum": 99999999}}, "required": ["city", "population"]}; '
+                        "what a schema leaves open the server bounds (no keys it does not list, strings <= 128 "
+                        "characters, ...: docs/structured-output.md)")
+    s.add_argument("--json-object", action="store_true",
+                   help="constrain the output to one JSON object (at most 8 keys, bounded values)")
     s.add_argument("--regex", help="constrain the output to match this regular expression")
     s.add_argument("--grammar", metavar="FILE", help="constrain the output to this grammar (GBNF or Lark)")
 
@@ -311,6 +317,9 @@ def cmd_lora(client: Client, args: argparse.Namespace) -> None:
         adapters = client.list_lora_adapters()
     if getattr(args, "json", False):
         print(json.dumps([dataclasses.asdict(a) for a in adapters], indent=2))
+        return
+    if not adapters:  # `list` on a server with none
+        print("no adapters loaded (load one: tokenloop-cli lora load NAME PATH)")
         return
     verb = {"load": "loaded ", "unload": "unloaded "}.get(args.lora_command, "")
     for a in adapters:
