@@ -36,20 +36,26 @@ def _records(caplog, rid: str) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.getMessage() == "request end" and getattr(r, "request_id", None) == rid]
 
 
+async def started(stub, rid: str, n: int = 1):
+    """A long stream under way: (the call, the tokens received so far: at least 20)."""
+    call = stub.Generate(pb.GenerateRequest(request_id=rid, text="Hello", stream=True, n=n, stopping=pb.StoppingCriteria(
+        max_new_tokens=1000, ignore_eos=True)))
+    received = 0
+    async for msg in call:
+        received += len(msg.chunk.token_ids)
+        if received >= 20:
+            return call, received
+
+
+def long_executor() -> ScriptedExecutor:
+    return ScriptedExecutor(script=lambda request, seq: [5] * 1000, tick=0.005)
+
+
 def test_a_stream_the_client_leaves_is_logged_with_the_tokens_it_streamed_and_cancelled(tokenizer_dir, caplog):
     """The log told `output_tokens=0 finish_reason=None` after hundreds of streamed tokens (issue 44)."""
-    executor = ScriptedExecutor(script=lambda request, seq: [5] * 1000, tick=0.005)
-
     async def body():
-        async with serving(tokenizer_dir, executor) as (_, stub, _):
-            call = stub.Generate(pb.GenerateRequest(request_id="left", text="Hello", stream=True,
-                                                    stopping=pb.StoppingCriteria(max_new_tokens=1000,
-                                                                                 ignore_eos=True)))
-            received = 0
-            async for msg in call:
-                received += len(msg.chunk.token_ids)
-                if received >= 20:
-                    break
+        async with serving(tokenizer_dir, long_executor()) as (_, stub, _):
+            call, received = await started(stub, "left")
             call.cancel()  # the client hangs up mid-stream
             for _ in range(200):
                 if _records(caplog, "left"):
@@ -65,18 +71,9 @@ def test_a_stream_the_client_leaves_is_logged_with_the_tokens_it_streamed_and_ca
 
 
 def test_a_stream_cut_by_the_server_stopping_is_logged_with_its_tokens(tokenizer_dir, caplog):
-    executor = ScriptedExecutor(script=lambda request, seq: [5] * 1000, tick=0.005)
-
     async def body():
-        async with serving(tokenizer_dir, executor) as (server, stub, _):
-            call = stub.Generate(pb.GenerateRequest(request_id="drained", text="Hello", stream=True, n=2,
-                                                    stopping=pb.StoppingCriteria(max_new_tokens=1000,
-                                                                                 ignore_eos=True)))
-            received = 0
-            async for msg in call:
-                received += len(msg.chunk.token_ids)
-                if received >= 20:
-                    break
+        async with serving(tokenizer_dir, long_executor()) as (server, stub, _):
+            _, received = await started(stub, "drained", n=2)
             await server.stop(grace=0.2)  # the drain's grace runs out with the stream in flight
             return received
 
