@@ -278,8 +278,8 @@ def test_sampled_tokens_follow_the_models_distribution(repetitive):
 
 
 def test_through_the_apis_usage_and_load_report_it(repetitive):
-    """tokenloop.v1 reports each sequence's drafted and accepted tokens and GetLoad the rates; the router API
-    (trtllm.TrtllmService) streams the same tokens with speculation on as off."""
+    """tokenloop.v1 reports each sequence's drafted and accepted tokens and GetLoad the rates; the router APIs
+    (trtllm.TrtllmService, vllm.grpc.engine.VllmEngine) give the same tokens with speculation on as off."""
     from tests.conftest import run
     from tests.integration.service_harness import gen, read_all, serving, trtllm
     from tokenloop.v1 import tokenloop_pb2 as pb
@@ -294,9 +294,20 @@ def test_through_the_apis_usage_and_load_report_it(repetitive):
             return done, await stub.GetLoad(pb.GetLoadRequest())
 
     async def router(executor):
-        async with trtllm(repetitive, executor) as (_, stub, _ex):
+        """The trtllm.TrtllmService's streamed tokens and the vllm.grpc.engine.VllmEngine's unary output."""
+        import grpc
+        from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+        from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+        async with trtllm(repetitive, executor) as (server, stub, _ex):
             msgs = await read_all(stub.Generate(gen(ids, max_tokens=24, request_id="r")))
-            return [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids]
+            streamed = [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                request = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=ids), stream=False,
+                                              sampling_params=vpb.SamplingParams(temperature=0, max_tokens=24,
+                                                                                 ignore_eos=True))
+                msgs = await read_all(vpb_grpc.VllmEngineStub(channel).Generate(request))
+            return streamed, [list(m.complete.output_ids) for m in msgs if m.HasField("complete")]
 
     done, load = run(v1(engine(repetitive, "ngram")))
     off, _ = run(v1(engine(repetitive, "off")))
@@ -304,4 +315,5 @@ def test_through_the_apis_usage_and_load_report_it(repetitive):
     assert 0 < done.usage.accepted_draft_tokens <= done.usage.draft_tokens
     assert (off.usage.draft_tokens, off.usage.accepted_draft_tokens) == (0, 0)
     assert 0 < load.spec_acceptance_rate <= 1 and load.spec_tokens_per_step > 1
-    assert run(router(engine(repetitive, "ngram"))) == run(router(engine(repetitive, "off")))
+    on_router, off_router = run(router(engine(repetitive, "ngram"))), run(router(engine(repetitive, "off")))
+    assert on_router == off_router and len(on_router[0]) == 24 and on_router[1] == [on_router[0]]
