@@ -3,7 +3,7 @@ context and vocabulary, the KV cache's size, and what the engine's validation mu
 
 from __future__ import annotations
 
-from ..core.request import ValidRequest
+from tokenloop.core.request import ValidRequest
 
 
 def check_request(request: ValidRequest, max_context_length: int, vocab_size: int, kv_capacity: int) -> None:

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from ..core.executor import EngineDeadError, ErrorKind, ExecutorStats, Step, merge_steps
-from ..core.kv_events import CacheCleared, KvEventHub
-from ..core.lora import LoraRegistry
-from ..core.request import EmbedParams, ValidRequest
-from ..core.tokenizer import ModelCard
+from tokenloop.core.executor import EngineDeadError, ErrorKind, ExecutorStats, Step, merge_steps
+from tokenloop.core.kv_events import CacheCleared, KvEventHub
+from tokenloop.core.lora import LoraRegistry
+from tokenloop.core.request import EmbedParams, ValidRequest
+from tokenloop.core.tokenizer import ModelCard
+
 from . import kernels
 from .admission import check_request
 from .block_manager import BlockManager

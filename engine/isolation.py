@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..core.executor import Step
+from tokenloop.core.executor import Step
+
 from .block_manager import BlockManager
 from .model import Model
 from .runner import ModelOutput, run

@@ -12,8 +12,11 @@
 
 typedef int (*tl_job_fn)(const void *job);
 
-/* fn(mine) here and fn(theirs) on the worker (kernel_worker.c) */
+/* The worker's exported symbols carry tokenloop's prefix, tl_ (the libraries share one process).
+ * tl_split: run fn(mine) on the calling thread and fn(theirs) on the worker at once, return when both are done
+ * (TL_NO_WORKER, having run neither, when the worker is another caller's or cannot start: run_split below). */
 int tl_split(tl_job_fn fn, const void *mine, const void *theirs);
+/* tl_set_spin_us: how long the worker spins for its next job before it sleeps (kernel_lib.set_spin_us) */
 void tl_set_spin_us(int64_t spin_us);
 
 #ifndef TL_WORKER_IMPL

@@ -25,7 +25,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from ..core.threads import name_this_thread  # noqa: F401 - the engine's threads name themselves with it
+from tokenloop.core.threads import name_this_thread  # noqa: F401 - the engine's threads name themselves with it
+
 from .layer_kernels import DecodePlan, LayerOps, PagedAttention, StepKernels  # noqa: F401 - what load_* return
 from .linear_kernels import F32Linear, Int4Linear, Int8Linear, QuantKernel  # noqa: F401 - what load_* return
 

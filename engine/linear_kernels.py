@@ -151,7 +151,7 @@ class Int4Linear(QuantKernel):
     (int4_linear.c's header): activations quantized to 22-bit integers per row and group (three int8 planes),
     integer dot products on vnni's packing; portable C, AVX2 (vpmaddubsw) and AVX-512 VNNI give identical bits."""
 
-    X22 = ("x22-portable", "x22-avx2", "x22-vnni")
+    X22 = ("x22-portable", "x22-avx2", "x22-vnni")  # "x22": activations as 22-bit integers (three int8 planes)
     PATHS = {**QuantKernel.PATHS, "x22-portable": 5, "x22-avx2": 6, "x22-vnni": 7}
     NEEDS = {**QuantKernel.NEEDS, "x22-avx2": "avx2, fma, f16c", "x22-vnni": "avx512f, avx512bw, avx512vl, avx512_vnni"}
     PREFIX = "int4"

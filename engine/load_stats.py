@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core.executor import ExecutorStats
+from tokenloop.core.executor import ExecutorStats
+
 from .block_manager import BlockManager
 from .scheduler import Scheduler
 from .speculation import SpecStats

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.kv_events import lora_cache_key
-from ..core.lora import LoraError, read_peft
+from tokenloop.core.kv_events import lora_cache_key
+from tokenloop.core.lora import LoraError, read_peft
+
 from .loader import ModelConfig
 
 # PEFT module name -> (sub-layer, the engine's fused projection, index of the part inside it)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from .batch import ForwardBatch, fresh_group
 from .config import EngineConfig
 from .engine import Engine
-from .model import ForwardBatch, fresh_group
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TEXT = ROOT / "tests" / "data" / "perplexity-en.txt"
@@ -53,7 +53,7 @@ def perplexity(engine: Engine, ids: list[int], window: int = DEFAULT_WINDOW) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..core.tokenizer import Tokenizer
+    from tokenloop.core.tokenizer import Tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.executor import Step
-from ..core.request import POOLINGS, EmbedParams, FinishReason
+from tokenloop.core.executor import Step
+from tokenloop.core.request import POOLINGS, EmbedParams, FinishReason
+
 from .scheduler import Scheduler
 from .sequence import Sequence
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ..core.executor import ErrorKind, Step
-from ..core.request import FinishReason
+from tokenloop.core.executor import ErrorKind, Step
+from tokenloop.core.request import FinishReason
+
 from . import guided
 from .sampler import Sample
 from .scheduler import Scheduler

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.request import EmbedParams, FinishReason, ValidRequest
+from tokenloop.core.request import EmbedParams, FinishReason, ValidRequest
 
 _seq_ids = itertools.count()
 
