@@ -1,15 +1,13 @@
 """A kernel source that does not compile, where a C compiler exists, fails loudly: kernels.build and every load_*
-call raise KernelBuildError with the compiler's message, and the engine does not start on the torch path in its
-place. Only a machine with no compiler gets None (the torch path), and its tests skip saying so."""
+call raise KernelBuildError with the compiler's message (the engine's start then fails too:
+tests/integration/test_broken_kernel.py). Only a machine with no compiler gets None (the torch path), and its tests
+skip saying so."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.tiny_model import make_tiny_model
 from tokenloop.engine import kernels
-from tokenloop.engine.config import EngineConfig
-from tokenloop.engine.engine import Engine
 
 needs_compiler = pytest.mark.skipif(kernels.compiler() is None,
                                     reason=f"this machine has no C compiler ({kernels.NO_COMPILER}): nothing to build")
@@ -42,14 +40,6 @@ def test_loading_a_broken_kernel_raises_at_every_call_never_none(broken_source):
         with pytest.raises(kernels.KernelBuildError, match="paged attention kernel .*failed to build") as failed:
             kernels.load_paged_attention()
         assert "error" in str(failed.value)
-
-
-@needs_compiler
-def test_the_engine_does_not_start_on_a_broken_kernel(broken_source, tmp_path):
-    """attention_backend auto used to fall back to torch attention silently; a broken build stops the start."""
-    checkpoint = make_tiny_model(tmp_path / "model", "llama", num_layers=1)
-    with pytest.raises(kernels.KernelBuildError, match="paged_attention.c"):
-        Engine(checkpoint, EngineConfig(kv_cache_tokens=256, attention_backend="auto"), start=False)
 
 
 def test_no_compiler_gives_none_and_says_why(monkeypatch, tmp_path, caplog):
