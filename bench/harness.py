@@ -55,13 +55,14 @@ def tokenloop_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "tokenloop.service.cli"]
 
 
-async def wait_ready(port: int, timeout: float = 300.0, proc: subprocess.Popen | None = None) -> None:
-    """Until the server on `port` reports SERVING on its health service; fails at once if `proc` exits first."""
+async def wait_ready(port: int | str, timeout: float = 300.0, proc: subprocess.Popen | None = None) -> None:
+    """Until the server on `port` (of loopback, or a HOST:PORT) reports SERVING on its health service; fails at
+    once if `proc` exits first."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with grpc.aio.insecure_channel(port if isinstance(port, str) else f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:

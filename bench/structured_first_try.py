@@ -12,15 +12,14 @@ Prints a Markdown table; `--out FILE` also writes the outcomes as JSON.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
-import time
 
 import jsonschema
 
 from tokenloop.bench import harness
 from tokenloop_client import Client
-from tokenloop_client.errors import TokenloopError
 
 TEMPERATURES = (0.0, 0.7)
 SEED = 1
@@ -66,20 +65,6 @@ JSON_OBJECT_CASES = [("any object: city", "Tell me about Tokyo as JSON.", None),
                      ("any object: person", "Make up a person and describe them in JSON.", None)]
 
 
-def wait_serving(address: str, timeout: float = 300) -> None:
-    """A server given by --address may still be loading its model."""
-    deadline = time.monotonic() + timeout
-    with Client(address) as client:
-        while time.monotonic() < deadline:
-            try:
-                if client.health() == "SERVING":
-                    return
-            except TokenloopError:
-                pass
-            time.sleep(1)
-    raise SystemExit(f"no server answered SERVING at {address} within {timeout:g} s")
-
-
 def run_case(client: Client, prompt: str, schema: dict, temperature: float) -> dict:
     """One generation: its finish reason, tokens, and whether it completed with JSON valid under `schema`."""
     structure = {"json_schema": json.dumps(schema)} if schema is not None else {"json_object": True}
@@ -104,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the first N cases only (a quick check)")
     args = ap.parse_args(argv)
     if args.address:
-        wait_serving(args.address)
+        asyncio.run(harness.wait_ready(args.address))  # a server given by --address may still be loading
         rows, objects = run_cases(args.address, args.cases)
     else:
         with harness.TokenloopServer(args.model) as server:
