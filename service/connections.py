@@ -5,9 +5,10 @@ grpc core (1.85) closes a connection that has not completed its handshake, the H
 after `grpc.server_handshake_timeout_ms` (default 120 s: silent connections were held ~2 minutes), and closes every
 connection accepted beyond `grpc.max_allowed_incoming_connections` at once, silently. It has no bound per peer
 address and says nothing when its cap is reached, so `ConnectionWatch` (Linux) looks at the server's established
-TCP connections once a second (/proc/self/net/tcp{,6}, the server's port as local port): it logs when the cap is
+TCP connections twice a second (/proc/self/net/tcp{,6}, the server's port as local port): it logs when the cap is
 reached, and shuts down (`shutdown(2)` on a duplicate of grpc's descriptor, checked by inode, so that grpc closes it
-as if the peer had) the newest connections of a peer address beyond `--max-connections-per-peer`.
+as if the peer had) the newest connections of a peer address beyond `--max-connections-per-peer` (and, should any
+get past grpc's cap, the newest beyond `--max-connections`).
 """
 
 from __future__ import annotations
@@ -131,23 +132,27 @@ def shut_down(fd: int, inode: int) -> bool:
             os.close(dup)
 
 
-def over_cap(conns: list[Conn], per_peer: int) -> list[Conn]:
-    """The newest connections (highest inodes: sockets are numbered as they are made) of each peer beyond `per_peer`."""
+def over_cap(conns: list[Conn], per_peer: int, total: int = 0) -> list[Conn]:
+    """The newest connections (highest inodes: sockets are numbered as they are made) of each peer beyond `per_peer`
+    (0: no cap), then the newest of the rest beyond `total` (0: no cap)."""
     by_peer: dict[str, list[Conn]] = defaultdict(list)
     for c in conns:
         by_peer[c.peer].append(c)
     out = []
     for peer_conns in by_peer.values():
-        if len(peer_conns) > per_peer:
+        if per_peer and len(peer_conns) > per_peer:
             out += sorted(peer_conns, key=lambda c: c.inode)[per_peer:]
+    if total:
+        left = sorted(set(conns) - set(out), key=lambda c: c.inode)
+        out += left[total:]
     return out
 
 
 class ConnectionWatch:
-    """A thread that looks at the server's connections every `interval` seconds (Linux): the cap's log line, and
-    the per-peer cap. `num_shut` counts connections it shut down."""
+    """A thread that looks at the server's connections every `interval` seconds (Linux) and shuts down what is over
+    the caps. `num_shut` counts the connections it shut down."""
 
-    def __init__(self, port: int, max_connections: int, per_peer: int, interval: float = 1.0):
+    def __init__(self, port: int, max_connections: int, per_peer: int, interval: float = 0.5):
         self.port, self.max_connections, self.per_peer, self.interval = port, max_connections, per_peer, interval
         self.num_shut = 0
         self.cap_log = RateLimitedLog(log)
@@ -175,14 +180,16 @@ class ConnectionWatch:
                 self.cap_log.warning("connection watch failed: %r", exc)
 
     def check(self) -> None:
-        """One look: log the cap when reached, shut down what is over the per-peer cap."""
+        """One look: log the cap when reached, shut down what is over the caps. With fewer descriptors open than the
+        smaller cap, no cap can be reached: the look stops there (one directory listing, not the TCP tables, which
+        take tens of milliseconds of kernel time on a busy host)."""
+        if len(os.listdir("/proc/self/fd")) < min(c for c in (self.max_connections, self.per_peer) if c):
+            return
         conns = established(self.port)
         if self.max_connections and len(conns) >= self.max_connections:
             self.cap_log.warning("--max-connections %d reached (%d open): new connections are closed at once until "
                                  "some close", self.max_connections, len(conns))
-        if not self.per_peer:
-            return
-        excess = over_cap(conns, self.per_peer)
+        excess = over_cap(conns, self.per_peer, self.max_connections)
         if not excess:
             return
         fds = socket_fds()

@@ -34,6 +34,8 @@ def test_the_newest_connections_of_a_peer_over_its_cap():
     conns = [Conn("a", 5), Conn("a", 1), Conn("b", 2), Conn("a", 9), Conn("a", 3)]
     assert over_cap(conns, 2) == [Conn("a", 5), Conn("a", 9)]
     assert over_cap(conns, 4) == []
+    assert over_cap(conns, 0, 3) == [Conn("a", 5), Conn("a", 9)]  # the newest beyond the total
+    assert over_cap(conns, 2, 2) == [Conn("a", 5), Conn("a", 9), Conn("a", 3)]  # per peer first, then the total
 
 
 def test_the_open_file_limit_is_raised_to_fit_the_cap_or_a_warning_says_why_not(caplog):
