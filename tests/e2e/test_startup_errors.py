@@ -160,6 +160,16 @@ def test_empty_api_key_file(tiny, tmp_path):
                    f"--api-key-file {keys}: holds no API key (one per line; # starts a comment)")
 
 
+def test_empty_admin_key_file_and_missing_lora_root(tiny, tmp_path):
+    keys = tmp_path / "admin-keys"
+    keys.write_text("# operators: none yet\n")
+    assert_refused(serve("--backend", "trtllm", "--model", str(tiny), "--admin-key-file", str(keys)),
+                   f"--admin-key-file {keys}: holds no admin key (one per line; # starts a comment)")
+    assert_refused(serve("--backend", "trtllm", "--model", str(tiny), "--lora-root", str(tmp_path / "nope")),
+                   f"--lora-root {tmp_path / 'nope'}: no such directory")
+    assert_refused(serve("--model", str(tiny), "--max-connections", "-1"), "--max-connections must be >= 0 (0: no cap)")
+
+
 def test_trtllm_backend_without_tensorrt_llm(tiny):
     from tokenloop.trtllm import MISSING_TRTLLM
     assert_refused(serve("--backend", "trtllm", "--model", str(tiny)), MISSING_TRTLLM)

@@ -39,3 +39,24 @@ def test_config_checks_the_new_limits(field, message):
     with pytest.raises(ValueError) as exc:
         ServerConfig(**{field: -1})
     assert str(exc.value) == message
+
+
+def test_management_and_connection_flags_reach_the_config():
+    args = build_parser().parse_args([
+        "serve", "--admin-key-file", "admin", "--lora-root", "/a", "--lora-root", "/b", "--handshake-timeout", "2.5",
+        "--max-connections", "100", "--max-connections-per-peer", "7"])
+    c = config_from_args(args)
+    assert (c.admin_key_file, c.lora_roots) == ("admin", ("/a", "/b"))
+    assert (c.handshake_timeout, c.max_connections, c.max_connections_per_peer) == (2.5, 100, 7)
+    d = config_from_args(build_parser().parse_args(["serve"]))
+    assert (d.lora_roots, d.handshake_timeout, d.max_connections, d.max_connections_per_peer) == ((), 5.0, 1024, 256)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"handshake_timeout": 0}, "--handshake-timeout must be > 0"),
+    ({"max_connections": -1}, "--max-connections must be >= 0 (0: no cap)"),
+    ({"max_connections_per_peer": -1}, "--max-connections-per-peer must be >= 0 (0: no cap)")])
+def test_config_checks_the_connection_bounds(kw, message):
+    with pytest.raises(ValueError) as exc:
+        ServerConfig(**kw)
+    assert str(exc.value) == message
