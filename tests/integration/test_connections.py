@@ -19,7 +19,7 @@ from tokenloop.v1 import tokenloop_pb2 as pb
 
 GEN = pb.GenerateRequest(text="Hello", stopping=pb.StoppingCriteria(max_new_tokens=2))
 NUM_SILENT = 2000
-HANDSHAKE_TIMEOUT = 3.0
+HANDSHAKE_TIMEOUT = 5.0
 # generous bounds: a loaded 2-core CI machine accepts 2,000 connections slowly, and the server closes them on its
 # own core's timers; what must hold is "within the timeout plus slack", not minutes (grpc's default: 120 s)
 CLOSE_BOUND = HANDSHAKE_TIMEOUT + 20.0
@@ -75,16 +75,16 @@ def test_2000_silent_connections_are_closed_at_the_handshake_timeout_while_a_cli
             socks = silent(server.port, NUM_SILENT)
             opened = time.monotonic() - started
             msgs = [m async for m in stub.Generate(GEN, timeout=60)]  # served meanwhile
-            served = time.monotonic() - started
+            still_open = sum(not closed(s) for s in socks)
             gone = await wait_closed(socks, CLOSE_BOUND)
             for s in socks:
                 s.close()
             again = [m async for m in stub.Generate(GEN, timeout=60)]
-            return opened, msgs, served, gone, again
+            return opened, msgs, still_open, gone, again
 
-    opened, msgs, served, gone, again = run(body())
+    opened, msgs, still_open, gone, again = run(body())
     assert msgs[-1].HasField("complete") and again[-1].HasField("complete")
-    assert served < HANDSHAKE_TIMEOUT + opened  # before the silent ones were even closed
+    assert still_open == NUM_SILENT  # served while every silent connection was held
     assert gone is not None, f"silent connections still open after {CLOSE_BOUND} s"
     assert gone >= HANDSHAKE_TIMEOUT - opened - 0.5  # closed by the timeout, not at once
 
