@@ -18,7 +18,8 @@ from ..core.gguf_file import check_servable, is_gguf
 from . import hugepages
 from .quant import Q4Weight, QWeight, qweight, qweight4
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,16 @@ class ModelConfig:
     qkv_bias: bool
     sliding_window: int | None
     rope_freq_factors: tuple[float, ...] | None = None  # a GGUF's rope_freqs.weight (Llama 3): each frequency / factor
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head (weights [E]) before the rotary embedding
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each query and key head (weights [E]) before the rotary embedding
+    # Gemma 3 (`gemma3`): GeGLU (gelu_pytorch_tanh), embeddings scaled by sqrt(D), attention scaled by
+    # query_pre_attn_scalar ** -0.5, the attention's and MLP's outputs normalized before each residual add, and local
+    # (sliding-window) layers with their own rotary base
+    hidden_act: str = "silu"
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    sandwich_norms: bool = False
+    local_rope_theta: float | None = None
+    local_layers: tuple[bool, ...] | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:
@@ -50,9 +60,18 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; the engine supports "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}; the engine supports 'silu'")
+        gemma = arch == "Gemma3ForCausalLM"
+        act = config.get("hidden_activation" if gemma else "hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ValueError(f"unsupported hidden_act {act!r}; the engine supports 'silu' (Gemma 3: "
+                             "'gelu_pytorch_tanh')")
         rope = dict(config.get("rope_parameters") or {})  # transformers 5 layout
+        local = None
+        if gemma:  # rope_parameters by layer type (transformers 5), or rope_theta + rope_local_base_freq
+            local = dict(rope.get("sliding_attention") or {"rope_theta": config.get("rope_local_base_freq", 1e4)})
+            rope = dict(rope.get("full_attention") or {"rope_theta": config.get("rope_theta", 1e6),
+                                                        **(config.get("rope_scaling") or {})})
+            config = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
         scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -62,6 +81,15 @@ class ModelConfig:
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         window = config.get("sliding_window")
+        gemma_fields = {}
+        if gemma:
+            num_layers = int(config["num_hidden_layers"])
+            types = config.get("layer_types") or ["full_attention" if (i + 1) % int(
+                config.get("sliding_window_pattern", 6)) == 0 else "sliding_attention" for i in range(num_layers)]
+            gemma_fields = dict(hidden_act=act, embed_scale=hidden ** 0.5, sandwich_norms=True,
+                                attn_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
+                                local_rope_theta=float(local.get("rope_theta", 1e4)),
+                                local_layers=tuple(t == "sliding_attention" for t in types))
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not config.get("use_sliding_window", False):
             window = None
         return cls(
@@ -81,7 +109,8 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             sliding_window=int(window) if window else None,
             rope_freq_factors=tuple(config["rope_freq_factors"]) if config.get("rope_freq_factors") else None,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            **gemma_fields,
         )
 
     @classmethod
@@ -102,10 +131,14 @@ class ModelConfig:
         return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], float32, computed as transformers does (incl. Llama-3 scaling)."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], float32, computed as transformers does (incl. Llama-3 scaling); `local`:
+    Gemma 3's sliding-window layers (their own base, no scaling)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if local:
+        return inv_freq
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     scaling = config.rope_scaling
@@ -169,8 +202,10 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         return load_gguf_weights(model_dir, config, dtype, weights)
     raw = read_tensors(model_dir)
     cast = lambda t: t.to(dtype).contiguous()  # noqa: E731
+    # Gemma 3's norms multiply by (1 + w), computed in float32: folded into the weight once
+    norm = (lambda t: cast(t.float() + 1.0)) if config.sandwich_norms else cast
     linear = {"int8": qweight, "int4": qweight4}.get(weights, cast)
-    out = {"embed": cast(_take(raw, "model.embed_tokens.weight")), "norm": cast(_take(raw, "model.norm.weight"))}
+    out = {"embed": cast(_take(raw, "model.embed_tokens.weight")), "norm": norm(_take(raw, "model.norm.weight"))}
     lm_head = raw.pop("lm_head.weight", None)
     if weights in ("int8", "int4"):
         out["lm_head"] = qweight(out["embed"] if lm_head is None or config.tie_word_embeddings else lm_head)
@@ -186,9 +221,14 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         gate, up = _take(raw, p + "mlp.gate_proj.weight"), _take(raw, p + "mlp.up_proj.weight")
         out[f"layers.{i}.gate_up"] = linear(torch.cat([gate, up]))
         out[f"layers.{i}.down"] = linear(_take(raw, p + "mlp.down_proj.weight"))
-        out[f"layers.{i}.input_norm"] = cast(_take(raw, p + "input_layernorm.weight"))
-        out[f"layers.{i}.post_norm"] = cast(_take(raw, p + "post_attention_layernorm.weight"))
+        out[f"layers.{i}.input_norm"] = norm(_take(raw, p + "input_layernorm.weight"))
+        if config.sandwich_norms:  # Gemma 3: post_norm is the MLP's input norm; the outputs get their own
+            out[f"layers.{i}.post_attn_norm"] = norm(_take(raw, p + "post_attention_layernorm.weight"))
+            out[f"layers.{i}.post_norm"] = norm(_take(raw, p + "pre_feedforward_layernorm.weight"))
+            out[f"layers.{i}.post_ff_norm"] = norm(_take(raw, p + "post_feedforward_layernorm.weight"))
+        else:
+            out[f"layers.{i}.post_norm"] = cast(_take(raw, p + "post_attention_layernorm.weight"))
         if config.qk_norm:
-            out[f"layers.{i}.q_norm"] = cast(_take(raw, a + "q_norm.weight"))
-            out[f"layers.{i}.k_norm"] = cast(_take(raw, a + "k_norm.weight"))
+            out[f"layers.{i}.q_norm"] = norm(_take(raw, a + "q_norm.weight"))
+            out[f"layers.{i}.k_norm"] = norm(_take(raw, a + "k_norm.weight"))
     return hugepages.move_weights(out)

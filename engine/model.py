@@ -39,8 +39,10 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
-    q_norm: torch.Tensor | None = None  # [E], Qwen3's per-head query and key norms (ModelConfig.qk_norm)
+    q_norm: torch.Tensor | None = None  # [E], Qwen3's and Gemma 3's per-head query and key norms (ModelConfig.qk_norm)
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # [D], Gemma 3: the attention's and the MLP's outputs, normalized
+    post_ff_norm: torch.Tensor | None = None
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, segments: list, layer: int, proj: str) -> torch.Tensor:
@@ -69,14 +71,17 @@ class Model:
         # RMSNorm, rope + cache write and SiLU * up in C (kernels.py); None: the same operations in torch
         self.ops = ops if dtype == torch.float32 else None
         self.split_attention = split_attention  # halve each decode batch over the matmul helper thread
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attn_scale or config.head_dim ** -0.5
+        self.sdpa_scale = config.attn_scale  # None: SDPA's own 1/sqrt(E)
+        self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
         self.embed = weights["embed"]  # [V, D]
         self.norm = weights["norm"]
         self.lm_head = weights["lm_head"]  # [V, D], the embedding itself when tied
         self.layers = [LayerWeights(
             weights[f"layers.{i}.input_norm"], weights[f"layers.{i}.qkv"], weights.get(f"layers.{i}.qkv_bias"),
             weights[f"layers.{i}.o"], weights[f"layers.{i}.post_norm"], weights[f"layers.{i}.gate_up"],
-            weights[f"layers.{i}.down"], weights.get(f"layers.{i}.q_norm"), weights.get(f"layers.{i}.k_norm"))
+            weights[f"layers.{i}.down"], weights.get(f"layers.{i}.q_norm"), weights.get(f"layers.{i}.k_norm"),
+            weights.get(f"layers.{i}.post_attn_norm"), weights.get(f"layers.{i}.post_ff_norm"))
             for i in range(config.num_layers)]
         c = config
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -90,6 +95,11 @@ class Model:
         freqs = pos[:, None] * rope_inv_freq(c)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.local_rope = None  # Gemma 3's sliding-window layers: their own (cos, sin)
+        if c.local_layers is not None:
+            freqs = pos[:, None] * rope_inv_freq(c, local=True)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.local_rope = (emb.cos().to(dtype), emb.sin().to(dtype))
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         # every layer of a decode or prefill step in one C call (layer_ops.c, decode_step_f32): the per-weight pointers,
@@ -130,6 +140,8 @@ class Model:
         with torch.inference_mode():
             ops = self.ops if self.ops is not None else TORCH_OPS
             h = self.embed[batch.input_ids]  # [T, D], the residual stream: a new tensor, updated in place
+            if self.embed_scale is not None:  # Gemma 3: embeddings times sqrt(D)
+                h.mul_(self.embed_scale)
             x = torch.empty_like(h) if self.ops is not None else None  # the norms' rows, which the C ops write
             # the rotated queries in contiguous rows, written by rope_store, for the native decode kernel (no copy)
             paged_q = torch.empty(h.shape[0], self.config.num_heads, self.config.head_dim) \
@@ -158,7 +170,8 @@ class Model:
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, c.head_dim)  # [T, H+K, E]
             qk[:, :c.num_heads] = rms_norm(qk[:, :c.num_heads], w.q_norm, eps)
             qk[:, c.num_heads:] = rms_norm(qk[:, c.num_heads:], w.k_norm, eps)
-        ops.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.cos, self.sin, batch.positions,
+        cos, sin = self.local_rope if self.local_rope is not None and c.local_layers[i] else (self.cos, self.sin)
+        ops.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, cos, sin, batch.positions,
                        batch.slot_mapping, self.k_cache[i], self.v_cache[i], paged_q)  # in place, K/V cached
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         q = qkv[:, :q_end].view(num_tokens, c.num_heads, c.head_dim)  # [T, H, E]
@@ -166,13 +179,21 @@ class Model:
         v = qkv[:, k_end:].view(num_tokens, c.num_kv_heads, c.head_dim)
         attn = self._attention(i, q, k, v, batch.groups, paged_q)  # [T, H*E]
         o = linear(attn, w.o, backend)
-        x = ops.add_rms_norm(h, add_lora(o, attn, loras, i, "o") if loras else o, w.post_norm, eps, x)
+        o = add_lora(o, attn, loras, i, "o") if loras else o
+        if w.post_attn_norm is not None:  # Gemma 3: the attention's output normalized before the residual add
+            o = rms_norm(o, w.post_attn_norm, eps)
+        x = ops.add_rms_norm(h, o, w.post_norm, eps, x)
         gate_up = linear(x, w.gate_up, backend)  # [T, 2I]
         if loras:
             add_lora(gate_up, x, loras, i, "gate_up")
-        act = ops.silu_mul(gate_up)  # [T, I]
+        if c.hidden_act == "silu":
+            act = ops.silu_mul(gate_up)  # [T, I]
+        else:  # Gemma 3's GeGLU
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
         down = linear(act, w.down, backend)
-        return add_lora(down, act, loras, i, "down") if loras else down
+        down = add_lora(down, act, loras, i, "down") if loras else down
+        return down if w.post_ff_norm is None else rms_norm(down, w.post_ff_norm, eps)
 
     def _fused_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused step's residual rows h [T, D], filled with the batch's embeddings, and rows x [T, D] for the final
@@ -268,7 +289,8 @@ class Model:
             qg = q[g.query_rows].view(g.num_seqs, g.max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, E]
             kg = self._gather(k_cache, g.kv_blocks)  # [B, K, C, E]
             vg = self._gather(v_cache, g.kv_blocks)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)  # [B, H, Q, E]
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True,
+                                                scale=self.sdpa_scale)  # [B, H, Q, E]
             og = og.transpose(1, 2).reshape(g.num_seqs * g.max_q, num_heads * head_dim)
             if g.valid is not None:
                 og = og[g.valid]
@@ -289,7 +311,8 @@ class Model:
                 with torch.inference_mode():  # also on the helper thread: `out` is an inference tensor
                     mask = None if lo == 0 else (torch.arange(hi)[None, :] <= torch.arange(lo, hi)[:, None])
                     og = F.scaled_dot_product_attention(qg[:, :, lo:hi], kg[:, :, :hi], vg[:, :, :hi],
-                                                        attn_mask=mask, is_causal=lo == 0, enable_gqa=True)
+                                                        attn_mask=mask, is_causal=lo == 0, enable_gqa=True,
+                                                        scale=self.sdpa_scale)
                     out[start + lo:start + hi] = og[0].transpose(0, 1).reshape(hi - lo, num_heads * head_dim)
             return run
 

@@ -31,7 +31,8 @@ TRAINING_TEXT = [
     "Emoji 😀🎉 and CJK 你好世界 こんにちは 안녕하세요 survive byte-level BPE.",
 ]
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                 "mistral": ("MistralForCausalLM", "mistral"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+                 "mistral": ("MistralForCausalLM", "mistral"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
@@ -62,6 +63,15 @@ def _config(arch: str, vocab_size: int, hidden: int, num_layers: int, num_heads:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
     if arch == "mistral":
         config["sliding_window"] = None
+    if arch == "gemma3":  # local (sliding-window) layers 0, 2, ...; global 1, 3, ...; a query scalar other than E
+        del config["hidden_act"]
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=max_positions,
+                      layer_types=["full_attention" if i % 2 else "sliding_attention"
+                                   for i in range(num_layers)],
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                      final_logit_softcapping=None, attn_logit_softcapping=None)
+        del config["rope_theta"]
     return config
 
 
@@ -72,6 +82,9 @@ def _weights(config: dict, seed: int, std: float) -> dict[str, torch.Tensor]:
     e = config["head_dim"]
     q, kv = config["num_attention_heads"] * e, config["num_key_value_heads"] * e
     w = {"model.embed_tokens.weight": torch.randn(v, d, generator=gen), "model.norm.weight": 1 + rand(d)}
+    if config["model_type"] == "gemma3_text":  # its embeddings are scaled by sqrt(D) on input
+        w["model.norm.weight"] -= 1
+        w["model.embed_tokens.weight"] /= d ** 0.5
     if not config["tie_word_embeddings"]:
         w["lm_head.weight"] = torch.randn(v, d, generator=gen) * 0.5
     for n in range(config["num_hidden_layers"]):
@@ -83,6 +96,11 @@ def _weights(config: dict, seed: int, std: float) -> dict[str, torch.Tensor]:
               p + "mlp.down_proj.weight": rand(d, i)}
         if config["model_type"] == "qwen3":
             w |= {p + "self_attn.q_norm.weight": 1 + rand(e), p + "self_attn.k_norm.weight": 1 + rand(e)}
+        if config["model_type"] == "gemma3_text":  # its norms multiply by 1 + w
+            w |= {p + "self_attn.q_norm.weight": rand(e), p + "self_attn.k_norm.weight": rand(e),
+                  p + "pre_feedforward_layernorm.weight": rand(d), p + "post_feedforward_layernorm.weight": rand(d)}
+            w[p + "input_layernorm.weight"] -= 1
+            w[p + "post_attention_layernorm.weight"] -= 1
         if config["model_type"] == "qwen2":
             w |= {p + "self_attn.q_proj.bias": rand(q), p + "self_attn.k_proj.bias": rand(kv),
                   p + "self_attn.v_proj.bias": rand(kv)}
@@ -93,7 +111,8 @@ def make_tiny_model(model_dir: str | Path, arch: str = "llama", tied: bool = Tru
                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 384,
                     max_positions: int = 1024, rope_scaling: dict | None = None, seed: int = 0,
                     std: float = 0.3) -> Path:
-    """Write a tiny random-weight checkpoint of `arch` ("llama", "qwen2", "mistral", "qwen3") to `model_dir`."""
+    """Write a tiny random-weight checkpoint of `arch` ("llama", "qwen2", "mistral", "qwen3", "gemma3") to
+    `model_dir`."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     model_dir = Path(model_dir)

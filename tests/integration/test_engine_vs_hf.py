@@ -20,7 +20,7 @@ from tokenloop.engine.engine import Engine
 
 transformers = pytest.importorskip("transformers")
 
-CASES = [("llama", True), ("qwen2", False), ("mistral", False), ("qwen3", True)]
+CASES = [("llama", True), ("qwen2", False), ("mistral", False), ("qwen3", True), ("gemma3", False)]
 
 
 def mixed_prompts(num: int, vocab_size: int, seed: int = 7) -> list[list[int]]:
