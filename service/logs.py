@@ -123,6 +123,10 @@ class LineBudget:
         count, self.suppressed = self.suppressed, 0
         return count
 
+    def reset(self) -> None:
+        """The full burst again (a new server: one process's earlier servers spent theirs)."""
+        self.tokens, self.last, self.suppressed = self.burst, self.clock(), 0
+
 
 class RateLimitedLog:
     """At most one line per `interval` seconds for one kind of event a client can repeat at will (undecodable

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenloop.core.executor import Executor
 from tokenloop.v1 import tokenloop_pb2
 
-from . import reflection
+from . import logs, reflection
 from .app import App
 from .config import ServerConfig
 from .connections import ConnectionWatch, check_fd_limit, grpc_connection_options
@@ -76,6 +76,7 @@ class Server:
         self.config = config
         self.app = App(config, executor_factory)
         self.app.observers.append(RequestLogObserver())
+        logs.FAILED_LINES.reset()  # a new server's failed-request lines start with the full burst
         self.grpc = grpc.aio.server(options=grpc_options(config), interceptors=interceptors(config))
         self.certificates = None  # security.CertificateReloader when serving TLS
         self.port = 0

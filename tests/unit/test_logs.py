@@ -73,3 +73,6 @@ def test_failed_request_lines_share_a_budget():
     assert sum(budget.take() for _ in range(1000)) == 10  # 5 a second
     now[0] += 1000.0
     assert sum(budget.take() for _ in range(1000)) == 50  # never more than the burst
+    budget.take()
+    budget.reset()
+    assert sum(budget.take() for _ in range(100)) == 50 and budget.left_out() == 50
