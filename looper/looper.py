@@ -20,13 +20,13 @@ from tokenloop.core.executor import EngineDeadError, Executor, Step, merge_steps
 from tokenloop.core.request import ValidRequest
 from tokenloop.core.threads import name_this_thread
 
+from .commands import Cancel, Command, ExecutorDied, FailAll, Pause, Stop, Submit
 from .detokenizer import Decoder
-from .outputs import APPLY, Outgoing, RequestState
+from .outputs import RequestState, StreamUpdate
 from .stream import ErrorKind, Event, RequestFailed, RequestStream
 
 log = logging.getLogger("tokenloop.looper")
 
-_SUBMIT, _CANCEL, _FAIL_ALL, _STOP, _DEAD, _PAUSE = range(6)
 _DEADLINE_CHECK_S = 0.005  # deadlines are checked at most this often (a scan of the in-flight map)
 
 
@@ -47,8 +47,8 @@ class Looper:
         self.can_pause = abilities.pause
         self._death_callback = abilities.death_callback
         self._in_flight: dict[int, RequestState] = {}  # executor id -> state (looper thread only)
-        self._outbox: dict[RequestStream, Outgoing] = {}  # stream -> what its next hand-off pushes (looper thread)
-        self._handoff: dict[RequestStream, Outgoing] = {}  # the same, awaiting the event loop (under _handoff_lock)
+        self._outbox: dict[RequestStream, StreamUpdate] = {}  # stream -> what its next hand-off pushes (looper thread)
+        self._handoff: dict[RequestStream, StreamUpdate] = {}  # the same, awaiting the event loop (_handoff_lock)
         self._handoff_lock = threading.Lock()
         self._handoff_scheduled = False  # a _deliver is queued on the event loop
         self._delivered = threading.Event()  # set when the event loop has taken the last hand-off
@@ -65,7 +65,7 @@ class Looper:
         self._loop = loop or asyncio.get_running_loop()
         self.alive = True
         if self._death_callback is not None:  # a death while idle wakes the channel wait (see ReportsDeath)
-            self._death_callback(lambda reason: self._channel.put((_DEAD, reason)))
+            self._death_callback(lambda reason: self._channel.put(ExecutorDied(reason)))
         self._thread = threading.Thread(target=self._run, name="tokenloop-looper", daemon=True)
         self._thread.start()
 
@@ -81,7 +81,7 @@ class Looper:
             stream.push([], True, self._dead_error())
             return stream
         self._streams[request.request_id] = stream
-        self._command((_SUBMIT, stream, arrival if arrival is not None else time.monotonic()))
+        self._command(Submit(stream, arrival if arrival is not None else time.monotonic()))
         return stream
 
     def find(self, request_id: str) -> RequestStream | None:
@@ -108,24 +108,24 @@ class Looper:
 
     def fail_all(self, kind: ErrorKind, message: str) -> None:
         """End every request (queued or running) with an error, cancelling it in the executor."""
-        self._command((_FAIL_ALL, kind, message))
+        self._command(FailAll(RequestFailed(kind, message)))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread (after failing what is left) and wait for it."""
         if self._thread is None:
             return
         self.fail_all(ErrorKind.UNAVAILABLE, "the server is shutting down")
-        self._command((_STOP,))
+        self._command(Stop())
         self._thread.join(timeout)
         self.alive = False
 
     def _request_cancel(self, stream: RequestStream) -> None:
-        self._command((_CANCEL, stream))
+        self._command(Cancel(stream))
 
     def _request_pause(self, stream: RequestStream, pause: bool) -> None:
-        self._command((_PAUSE, stream, pause))
+        self._command(Pause(stream, pause))
 
-    def _command(self, cmd: tuple) -> None:
+    def _command(self, cmd: Command) -> None:
         """Queue a command for the looper thread; wake the executor's wait when it can be woken, so that a
         new request is submitted now rather than after up to `poll_timeout`."""
         self._channel.put(cmd)
@@ -138,9 +138,9 @@ class Looper:
             items, self._handoff = self._handoff, {}
             self._handoff_scheduled = False
             self._delivered.set()
-        for stream, entry in items.items():
-            done, error = entry.done, entry.error
-            stream.push(entry.events, done, error)
+        for stream, update in items.items():
+            done, error = update.done, update.error
+            stream.push(update.events, done, error)
             if (done or error is not None) and self._streams.get(stream.request.request_id) is stream:
                 del self._streams[stream.request.request_id]
 
@@ -175,18 +175,19 @@ class Looper:
             except queue.Empty:
                 return True
             idle = False
-            if cmd[0] == _SUBMIT:
-                self._submit(cmd[1], cmd[2])
-            elif cmd[0] == _CANCEL:
-                self._cancel(cmd[1])
-            elif cmd[0] == _FAIL_ALL:
-                self._fail_all(RequestFailed(cmd[1], cmd[2]))
-            elif cmd[0] == _DEAD:
-                raise EngineDeadError(cmd[1])
-            elif cmd[0] == _PAUSE:
-                self._pause(cmd[1], cmd[2])
-            else:
-                return False
+            match cmd:
+                case Submit(stream, arrival):
+                    self._submit(stream, arrival)
+                case Cancel(stream):
+                    self._cancel(stream)
+                case Pause(stream, pause):
+                    self._pause(stream, pause)
+                case FailAll(error):
+                    self._fail_all(error)
+                case ExecutorDied(reason):
+                    raise EngineDeadError(reason)
+                case Stop():
+                    return False
 
     def _submit(self, stream: RequestStream, arrival: float) -> None:
         state = RequestState(stream, self._tokenizer, arrival)
@@ -220,46 +221,38 @@ class Looper:
             (self.executor.pause if pause else self.executor.resume)(state.executor_id)
 
     def _pull_steps(self) -> None:
+        """2+3) Wait for the executor's steps; each becomes its request's events, queued in the outbox."""
         steps = self.executor.await_responses(self._poll_timeout)
         in_flight = self._in_flight
         if len(steps) > len(in_flight):  # some request got several steps (the merge is optional)
             steps = merge_steps(steps)
         now = time.monotonic()
-        outbox = self._outbox
         for step in steps:
             state = in_flight.get(step.executor_id)
             if state is None:
+                continue  # the request already left (it failed)
+            if step.error is not None:
+                self._fail_request(state, step)
                 continue
-            # the common decode step, inline: one chunk queued for the stream's next hand-off
-            chunk = state.decode(step, now) if step.error is None and not state.closed else APPLY
-            if chunk is APPLY:
-                self._apply(state, step, now)
-            elif chunk is not None:
-                entry = outbox.get(state.stream)
-                if entry is None:
-                    outbox[state.stream] = Outgoing([chunk])
-                else:
-                    entry.events.append(chunk)
-
-    def _apply(self, state: RequestState, step: Step, now: float) -> None:
-        if step.error is not None:  # the executor failed this request (and only it)
-            del self._in_flight[state.executor_id]
-            self.executor.cancel(state.executor_id)
             if not state.closed:
-                kind = step.error_kind or ErrorKind.INTERNAL
-                message = step.error if kind is ErrorKind.INVALID_ARGUMENT else f"generation failed: {step.error}"
-                self._send(state, [], RequestFailed(kind, message))
-            return
+                events = state.apply(step, now)
+                if events:
+                    self._send(state, events)
+                if state.num_open == 0 and not step.is_final:
+                    self.executor.cancel(state.executor_id)  # a stop string matched: free the executor's work
+            if step.is_final:
+                state.num_exec_open -= 1
+                if state.num_exec_open == 0:  # the executor is done with it: leave the map
+                    del in_flight[state.executor_id]
+
+    def _fail_request(self, state: RequestState, step: Step) -> None:
+        """The executor failed this request (and only it): it leaves the map, the client gets the error."""
+        del self._in_flight[state.executor_id]
+        self.executor.cancel(state.executor_id)
         if not state.closed:
-            events = state.apply(step, now)
-            if events:
-                self._send(state, events)
-            if state.num_open == 0 and not step.is_final:
-                self.executor.cancel(state.executor_id)  # stop string matched: free the executor's work
-        if step.is_final:
-            state.num_exec_open -= 1
-            if state.num_exec_open == 0:  # the executor is done with it: leave the map
-                del self._in_flight[state.executor_id]
+            kind = step.error_kind or ErrorKind.INTERNAL
+            message = step.error if kind is ErrorKind.INVALID_ARGUMENT else f"generation failed: {step.error}"
+            self._send(state, [], RequestFailed(kind, message))
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -274,14 +267,15 @@ class Looper:
 
     def _send(self, state: RequestState, events: list[Event], error: RequestFailed | None = None) -> None:
         """Queue events for the next hand-off; marks the request closed when it ends for the client."""
-        entry = self._outbox.get(state.stream)
-        if entry is None:
-            entry = self._outbox[state.stream] = Outgoing([])
-        entry.events += events
+        update = self._outbox.get(state.stream)
+        if update is None:
+            update = self._outbox[state.stream] = StreamUpdate(events)
+        else:
+            update.events += events
         if error is not None:
-            entry.error = error
+            update.error = error
         if error is not None or state.num_open == 0:
-            entry.done = True
+            update.done = True
             state.closed = True
 
     def _fan_out(self) -> None:
@@ -330,23 +324,22 @@ class Looper:
     def _refuse_until_stop(self, error: RequestFailed) -> None:
         """After death: fail whatever still arrives in the channel until stop()."""
         while True:
-            cmd = self._channel.get()
-            if cmd[0] == _STOP:
-                return
-            if cmd[0] == _SUBMIT:
-                state = RequestState(cmd[1], self._tokenizer, cmd[2])
-                self._send(state, [], error)
-                self._fan_out()
+            match self._channel.get():
+                case Stop():
+                    return
+                case Submit(stream, arrival):
+                    self._send(RequestState(stream, self._tokenizer, arrival), [], error)
+                    self._fan_out()
 
 
-def _merge_outbox(into: dict[RequestStream, Outgoing], more: dict[RequestStream, Outgoing]) -> None:
-    for stream, entry in more.items():
+def _merge_outbox(into: dict[RequestStream, StreamUpdate], more: dict[RequestStream, StreamUpdate]) -> None:
+    for stream, update in more.items():
         old = into.get(stream)
         if old is None:
-            into[stream] = entry
+            into[stream] = update
             continue
-        old.events += entry.events
-        old.done = old.done or entry.done
+        old.events += update.events
+        old.done = old.done or update.done
         if old.error is None:
-            old.error = entry.error
+            old.error = update.error
 

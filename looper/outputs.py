@@ -7,8 +7,6 @@ streaming, a `Complete` when the sequence ends).
 
 from __future__ import annotations
 
-from enum import Enum
-
 from tokenloop.core.executor import Step
 from tokenloop.core.request import FinishReason, ValidRequest
 
@@ -16,18 +14,9 @@ from .detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
 from .stream import Chunk, Complete, Event, RequestFailed, RequestStream, Timing, TokenLogprob
 
 
-class NotDecode(Enum):
-    """`RequestState.decode`'s answer for a step that is not the common decode step: `apply` it instead."""
-
-    APPLY = "apply"
-
-
-APPLY = NotDecode.APPLY
-
-
-class Outgoing:
-    """What one stream's next hand-off pushes (an entry of the looper's outbox): events, whether the request ended
-    for the client, and the error that ended it."""
+class StreamUpdate:
+    """What one stream's next hand-off pushes (`RequestStream.push`; an entry of the looper's outbox): events,
+    whether the request ended for the client, and the error that ended it."""
 
     __slots__ = ("events", "done", "error")
 
@@ -102,36 +91,28 @@ class RequestState:
         return Timing(queue_s=max(0.0, self.t_enqueued - self.arrival), ttft_s=first - self.arrival,
                       total_s=now - self.arrival)
 
-    def decode(self, step: Step, now: float) -> Chunk | None | NotDecode:
-        """The common decode step (new tokens, not final, no logprobs, no stop strings, sequence open):
-        its chunk, or None when the request does not stream. `APPLY`: not such a step, use `apply`."""
-        seq = self.seqs[step.seq_index]
-        ids = step.token_ids
-        seq.count(step)
-        if seq.per_token or seq.finished or step.is_final or not ids or step.logprobs is not None:
-            return APPLY
-        if not self.t_first:
-            self.t_first = now
-        text = seq.detok.push(ids)  # no stop strings here (per_token is False)
-        seq.token_ids += ids
-        if text:
-            seq.text_parts.append(text)
-        return Chunk(seq.index, text, ids, None, seq.cached_prompt_tokens) if self.streaming else None
-
     def apply(self, step: Step, now: float) -> list[Event]:
-        """Process one step of one sequence; returns the events for the client."""
+        """One step of one sequence -> the client's events: a Chunk of its new text and ids (when the request
+        streams), and a Complete when the sequence ends (the executor's end, or a stop string)."""
         seq = self.seqs[step.seq_index]
         if seq.finished:
             return []  # e.g. tokens after a stop string, or the executor's CANCELLED echo
         seq.count(step)
         ids = step.token_ids
-        if ids and not step.is_final and step.logprobs is None and not seq.per_token:  # the common decode step
-            chunk = self.decode(step, now)
-            return [chunk] if chunk is not None else []
-        if step.token_ids and not self.t_first:
+        if ids and not self.t_first:
             self.t_first = now
-        text, used, matched = seq.feed(step.token_ids) if step.token_ids else ("", 0, None)
-        new_ids = step.token_ids[:used]
+        if not (step.is_final or seq.per_token or step.logprobs is not None):
+            # decode (the common step): new ids, no end, no stop string to look for, no logprobs
+            if not ids:
+                return []
+            text = seq.detok.push(ids)
+            seq.token_ids += ids
+            if text:
+                seq.text_parts.append(text)
+            return [Chunk(seq.index, text, ids, None, seq.cached_prompt_tokens)] if self.streaming else []
+        # general: stop strings token by token, logprobs, the sequence's end
+        text, used, matched = seq.feed(ids) if ids else ("", 0, None)
+        new_ids = ids[:used]
         new_lps = self._logprobs(step, used)
         finish, stop_token = step.finish_reason, step.matched_stop_token
         if matched is not None:
