@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from ._gen import tokenloop_pb2_grpc as pb_grpc
 from .errors import ParameterError
 
 DEFAULT_PORT = 50051
@@ -137,6 +138,24 @@ def aio_channel(cfg: ChannelConfig) -> grpc.aio.Channel:
     if cfg.secure:
         return grpc.aio.secure_channel(cfg.target, cfg.credentials(), options=cfg.options())
     return grpc.aio.insecure_channel(cfg.target, options=cfg.options())
+
+
+class Connection:
+    """What both clients hold: the channel settings, the default timeout, the retry policy, the metadata every call
+    sends, the channel (the subclass's `connect`: `sync_channel` or `aio_channel`) and the TextGeneration stub."""
+
+    connect = staticmethod(sync_channel)
+
+    def __init__(self, address: str = ChannelConfig.address, *, api_key: str | None = None, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None, timeout: float | None = None,
+                 retry: RetryPolicy | None = None) -> None:
+        self.config = ChannelConfig(address, api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._metadata = self.config.metadata()
+        self._channel = self.connect(self.config)
+        self._stub = pb_grpc.TextGenerationStub(self._channel)
 
 
 def encode_health_request(service: str) -> bytes:

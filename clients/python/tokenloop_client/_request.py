@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+
+import grpc
 
 from . import _params
 from ._gen import tokenloop_pb2 as pb
-from .errors import ParameterError
+from .errors import ParameterError, TokenloopError
 from .types import ChatMessage, Completion, Delta, GenerateResult
 
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed")
-_STOPPING = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos",
-             "include_stop_str_in_output")
-_OUTPUT = ("logprobs", "top_logprobs", "skip_special_tokens", "echo")
-_REPEATED = ("stop", "stop_token_ids")
-_STRUCTURED = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+_REQUEST = pb.GenerateRequest.DESCRIPTOR
+# The options of each group, read from the proto (GenerationParams has a field of each name, in this order:
+# tests/unit/test_client_types.py)
+_SAMPLING, _STOPPING, _OUTPUT = (tuple(f.name for f in _REQUEST.fields_by_name[group].message_type.fields)
+                                 for group in ("sampling", "stopping", "output"))
+_REPEATED = tuple(f.name for f in _REQUEST.fields_by_name["stopping"].message_type.fields if f.is_repeated)
+_STRUCTURED = tuple(f.name for f in _REQUEST.oneofs_by_name["structured"].fields)
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,43 @@ def build_embed(text: str | None, token_ids: Sequence[int] | None, pooling: str 
             raise ParameterError("normalize", f"`normalize` must be True, False or None; got {normalize!r}")
         req.normalize = normalize
     return req
+
+
+class StreamState:
+    """What both clients' text streams keep: how to start (or restart) the call, the retry policy, the call, the
+    responses so far (`ResultBuilder`), the attempts and whether the stream ended. `final_hint` completes the error of
+    reading `result` too early."""
+
+    final_hint = "call final()"
+
+    def __init__(self, start: Callable, request_id: str, retry) -> None:
+        self._start = start
+        self._retry = retry
+        self._call = None
+        self._builder = ResultBuilder(request_id)
+        self._num_attempts = 0
+        self._first_error = None  # what the first attempt got (reported if all fail)
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        """The request's id (usable with the client's `abort`)."""
+        return self._builder.request_id
+
+    @property
+    def result(self) -> GenerateResult:
+        """The final result; only once the stream is exhausted."""
+        if not self._done:
+            raise RuntimeError(f"the stream is not finished yet: iterate it or {self.final_hint}")
+        if not self._builder.completions:
+            raise TokenloopError(grpc.StatusCode.UNKNOWN, "stream ended without a complete", self.request_id)
+        return self._builder.result()
+
+    def cancel(self) -> None:
+        """Hang up: the server cancels the request."""
+        if self._call is not None and not self._done:
+            self._call.cancel()
+        self._done = True
 
 
 class ResultBuilder:

@@ -3,42 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
 
 from . import _request
 from ._channel import (
     HEALTH_CHECK,
-    ChannelConfig,
-    RetryPolicy,
+    Connection,
     aio_channel,
     decode_health_response,
     encode_health_request,
 )
 from ._gen import tokenloop_pb2 as pb
-from ._gen import tokenloop_pb2_grpc as pb_grpc
-from .errors import TokenloopError, from_retried
+from .errors import from_retried
 from .types import Delta, EmbedResult, GenerateResult, Load, LoraAdapter, ModelInfo, TokenizeResult
 
 
-class AsyncTextStream:
+class AsyncTextStream(_request.StreamState):
     """Async iterator of Deltas for one Generate call; `result` holds the final GenerateResult."""
 
-    def __init__(self, start: Callable[[], grpc.aio.UnaryStreamCall], request_id: str,
-                 retry: RetryPolicy) -> None:
-        self._start = start
-        self._retry = retry
-        self._call: grpc.aio.UnaryStreamCall | None = None
-        self._builder = _request.ResultBuilder(request_id)
-        self._num_attempts = 0
-        self._first_error: grpc.RpcError | None = None  # what the first attempt got (reported if all fail)
-        self._done = False
-
-    @property
-    def request_id(self) -> str:
-        """The request's id (usable with `AsyncClient.abort`)."""
-        return self._builder.request_id
+    final_hint = "await final()"
 
     def __aiter__(self) -> AsyncTextStream:
         return self
@@ -79,21 +64,6 @@ class AsyncTextStream:
             pass
         return self.result
 
-    @property
-    def result(self) -> GenerateResult:
-        """The final result; only once the stream is exhausted."""
-        if not self._done:
-            raise RuntimeError("the stream is not finished yet: iterate it or await final()")
-        if not self._builder.completions:
-            raise TokenloopError(grpc.StatusCode.UNKNOWN, "stream ended without a complete", self.request_id)
-        return self._builder.result()
-
-    def cancel(self) -> None:
-        """Hang up: the server cancels the request."""
-        if self._call is not None and not self._done:
-            self._call.cancel()
-        self._done = True
-
     async def __aenter__(self):
         return self
 
@@ -101,28 +71,10 @@ class AsyncTextStream:
         self.cancel()
 
 
-class AsyncClient:
+class AsyncClient(Connection):
     """asyncio tokenloop client. Use `async with` or await close()."""
 
-    def __init__(
-        self,
-        address: str = ChannelConfig.address,
-        *,
-        api_key: str | None = None,
-        tls: bool = False,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_server_name: str | None = None,
-        timeout: float | None = None,
-        retry: RetryPolicy | None = None,
-    ) -> None:
-        self.config = ChannelConfig(address, api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()
-        self._metadata = self.config.metadata()
-        self._channel = aio_channel(self.config)
-        self._stub = pb_grpc.TextGenerationStub(self._channel)
+    connect = staticmethod(aio_channel)
 
     async def close(self) -> None:
         """Close the channel."""

@@ -3,41 +3,25 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
 
 from . import _request
 from ._channel import (
     HEALTH_CHECK,
-    ChannelConfig,
-    RetryPolicy,
+    Connection,
     decode_health_response,
     encode_health_request,
     sync_channel,
 )
 from ._gen import tokenloop_pb2 as pb
-from ._gen import tokenloop_pb2_grpc as pb_grpc
-from .errors import TokenloopError, from_retried
+from .errors import from_retried
 from .types import Delta, EmbedResult, GenerateResult, Load, LoraAdapter, ModelInfo, TokenizeResult
 
 
-class TextStream:
+class TextStream(_request.StreamState):
     """Iterator of Deltas for one Generate call; `result` holds the final GenerateResult."""
-
-    def __init__(self, start: Callable[[], Iterator], request_id: str, retry: RetryPolicy) -> None:
-        self._start = start
-        self._retry = retry
-        self._call = None
-        self._builder = _request.ResultBuilder(request_id)
-        self._num_attempts = 0
-        self._first_error: grpc.RpcError | None = None  # what the first attempt got (reported if all fail)
-        self._done = False
-
-    @property
-    def request_id(self) -> str:
-        """The request's id (usable with `Client.abort`)."""
-        return self._builder.request_id
 
     def __iter__(self) -> TextStream:
         return self
@@ -74,21 +58,6 @@ class TextStream:
             pass
         return self.result
 
-    @property
-    def result(self) -> GenerateResult:
-        """The final result; only once the stream is exhausted."""
-        if not self._done:
-            raise RuntimeError("the stream is not finished yet: iterate it or call final()")
-        if not self._builder.completions:
-            raise TokenloopError(grpc.StatusCode.UNKNOWN, "stream ended without a complete", self.request_id)
-        return self._builder.result()
-
-    def cancel(self) -> None:
-        """Hang up: the server cancels the request."""
-        if self._call is not None and not self._done:
-            self._call.cancel()
-        self._done = True
-
     def __enter__(self):
         return self
 
@@ -96,28 +65,10 @@ class TextStream:
         self.cancel()
 
 
-class Client:
+class Client(Connection):
     """Blocking tokenloop client. Use as a context manager or call close()."""
 
-    def __init__(
-        self,
-        address: str = ChannelConfig.address,
-        *,
-        api_key: str | None = None,
-        tls: bool = False,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_server_name: str | None = None,
-        timeout: float | None = None,
-        retry: RetryPolicy | None = None,
-    ) -> None:
-        self.config = ChannelConfig(address, api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()
-        self._metadata = self.config.metadata()
-        self._channel = sync_channel(self.config)
-        self._stub = pb_grpc.TextGenerationStub(self._channel)
+    connect = staticmethod(sync_channel)
 
     def close(self) -> None:
         """Close the channel."""

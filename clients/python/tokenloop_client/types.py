@@ -1,4 +1,8 @@
-"""Typed results: plain frozen dataclasses built from the protobuf responses."""
+"""Typed results: plain frozen dataclasses built from the protobuf responses.
+
+Each mirrors one message of protos/tokenloop/v1/tokenloop.proto, field for field (a oneof is one field named
+after it), with the proto's defaults: tests/unit/test_client_types.py compares them, so the client
+keeps its own types (it imports nothing of the server) and the proto stays their one source."""
 
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ class Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of the prompt tokens, those the server's prefix cache held
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ class Completion:
             text=msg.text,
             token_ids=tuple(msg.token_ids),
             finish_reason=FinishReason.from_pb(msg.finish_reason),
-            usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens),
+            usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens),
             timing=Timing(msg.timing.queue_s, msg.timing.ttft_s, msg.timing.total_s),
             seed=msg.seed,
             matched_stop=getattr(msg, which) if which else None,
@@ -161,8 +166,9 @@ class GenerateResult:
     @property
     def usage(self) -> Usage:
         """Token counts: the prompt once, completion tokens summed over sequences."""
-        prompt = self.completions[0].usage.prompt_tokens
-        return Usage(prompt, sum(c.usage.completion_tokens for c in self.completions))
+        first = self.completions[0].usage
+        return Usage(first.prompt_tokens, sum(c.usage.completion_tokens for c in self.completions),
+                     first.cached_prompt_tokens)
 
     @property
     def timing(self) -> Timing:
@@ -257,6 +263,8 @@ class Load:
     max_queue: int = 0
     step_latency_s: float = 0.0
     num_preemptions: int = 0
+    kv_blocks_cached: int = 0  # blocks holding a reusable prefix (in use or evictable)
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens looked up
 
     @classmethod
     def from_pb(cls, msg: pb.Load) -> Load:
