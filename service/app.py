@@ -39,6 +39,10 @@ ROUTER_SERVICES = {"trtllm": ("trtllm.TrtllmService",), "vllm": ("vllm.grpc.engi
                    "both": ("trtllm.TrtllmService", "vllm.grpc.engine.VllmEngine")}  # by --router-protocol
 
 
+# Each service's Generate is its front door's `generate` (service.frontdoor), which keeps its own request-log record
+GENERATE_RPCS = frozenset(f"/{name}/Generate" for name in SERVICE_NAMES)
+
+
 def served_names(config: ServerConfig) -> tuple[str, ...]:
     """The gRPC services this server answers (grpc.health names them): tokenloop.v1 and the router protocols."""
     return SERVICE_NAMES[:1] + ROUTER_SERVICES[config.router_protocol]

@@ -18,7 +18,6 @@ def logprob_messages(items: list[TokenLogprob] | None, token_logprob=pb.TokenLog
             for lp in items]
 
 
-
 def _merge(chunks: list[Chunk]) -> Chunk:
     first = chunks[0]
     if len(chunks) == 1:
@@ -63,19 +62,18 @@ def _chunk_field(text: str, token_id: int) -> bytes:
 
 
 class SequenceWriter:
-    """Looper events of one generation call -> one API's messages: the hold / merge / stream-interval logic of every
-    API, written once. A subclass (one per API) writes only its message constructors:
+    """Looper events of one generation call -> one API's serialized messages: the hold / merge / stream-interval
+    logic of every API, written once. A subclass (one per API) writes only its message constructors:
 
         encode_chunk(chunk, done) -> bytes | None   a chunk's serialized message (None: nothing to send); `done` is
                                                     its sequence's Complete when the chunk is that sequence's last
         encode_complete(done) -> bytes              a Complete's serialized message
-        message_chunk(chunk, done) / message_complete(done)   the same as protobuf messages (`messages()`)
 
     Every batch the looper handed over since the reader last asked is merged per sequence (a reader that fell
     behind gets all ready tokens at once, in one message); with `interval` N > 1 a sequence's chunks are held until
     N tokens are ready or it completes (--stream-interval). `coalesce=False` sends one message per chunk.
-    `encode(batch)` is the front door's path (the Generate handler is registered without a response serializer:
-    frontdoor.add_with_raw_responses); `messages(batch)` returns independent protobuf messages."""
+    The front door yields what `encode(batch)` returns (the Generate method is registered without a response
+    serializer: frontdoor.add_with_raw_responses)."""
 
     __slots__ = ("valid", "interval", "coalesce", "_held")
 
@@ -87,13 +85,7 @@ class SequenceWriter:
 
     def encode(self, batch: list[Event]) -> list[bytes]:
         """The serialized messages for one batch of events, in order per sequence."""
-        return self._out(batch, self.encode_chunk, self.encode_complete)
-
-    def messages(self, batch: list[Event]) -> list:
-        """The protobuf messages for one batch of events, in order per sequence."""
-        return self._out(batch, self.message_chunk, self.message_complete)
-
-    def _out(self, batch: list[Event], chunk, complete) -> list:
+        chunk, complete = self.encode_chunk, self.encode_complete
         held = self._held
         if len(batch) == 1 and not held:  # the commonest batch: one chunk, ready to go (nothing to merge or hold)
             event = batch[0]
@@ -124,12 +116,6 @@ class SequenceWriter:
         raise NotImplementedError
 
     def encode_complete(self, done: Complete) -> bytes:
-        raise NotImplementedError
-
-    def message_chunk(self, chunk: Chunk, done: Complete | None):
-        raise NotImplementedError
-
-    def message_complete(self, done: Complete):
         raise NotImplementedError
 
 
@@ -167,12 +153,6 @@ class StreamWriter(SequenceWriter):
     def encode_complete(self, done: Complete) -> bytes:
         return complete_message(self.valid.request_id, done, self.valid).SerializeToString()
 
-    def message_chunk(self, chunk: Chunk, done: Complete | None) -> pb.GenerateResponse:
-        return chunk_message(self.valid.request_id, chunk)
-
-    def message_complete(self, done: Complete) -> pb.GenerateResponse:
-        return complete_message(self.valid.request_id, done, self.valid)
-
     def _refilled(self, event: Chunk) -> pb.GenerateResponse:
         """This writer's chunk message refilled with `event` (cheaper than a new message in upb)."""
         msg = self._msg
@@ -193,23 +173,6 @@ class StreamWriter(SequenceWriter):
             out.logprobs.extend(logprob_messages(event.logprobs))
             self._msg_lps = bool(event.logprobs)
         return msg
-
-
-def chunk_message(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
-    # setting fields one by one is ~3x cheaper in upb than keyword construction of nested messages
-    msg = pb.GenerateResponse(request_id=request_id)
-    out = msg.chunk
-    if not (chunk.text or chunk.token_ids):
-        out.SetInParent()
-    if chunk.index:
-        out.index = chunk.index
-    if chunk.text:
-        out.text = chunk.text
-    if chunk.token_ids:
-        out.token_ids.extend(chunk.token_ids)
-    if chunk.logprobs:
-        out.logprobs.extend(logprob_messages(chunk.logprobs))
-    return msg
 
 
 def complete_message(request_id: str, done: Complete, request: ValidRequest) -> pb.GenerateResponse:

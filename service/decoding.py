@@ -9,7 +9,7 @@ inner wrappers (tracing, the request log) never run for it. A caller without a v
 whatever it sent: the API-key refusal's deserializer does not parse (`service.security._unread`).
 
 A streaming response is written by the wrapper (`context.write`) rather than re-yielded, so that Generate gets no
-extra generator frame per message (see `service.logs.logs_itself`): grpc's own loop does the same two steps. That
+extra generator frame per message (see `service.logs.RequestLogInterceptor`): grpc's own loop does the same two steps. That
 is why it is the outermost: an inner wrapper that iterates its handler could not iterate a coroutine.
 """
 

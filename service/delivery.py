@@ -21,8 +21,8 @@ class StallWatchdog:
     grpc.aio resumes a streaming handler only after its yielded message was accepted, so a reader
     that stops reading (and HTTP/2 flow control filling up) parks the handler at `yield`; the
     cancellation then runs its cleanup, which cancels the request and frees its KV blocks.
-    The handler marks a batch of writes with `arm()` / `disarm()` and counts each accepted message in
-    `sent` (an attribute increment: nothing else runs per message). One timer per stream, started by
+    The handler (FrontDoor.generate) marks a batch of writes with `arm()` / `disarm()` and counts each accepted
+    message in `sent` (an attribute increment: nothing else runs per message). One timer per stream, started by
     an `arm()` and re-armed only while writing, looks every `period` (a quarter of the grace, else the timeout);
     a look that finds `sent` where the previous one left it counts one still period, so a write that stopped is
     seen a grace to a grace and a quarter after its last progress, and cut off once the still periods add up to
@@ -104,8 +104,8 @@ class Delivery:
         return self
 
     def delivered(self, batch: list) -> None:
-        """Every message of `batch` was written."""
-        self.watchdog.disarm()
+        """Every message of `batch` was written: its `Complete`s are kept (for `app.observe_end`), its streamed
+        tokens counted per sequence."""
         for e in batch:
             if type(e) is Complete:
                 self.completes.append(e)

@@ -9,24 +9,25 @@ messages:
                                              yields the serialized messages of one batch of looper events
                                              (`arrival_wall`: time.time() when the call arrived)
 
-and registers the handler the front door makes:
+and its Generate is the front door's `generate`, with that mapping:
 
-    self.Generate = FrontDoor(app).handler(PATH, validate, make_writer, grammar_field="guided_decoding.guide")
-    add_with_raw_responses(add_XServicer_to_server, servicer, server, "Generate")  # Generate yields bytes
+    self.Generate = FrontDoor(app, PATH, validate, make_writer, grammar_field="guided_decoding.guide").generate
+    add_service(server, servicer, SERVICE_DESCRIPTOR, raw_responses="Generate")  # Generate yields bytes
 
 For every call the front door runs, in this order: request log record (`RequestRecord`), request id (the request's
 `request_id`, else `x-request-id`, else a new one), ready check, admission slot (in line, --max-queue-wait),
 `validate` (the API's mapping), grammar (`app.grammars.admit`; `grammar_field` names the field in its errors), LoRA
 (`app.loras.admit`), duplicate id, Abort-while-waiting check, the writer, submit, then delivery: per batch of events
-the writer's messages are yielded, the stall watchdog counts them, a reader that stalls past --slow-reader-grace gives
-its slot back and takes it again when it reads. ONE error policy: `ServiceError` and the executor's `RequestFailed`
+the writer's messages are yielded while the stall watchdog is armed (it counts them), a reader that stalls past
+--slow-reader-grace gives its slot back and takes it again when it reads (service.delivery). ONE error policy: `ServiceError` and the executor's `RequestFailed`
 end the call with their status (`errors.status_of`); anything else is a bug: logged once with its traceback, the
 client gets INTERNAL naming only the exception's type, and the server keeps serving. A cancellation (client gone,
 deadline, stalled reader) cancels the request on the way out. A non-streaming (unary) generation API calls
 `complete()` from its unary handler: same pipeline, the `Complete`s collected, one response built by `respond`.
 
-`handler()` returns the pipeline itself as the RPC's handler (a partial of `generate`), not a wrapper: a wrapping
-async generator would be one more frame to resume for every message (see service.logs.logs_itself).
+`generate` is the RPC's handler itself, not a wrapper: a wrapping async generator would be one more frame to resume
+for every message. For the same reason it keeps its own request-log record (`RequestRecord`), and the request-log
+interceptor leaves the generation RPCs (`app.GENERATE_RPCS`) unwrapped.
 
 Unary RPCs (and server-streaming ones other than Generate) use `@unary()`: ready check where the RPC needs it,
 `ServiceError` -> its status, anything else -> logged, INTERNAL.
@@ -44,6 +45,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message_factory import GetMessageClass
 
 from tokenloop.core.request import ValidRequest
 from tokenloop.looper.stream import Complete, RequestFailed
@@ -78,60 +80,52 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return time.monotonic() + remaining if remaining is not None else None
 
 
-def add_with_raw_responses(add_to_server, servicer, server, method: str) -> None:
-    """Register `servicer` with its generated `add_..._to_server` function, except that `method` yields its
-    messages already serialized: its handler has no response serializer, so grpc sends those bytes as they are.
-    The generated function stays the one source of the method table; only that one handler is changed."""
-    class Capture:
-        registered = None
+_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
 
-        def add_generic_rpc_handlers(self, handlers):
-            pass
 
-        def add_registered_method_handlers(self, name, handlers):
-            self.registered = (name, handlers)
-
-    capture = Capture()
-    add_to_server(servicer, capture)
-    if capture.registered is None:
-        raise RuntimeError(f"{add_to_server.__name__} did not register its methods (generated code too old?)")
-    name, handlers = capture.registered
-    handlers = dict(handlers, **{method: handlers[method]._replace(response_serializer=None)})
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
+def add_service(server, servicer, service, raw_responses: str) -> None:
+    """Register every method of `service` (a ServiceDescriptor) on `server`, as the generated
+    `add_..._to_server` does, except that the method named `raw_responses` has no response serializer: its handler
+    yields messages already serialized (a SequenceWriter's `encode`), which grpc sends as they are."""
+    handlers = {}
+    for method in service.methods:
+        make = _HANDLERS[method.client_streaming, method.server_streaming]
+        response = None if method.name == raw_responses else GetMessageClass(method.output_type).SerializeToString
+        handlers[method.name] = make(getattr(servicer, method.name),
+                                     request_deserializer=GetMessageClass(method.input_type).FromString,
+                                     response_serializer=response)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 class FrontDoor:
-    """The admission pipeline of every generation API on one `App` (service.app.App)."""
+    """The admission pipeline of every generation API on one `App` (service.app.App). A streaming API's front door
+    holds its mapping (`rpc`: the method's path, `validate`, `make_writer`, `grammar_field`); its `generate` is that
+    API's Generate handler."""
 
-    __slots__ = ("app",)
+    __slots__ = ("app", "rpc", "validate", "make_writer", "grammar_field")
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, rpc: str = "", validate: Validate | None = None, make_writer: MakeWriter | None = None, *,
+                 grammar_field: str | None = None):
+        self.app, self.rpc, self.validate, self.make_writer, self.grammar_field = (app, rpc, validate, make_writer,
+                                                                                   grammar_field)
 
-    def handler(self, rpc: str, validate: Validate, make_writer: MakeWriter, *,
-                grammar_field: str | None = None) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[bytes]]:
-        """The streaming Generate handler of one API: `generate` with the API's mapping bound (grpc and the request
-        log interceptor see an async generator function that keeps its own log record)."""
-        handler = functools.partial(self.generate, rpc=rpc, validate=validate, make_writer=make_writer,
-                                    grammar_field=grammar_field)
-        handler.logs_itself = True  # see service.logs.logs_itself
-        return handler
-
-    async def generate(self, request, context: grpc.aio.ServicerContext, *, rpc: str, validate: Validate,
-                       make_writer: MakeWriter, grammar_field: str | None = None) -> AsyncIterator[bytes]:
+    async def generate(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """One streaming generation call, start to end: yields the serialized messages the writer makes."""
+        rpc = self.rpc
         async with RequestRecord(rpc, request, context):
             rid = request_id_of(request, context)
             try:
-                async with self._admitted(request, context, rid, validate, grammar_field, make_writer) as (
-                        writer, stream, delivery):
+                async with self._admitted(request, context, rid, self.validate, self.grammar_field,
+                                          self.make_writer) as (writer, stream, delivery):
                     watchdog = delivery.watchdog
                     while (batch := await stream.next_batch()) is not None:
-                        watchdog.arm()
+                        watchdog.arm()  # armed while a batch is written: waiting for tokens is not a stall
                         for msg in writer.encode(batch):
                             yield msg  # returns once grpc took the message: a stalled reader blocks here
                             watchdog.sent += 1
+                        watchdog.disarm()
                         delivery.delivered(batch)
                         if delivery.paused:  # it stalled past --slow-reader-grace and now reads again
                             await delivery.resume()

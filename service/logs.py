@@ -5,9 +5,10 @@ and the lines of calls that did not end OK share a budget (`FAILED_LINES`: 50 at
 line says how many were not logged), so a flood of refused calls cannot flood the log.
 
 `RequestLogInterceptor` wraps every handler: it keeps the RPC's record in a context variable,
-echoes `x-request-id` in the initial metadata, and logs the record when the handler ends. A
-streaming handler marked `@logs_itself` (Generate) does the same itself, in `async with
-RequestRecord(...)`, and the interceptor leaves it unwrapped.
+echoes `x-request-id` in the initial metadata, and logs the record when the handler ends. The
+generation RPCs it is given (`own_records`: the front door's Generate handlers) do the same themselves,
+in `async with RequestRecord(...)`, and it leaves them unwrapped: a wrapping async generator is one more
+frame to resume for every message, which shows at hundreds of streams of one token per message.
 `RequestLogObserver` (one of `app.observers`) fills in what the looper measured.
 """
 
@@ -220,19 +221,11 @@ async def _hide_unexpected(exc: BaseException, context) -> None:
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
 
 
-def logs_itself(fn):
-    """Marks a streaming handler that keeps its own log record (`RequestRecord`), so that the interceptor leaves
-    it unwrapped: a wrapping async generator is one more frame to resume for every message, which shows at
-    hundreds of streams of one token per message."""
-    fn.logs_itself = True
-    return fn
-
-
 class RequestRecord:
     """One streaming RPC's log record, around its handler's body: `async with` opens it and echoes
     `x-request-id` in the initial metadata; on the way out a bug's exception is hidden from the client
-    (`_hide_unexpected`) and the record is logged. The interceptor's stream wrapper and handlers marked
-    `logs_itself` both use it. `meta`: the call's metadata (None: read it from `context`)."""
+    (`_hide_unexpected`) and the record is logged. The interceptor's stream wrapper and the front door's
+    Generate (service.frontdoor) both use it. `meta`: the call's metadata (None: read it from `context`)."""
 
     __slots__ = ("method", "meta", "request", "context", "rec")
 
@@ -257,13 +250,17 @@ class RequestRecord:
 
 
 class RequestLogInterceptor(grpc.aio.ServerInterceptor):
-    """Logs one line per finished RPC (INFO for Generate, DEBUG for the rest); echoes x-request-id."""
+    """Logs one line per finished RPC (INFO for Generate, DEBUG for the rest); echoes x-request-id. The RPCs in
+    `own_records` (method paths) keep their own record and are left unwrapped."""
+
+    def __init__(self, own_records: frozenset[str] = frozenset()):
+        self.own_records = own_records
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(("/grpc.health", "/grpc.reflection")):
             return handler
-        if getattr(handler.unary_stream, "logs_itself", False):
+        if details.method in self.own_records:
             return handler
         meta = _metadata(details.invocation_metadata)
         if handler.unary_stream:

@@ -14,7 +14,7 @@ from tokenloop.core.executor import Executor
 from tokenloop.v1 import tokenloop_pb2
 
 from . import logs, reflection
-from .app import App
+from .app import GENERATE_RPCS, App
 from .config import ServerConfig
 from .connections import ConnectionWatch, check_fd_limit, grpc_connection_options
 from .corelog import CoreLogRelay
@@ -33,7 +33,7 @@ def interceptors(config: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
     made, see service.decoding), tracing (optional), the per-request log line, then API keys (when configured)."""
     out: list[grpc.aio.ServerInterceptor] = [DecodingInterceptor()]
     out += [i for i in (tracing_interceptor(config.otel_endpoint),) if i is not None]
-    out.append(RequestLogInterceptor())
+    out.append(RequestLogInterceptor(own_records=GENERATE_RPCS))
     keys = load_api_keys(config.api_key_file)
     if config.api_key_file and not keys:  # never serve openly by mistake
         raise ValueError(f"--api-key-file {config.api_key_file} holds no API key")

@@ -10,16 +10,17 @@ from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 from . import convert, embedding
 from .errors import ValidationError
-from .frontdoor import FrontDoor, add_with_raw_responses, request_id_of, unary
+from .frontdoor import FrontDoor, add_service, request_id_of, unary
 from .validation import text_size
 
 log = logging.getLogger("tokenloop.service")
-GENERATE = f"/{pb.DESCRIPTOR.services_by_name['TextGeneration'].full_name}/Generate"  # the RPC's gRPC path
+SERVICE = pb.DESCRIPTOR.services_by_name["TextGeneration"]
+GENERATE = f"/{SERVICE.full_name}/Generate"  # the RPC's gRPC path
 
 
 def add_text_generation(servicer: TextGenerationServicer, server) -> None:
     """tokenloop.v1.TextGeneration, with Generate yielding serialized messages (`StreamWriter.encode`)."""
-    add_with_raw_responses(pb_grpc.add_TextGenerationServicer_to_server, servicer, server, "Generate")
+    add_service(server, servicer, SERVICE, raw_responses="Generate")
 
 
 class TextGenerationServicer(pb_grpc.TextGenerationServicer):
@@ -28,7 +29,7 @@ class TextGenerationServicer(pb_grpc.TextGenerationServicer):
 
     def __init__(self, app):
         self.app = app  # service.app.App
-        self.Generate = FrontDoor(app).handler(GENERATE, self._validate, self._writer)
+        self.Generate = FrontDoor(app, GENERATE, self._validate, self._writer).generate
 
     async def _validate(self, request, request_id: str, deadline: float | None) -> ValidRequest:
         app = self.app

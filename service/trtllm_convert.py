@@ -59,8 +59,7 @@ class TrtllmWriter(SequenceWriter):
     def encode_chunk(self, chunk: Chunk, done: Complete | None) -> bytes | None:
         drop_last = done is not None and self._strip(done)  # the final token arrives with the complete
         if len(chunk.token_ids) != 1 or chunk.logprobs or drop_last:
-            msg = self.message_chunk(chunk, done)
-            return msg.SerializeToString() if msg is not None else None
+            return self._chunk_message(chunk, drop_last)
         index = chunk.index
         sent = self.num_sent[index] = self.num_sent.get(index, 0) + 1
         middle = self._middle.get(index)
@@ -80,13 +79,9 @@ class TrtllmWriter(SequenceWriter):
             body += _CACHED_TOKENS_KEY + varint(chunk.cached_prompt_tokens)
         return self._prefix + _CHUNK_KEY + varint(len(body)) + body
 
-    def encode_complete(self, done: Complete) -> bytes:
-        return self.message_complete(done).SerializeToString()
-
-    def message_chunk(self, chunk: Chunk, done: Complete | None) -> tpb.GenerateResponse | None:
-        ids = chunk.token_ids
-        if done is not None and self._strip(done):
-            ids = ids[:-1]
+    def _chunk_message(self, chunk: Chunk, drop_last: bool) -> bytes | None:
+        """A chunk through protobuf (several ids, logprobs, or the last token dropped)."""
+        ids = chunk.token_ids[:-1] if drop_last else chunk.token_ids
         if not ids:
             return None
         index = chunk.index
@@ -100,9 +95,9 @@ class TrtllmWriter(SequenceWriter):
         out.cached_tokens = chunk.cached_prompt_tokens  # like prompt_tokens, on every chunk
         if chunk.logprobs:
             out.logprobs.extend(_logprobs(chunk.logprobs[:len(ids)]))
-        return msg
+        return msg.SerializeToString()
 
-    def message_complete(self, done: Complete) -> tpb.GenerateResponse:
+    def encode_complete(self, done: Complete) -> bytes:
         ids = done.token_ids[:-1] if self._strip(done) else done.token_ids
         msg = tpb.GenerateComplete(
             output_token_ids=ids, sequence_index=done.index, finish_reason=FINISH_REASONS[done.finish_reason],
@@ -117,4 +112,4 @@ class TrtllmWriter(SequenceWriter):
             msg.perf_metrics.CopyFrom(tpb.PerfMetrics(
                 arrival_time=self.arrival_wall, first_scheduled_time=self.arrival_wall + t.queue_s,
                 first_token_time=self.arrival_wall + t.ttft_s, last_token_time=self.arrival_wall + t.total_s))
-        return tpb.GenerateResponse(request_id=self.valid.request_id, complete=msg)
+        return tpb.GenerateResponse(request_id=self.valid.request_id, complete=msg).SerializeToString()

@@ -28,14 +28,15 @@ from .errors import (
     Unimplemented,
     abort_with,
 )
-from .frontdoor import FrontDoor, add_with_raw_responses, unary
+from .frontdoor import FrontDoor, add_service, unary
 from .kv_events import FellBehind, kv_event_stream
 from .structured import structured_of_guided
 from .trtllm_convert import TrtllmWriter
 from .validation import MAX_TOP_LOGPROBS, check
 
 log = logging.getLogger("tokenloop.service")
-SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
+SERVICE = tpb.DESCRIPTOR.services_by_name["TrtllmService"]
+SERVICE_NAME = SERVICE.full_name
 GENERATE = f"/{SERVICE_NAME}/Generate"  # the RPC's gRPC path (the request log's `rpc`)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json", "config.json",
@@ -149,8 +150,8 @@ class TrtllmServicer(tpb_grpc.TrtllmServiceServicer):
     def __init__(self, app):
         self.app = app  # service.app.App
         self._bundle: bytes | None = None
-        self.Generate = FrontDoor(app).handler(GENERATE, self._validate, self._writer,
-                                               grammar_field="guided_decoding.guide")
+        self.Generate = FrontDoor(app, GENERATE, self._validate, self._writer,
+                                  grammar_field="guided_decoding.guide").generate
 
     async def _validate(self, request, request_id: str, deadline: float | None) -> ValidRequest:
         return to_valid_request(self.app.validator, request, request_id, deadline, self.app.loras)
@@ -246,5 +247,5 @@ def server_version() -> str:
 def add_trtllm_service(app, grpc_server) -> str:
     """Register trtllm.TrtllmService on `grpc_server`, Generate yielding serialized messages (`TrtllmWriter.encode`);
     returns its full name (for reflection)."""
-    add_with_raw_responses(tpb_grpc.add_TrtllmServiceServicer_to_server, TrtllmServicer(app), grpc_server, "Generate")
+    add_service(grpc_server, TrtllmServicer(app), SERVICE, raw_responses="Generate")
     return SERVICE_NAME

@@ -29,14 +29,15 @@ from tokenloop.v1 import tokenloop_pb2 as pb
 from . import embedding
 from .convert import SequenceWriter
 from .errors import Unimplemented, ValidationError
-from .frontdoor import FrontDoor, add_with_raw_responses, request_id_of, unary
+from .frontdoor import FrontDoor, add_service, request_id_of, unary
 from .structured import check_size
 from .trtllm_convert import FINISH_REASONS
 from .trtllm_service import TrtllmServicer, read_model_config, refuse, server_version
 from .validation import MAX_TOP_LOGPROBS, check
 
 log = logging.getLogger("tokenloop.service")
-SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
+SERVICE_NAME = SERVICE.full_name
 GENERATE = f"/{SERVICE_NAME}/Generate"  # the RPC's gRPC path (the request log's `rpc`)
 # FINISH_REASONS (trtllm_convert): vLLM's names too, length, stop (EOS, a stop string or token, a structure), abort
 # Fields of GenerateRequest this executor cannot honour, and why (message fields: set when present).
@@ -204,13 +205,6 @@ class VllmWriter(SequenceWriter):
         self._last: dict[int, Chunk] = {}  # sequence index -> its final chunk, for its complete
 
     def encode_chunk(self, chunk: Chunk, done: Complete | None) -> bytes | None:
-        msg = self.message_chunk(chunk, done)
-        return msg.SerializeToString() if msg is not None else None
-
-    def encode_complete(self, done: Complete) -> bytes:
-        return self.message_complete(done).SerializeToString()
-
-    def message_chunk(self, chunk: Chunk, done: Complete | None) -> vpb.GenerateResponse | None:
         if not self.valid.stream:
             return None
         if done is not None:
@@ -225,9 +219,9 @@ class VllmWriter(SequenceWriter):
         lps = _output_logprobs(chunk.logprobs, self.valid.output.top_logprobs)
         if lps is not None:
             out.output_logprobs.CopyFrom(lps)
-        return msg
+        return msg.SerializeToString()
 
-    def message_complete(self, done: Complete) -> vpb.GenerateResponse:
+    def encode_complete(self, done: Complete) -> bytes:
         if self.valid.stream:  # the last delta
             last = self._last.pop(done.index, None)
             ids, lps = (last.token_ids, last.logprobs) if last is not None else ([], None)
@@ -243,7 +237,7 @@ class VllmWriter(SequenceWriter):
             msg.matched_stop_str = done.matched_stop_str
         elif done.matched_stop_token is not None:
             msg.matched_token_id = done.matched_stop_token
-        return vpb.GenerateResponse(complete=msg)
+        return vpb.GenerateResponse(complete=msg).SerializeToString()
 
 
 class VllmServicer(vpb_grpc.VllmEngineServicer):
@@ -259,7 +253,7 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
         self._defaults: dict | None = None  # generation_defaults of the model, read once
         self._started = time.time()
         self._last_receive = 0.0
-        self.Generate = FrontDoor(app).handler(GENERATE, self._validate, self._writer)
+        self.Generate = FrontDoor(app, GENERATE, self._validate, self._writer).generate
 
     def defaults(self) -> dict:
         if self._defaults is None:
@@ -366,5 +360,5 @@ class VllmServicer(vpb_grpc.VllmEngineServicer):
 def add_vllm_service(app, grpc_server) -> str:
     """Register vllm.grpc.engine.VllmEngine on `grpc_server`, Generate yielding serialized messages
     (`VllmWriter.encode`); returns its full name (for reflection)."""
-    add_with_raw_responses(vpb_grpc.add_VllmEngineServicer_to_server, VllmServicer(app), grpc_server, "Generate")
+    add_service(grpc_server, VllmServicer(app), SERVICE, raw_responses="Generate")
     return SERVICE_NAME

@@ -231,6 +231,11 @@ def test_reflection_lists_the_trtllm_service(tokenizer_dir):
     run(body())
 
 
+def sent(writer, batch) -> list[tpb.GenerateResponse]:
+    """What the client reads for one batch: the writer's bytes, parsed."""
+    return [tpb.GenerateResponse.FromString(m) for m in writer.encode(batch)]
+
+
 def test_writer_coalesces_a_backlog_and_strips_the_eos_token_once():
     from tokenloop.core.request import FinishReason, ValidRequest
     from tokenloop.looper.stream import Chunk, Complete, Timing
@@ -239,7 +244,7 @@ def test_writer_coalesces_a_backlog_and_strips_the_eos_token_once():
     valid = ValidRequest(request_id="w", prompt_token_ids=(5, 6), stream=True)
     writer = _Writer(valid, keep_stop_token=False, perf=True, arrival_wall=1000.0)
     done = Complete(0, "abc", [1, 2, 3], FinishReason.EOS, 2, 0, Timing(0.1, 0.2, 0.5))
-    msgs = writer.messages([Chunk(0, "a", [1]), Chunk(0, "b", [2]), Chunk(0, "c", [3]), done])
+    msgs = sent(writer, [Chunk(0, "a", [1]), Chunk(0, "b", [2]), Chunk(0, "c", [3]), done])
     assert [m.WhichOneof("response") for m in msgs] == ["chunk", "complete"]
     assert list(msgs[0].chunk.token_ids) == [1, 2] and msgs[0].chunk.completion_tokens == 2
     assert list(msgs[1].complete.output_token_ids) == [1, 2] and msgs[1].complete.completion_tokens == 2
@@ -253,24 +258,30 @@ def test_writer_holds_chunks_until_the_stream_interval():
     from tokenloop.service.trtllm_convert import TrtllmWriter as _Writer
 
     writer = _Writer(ValidRequest(request_id="w", prompt_token_ids=(5,), stream=True), False, False, 0.0, interval=3)
-    assert writer.messages([Chunk(0, "a", [1]), Chunk(0, "b", [2])]) == []
-    (first,) = writer.messages([Chunk(0, "c", [3]), Chunk(0, "d", [4])])
+    assert sent(writer, [Chunk(0, "a", [1]), Chunk(0, "b", [2])]) == []
+    (first,) = sent(writer, [Chunk(0, "c", [3]), Chunk(0, "d", [4])])
     assert list(first.chunk.token_ids) == [1, 2, 3, 4]
     done = Complete(0, "abcde", [1, 2, 3, 4, 5, 9], FinishReason.STOP_TOKEN, 1, 0, Timing(), matched_stop_token=9)
-    chunk, complete = writer.messages([Chunk(0, "e", [5]), Chunk(0, "", [9]), done])
+    chunk, complete = sent(writer, [Chunk(0, "e", [5]), Chunk(0, "", [9]), done])
     assert list(chunk.chunk.token_ids) == [5] and chunk.chunk.completion_tokens == 5
     assert list(complete.complete.output_token_ids) == [1, 2, 3, 4, 5] and complete.complete.matched_token_id == 9
 
 
 def test_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
-    """encode() (what Generate sends) equals messages() serialized, byte for byte: one-token chunks put together
-    from kept bytes (sequences 0 and 1, ids of one to five varint bytes, completion counts past 127 and 16383),
+    """encode() (what Generate sends) equals, byte for byte, the same writer with every chunk through protobuf:
+    one-token chunks put together from kept bytes (sequences 0 and 1, ids of one to five varint bytes, completion counts past 127 and 16383),
     multi-token and logprob chunks, a stripped EOS, the stream interval, perf metrics, empty and long request
     ids, prompts of 1 and 300 tokens, and a full table of token ids."""
     from tokenloop.core.request import FinishReason, ValidRequest
     from tokenloop.looper.stream import Chunk, Complete, Timing, TokenLogprob
     from tokenloop.service import trtllm_convert
     from tokenloop.service.trtllm_convert import TrtllmWriter as _Writer
+
+    class ProtobufWriter(_Writer):
+        """The reference: every chunk through protobuf."""
+
+        def encode_chunk(self, chunk, done):
+            return self._chunk_message(chunk, done is not None and self._strip(done))
 
     lp = [TokenLogprob(7, -0.25, [(7, -0.25), (8, -2.0)])]
     ids = [1, 127, 128, 16383, 16384, 2 ** 21, 2 ** 31]
@@ -283,18 +294,18 @@ def test_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
     for rid, prompt in (("w", (5,)), ("", (5,) * 300), ("r" * 300, (1, 2, 3))):
         for kw in ({}, {"interval": 2}):
             for keep, perf in ((False, True), (True, False)):
-                a = _Writer(ValidRequest(request_id=rid, prompt_token_ids=prompt, n=2, stream=True), keep, perf,
-                            1000.0, **kw)
+                a = ProtobufWriter(ValidRequest(request_id=rid, prompt_token_ids=prompt, n=2, stream=True), keep,
+                                   perf, 1000.0, **kw)
                 b = _Writer(ValidRequest(request_id=rid, prompt_token_ids=prompt, n=2, stream=True), keep, perf,
                             1000.0, **kw)
                 for batch in batches:
                     wire = b.encode(batch)
                     assert all(type(m) is bytes for m in wire)
-                    assert wire == [m.SerializeToString() for m in a.messages(batch)], (rid, kw, keep)
+                    assert wire == a.encode(batch), (rid, kw, keep)
     monkeypatch.setattr(trtllm_convert, "_MAX_TOKEN_ID_FIELDS", len(trtllm_convert._TOKEN_ID_FIELDS))
-    a, b = (_Writer(ValidRequest(request_id="w", prompt_token_ids=(5,), stream=True), False, False, 0.0)
-            for _ in range(2))
-    assert b.encode([Chunk(0, "z", [777777])]) == [m.SerializeToString() for m in a.messages([Chunk(0, "z", [777777])])]
+    a, b = (cls(ValidRequest(request_id="w", prompt_token_ids=(5,), stream=True), False, False, 0.0)
+            for cls in (ProtobufWriter, _Writer))
+    assert b.encode([Chunk(0, "z", [777777])]) == a.encode([Chunk(0, "z", [777777])])
     assert 777777 not in trtllm_convert._TOKEN_ID_FIELDS
 
 

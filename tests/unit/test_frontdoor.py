@@ -4,6 +4,7 @@ real Admission, a fake looper whose streams replay given batches, a fake grpc co
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import types
 
@@ -13,9 +14,12 @@ import pytest
 from tokenloop.core.executor import ErrorKind
 from tokenloop.core.request import FinishReason, ValidRequest
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed, Timing
+from tokenloop.service import servicer
 from tokenloop.service.admission import Admission
 from tokenloop.service.errors import Unavailable, ValidationError
-from tokenloop.service.frontdoor import FrontDoor, unary
+from tokenloop.service.frontdoor import FrontDoor, add_service, unary
+from tokenloop.service.servicer import SERVICE
+from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
 RPC = "/test.Api/Generate"
 
@@ -129,7 +133,7 @@ def complete(index=0):
 
 async def drive(app, req):
     context, out = FakeContext(), []
-    handler = FrontDoor(app).handler(RPC, validate, Writer)
+    handler = FrontDoor(app, RPC, validate, Writer).generate
     try:
         async for msg in handler(req, context):
             out.append(msg)
@@ -144,8 +148,56 @@ def test_handler_streams_the_writers_messages_and_is_the_pipeline_itself():
         context, out = await drive(app, request())
         assert out == [b"Chunk:0", b"Complete:0"] and context.status is None
         assert app.ends == [("r1", 1, grpc.StatusCode.OK)] and app.admission.num_active == 0
-        handler = FrontDoor(app).handler(RPC, validate, Writer)
-        assert handler.logs_itself  # the request-log interceptor leaves it unwrapped: no frame per message
+        handler = FrontDoor(app, RPC, validate, Writer).generate
+        assert inspect.isasyncgenfunction(handler)  # grpc iterates it itself: no wrapping frame per message
+    asyncio.run(main())
+
+
+def test_add_service_registers_what_the_generated_code_does_but_raw_generate_responses():
+    """add_service's method table equals the generated `add_TextGenerationServicer_to_server`'s, method for
+    method, except that Generate sends the bytes it yields (no response serializer)."""
+    class Recorder:
+        def add_generic_rpc_handlers(self, handlers):
+            self.generic = handlers
+
+        def add_registered_method_handlers(self, name, handlers):
+            self.registered = (name, handlers)
+
+    servicer = pb_grpc.TextGenerationServicer()
+    ours, generated = Recorder(), Recorder()
+    add_service(ours, servicer, SERVICE, raw_responses="Generate")
+    pb_grpc.add_TextGenerationServicer_to_server(servicer, generated)
+    assert ours.registered[0] == generated.registered[0] == "tokenloop.v1.TextGeneration"
+    mine, theirs = ours.registered[1], generated.registered[1]
+    assert mine.keys() == theirs.keys() and "Generate" in mine
+    for name, handler in mine.items():
+        expected = theirs[name]
+        if name == "Generate":
+            assert expected.response_serializer is not None
+            expected = expected._replace(response_serializer=None)
+        assert handler == expected, name
+
+
+def test_the_request_log_leaves_every_front_door_generate_to_its_own_record():
+    """Each API's Generate path is in GENERATE_RPCS (the interceptor leaves those unwrapped: the front door's
+    RequestRecord logs them), so none is logged twice nor wrapped in a generator of the interceptor."""
+    from tokenloop.service import trtllm_service, vllm_service
+    from tokenloop.service.app import GENERATE_RPCS
+    from tokenloop.service.logs import RequestLogInterceptor
+    assert GENERATE_RPCS == {servicer.GENERATE, trtllm_service.GENERATE, vllm_service.GENERATE}
+
+    async def main():
+        marker = object()
+        handler = grpc.unary_stream_rpc_method_handler(marker)
+
+        async def continuation(details):
+            return handler
+        interceptor = RequestLogInterceptor(own_records=GENERATE_RPCS)
+        for path in GENERATE_RPCS:
+            assert await interceptor.intercept_service(continuation, types.SimpleNamespace(method=path)) is handler
+        other = await interceptor.intercept_service(continuation, types.SimpleNamespace(
+            method="/tokenloop.v1.TextGeneration/Other", invocation_metadata=()))
+        assert other is not handler and other.unary_stream is not marker  # wrapped: logged by the interceptor
     asyncio.run(main())
 
 

@@ -16,6 +16,11 @@ from tokenloop.service.errors import ValidationError
 from tokenloop.service.validation import Limits, Validator
 from tokenloop.service.vllm_service import VllmWriter, generation_defaults, to_valid_request
 
+
+def sent(writer: VllmWriter, batch) -> list[vpb.GenerateResponse]:
+    """What the client reads for one batch: the writer's bytes, parsed."""
+    return [vpb.GenerateResponse.FromString(m) for m in writer.encode(batch)]
+
 DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
 
@@ -160,7 +165,7 @@ def test_streaming_sends_deltas_and_a_complete_with_the_last_delta(validator):
     v = valid(validator, vpb.GenerateRequest(stream=True, tokenized=vpb.TokenizedInput(input_ids=[5, 6, 7]),
                                              sampling_params=vpb.SamplingParams(logprobs=2)))
     writer = VllmWriter(v)
-    first, second = (writer.messages(batch) for batch in _events(v))
+    first, second = (sent(writer, batch) for batch in _events(v))
     (chunk,) = [m.chunk for m in first]
     assert list(chunk.token_ids) == [11, 12] and chunk.completion_tokens == 2 and chunk.prompt_tokens == 3
     assert list(chunk.output_logprobs.token_ids) == [11, 12] and list(chunk.output_logprobs.token_logprobs) == [-0.5] * 2
@@ -175,7 +180,7 @@ def test_streaming_sends_deltas_and_a_complete_with_the_last_delta(validator):
 def test_not_streaming_sends_one_complete_with_every_token(validator):
     v = valid(validator, gen(logprobs=0))
     writer = VllmWriter(v)
-    first, second = (writer.messages(batch) for batch in _events(v))
+    first, second = (sent(writer, batch) for batch in _events(v))
     assert first == [] and len(second) == 1
     c = second[0].complete
     assert list(c.output_ids) == [11, 12, 13] and c.completion_tokens == 3 and c.index == 0
