@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
+
+from tokenloop.v1 import tokenloop_pb2 as server_pb
 from tokenloop_client import types
 from tokenloop_client._gen import tokenloop_pb2 as pb
 from tokenloop_client._request import GenerationParams
-
-from tokenloop.v1 import tokenloop_pb2 as server_pb
 
 MIRRORS = [  # client type, the message it is built from
     (types.ChatMessage, pb.ChatMessage), (types.TopLogprob, pb.TopLogprob), (types.TokenLogprob, pb.TokenLogprob),
