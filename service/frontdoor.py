@@ -19,9 +19,10 @@ For every call the front door runs, in this order: request log record (`RequestR
 `validate` (the API's mapping), grammar (`app.grammars.admit`; `grammar_field` names the field in its errors), LoRA
 (`app.loras.admit`), duplicate id, Abort-while-waiting check, the writer, submit, then delivery: per batch of events
 the writer's messages are yielded while the stall watchdog is armed (it counts them), a reader that stalls past
---slow-reader-grace gives its slot back and takes it again when it reads (service.delivery). ONE error policy: `ServiceError` and the executor's `RequestFailed`
-end the call with their status (`errors.status_of`); anything else is a bug: logged once with its traceback, the
-client gets INTERNAL naming only the exception's type, and the server keeps serving. A cancellation (client gone,
+--slow-reader-grace gives its slot back and takes it again when it reads (service.delivery). ONE error policy:
+`ServiceError` and the executor's `RequestFailed` end the call with their status (`errors.status_of`); anything
+else is a bug: logged once with its traceback, the client gets INTERNAL naming only the exception's type, and the
+server keeps serving. A cancellation (client gone,
 deadline, stalled reader) cancels the request on the way out. A non-streaming (unary) generation API calls
 `complete()` from its unary handler: same pipeline, the `Complete`s collected, one response built by `respond`.
 
