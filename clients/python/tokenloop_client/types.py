@@ -69,6 +69,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0  # of the prompt tokens, those the server's prefix cache held
+    draft_tokens: int = 0  # speculative decoding: tokens drafted for this sequence and checked by the model
+    accepted_draft_tokens: int = 0  # of draft_tokens, those kept (each a completion token)
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,8 @@ class Completion:
             text=msg.text,
             token_ids=tuple(msg.token_ids),
             finish_reason=FinishReason.from_pb(msg.finish_reason),
-            usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens),
+            usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens,
+                        msg.usage.draft_tokens, msg.usage.accepted_draft_tokens),
             timing=Timing(msg.timing.queue_s, msg.timing.ttft_s, msg.timing.total_s),
             seed=msg.seed,
             matched_stop=getattr(msg, which) if which else None,
@@ -166,9 +169,9 @@ class GenerateResult:
     @property
     def usage(self) -> Usage:
         """Token counts: the prompt once, completion tokens summed over sequences."""
-        first = self.completions[0].usage
-        return Usage(first.prompt_tokens, sum(c.usage.completion_tokens for c in self.completions),
-                     first.cached_prompt_tokens)
+        first, done = self.completions[0].usage, self.completions
+        return Usage(first.prompt_tokens, sum(c.usage.completion_tokens for c in done), first.cached_prompt_tokens,
+                     sum(c.usage.draft_tokens for c in done), sum(c.usage.accepted_draft_tokens for c in done))
 
     @property
     def timing(self) -> Timing:
@@ -265,6 +268,8 @@ class Load:
     num_preemptions: int = 0
     kv_blocks_cached: int = 0  # blocks holding a reusable prefix (in use or evictable)
     prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens looked up
+    spec_acceptance_rate: float = 0.0  # speculative decoding: accepted drafted tokens / drafted tokens
+    spec_tokens_per_step: float = 0.0  # speculative decoding: tokens one verification of a draft yields on average
 
     @classmethod
     def from_pb(cls, msg: pb.Load) -> Load:
