@@ -73,7 +73,7 @@ class SequenceWriter:
     behind gets all ready tokens at once, in one message); with `interval` N > 1 a sequence's chunks are held until
     N tokens are ready or it completes (--stream-interval). `coalesce=False` sends one message per chunk.
     The front door yields what `encode(batch)` returns (the Generate method is registered without a response
-    serializer: frontdoor.add_with_raw_responses)."""
+    serializer: frontdoor.add_service)."""
 
     __slots__ = ("valid", "interval", "coalesce", "_held")
 
