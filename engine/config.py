@@ -49,6 +49,9 @@ class EngineConfig:
     speculative: str = "off"
     num_speculative_tokens: int = 4
     speculative_max_batch_size: int = 4
+    # --route-retiming: re-time the quantized products' routes of one family on real steps and switch to a faster one
+    # (engine/route_timing.py); off until measured
+    route_retiming: bool = False
 
     def __post_init__(self):
         if self.max_batch_size < 1:

@@ -36,6 +36,7 @@ from .matmul import set_blas_threads
 from .model_setup import build_model, default_num_threads
 from .pooling import embed_defaults, pool_rows
 from .postprocess import cancelled_steps, error_steps, steps_for_samples
+from .route_timing import RouteTimer
 from .sampler import RowFailure, sample_batch
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -89,6 +90,11 @@ class Engine:
         self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
         self.speculative = self.config.speculative_config  # engine/speculation.py; off unless --speculative ngram
         self.spec_stats = SpecStats()
+        # --route-retiming: quantized routes re-timed on real steps (route_timing.py); only where the calibration chose
+        # C routes (not forced with TOKENLOOP_MATMUL_ROUTE)
+        timed = self.config.route_retiming and self.config.weights in ("int8", "int4") and \
+            not self.model.matmul.chosen.startswith("forced")
+        self.route_timer = RouteTimer(self.model.matmul) if timed else None
         self._thread = threading.Thread(target=self._loop, name="tokenloop-engine", daemon=True)
         log.info("engine: %s, weights %s, activations %s, %d KV blocks of %d tokens, matmul %s, decode attention %s, "
                  "layer ops %s", self.model_config.architecture, self.dtype, self.config.dtype, num_blocks,
@@ -284,7 +290,11 @@ class Engine:
         scheduled = self.scheduler.schedule()  # 1. schedule
         if not scheduled:
             return
-        ran = self._run(scheduled)  # 2. run the model
+        trial = self.route_timer.begin(sum(n for _, n in scheduled)) if self.route_timer else None
+        ran_at = time.perf_counter()
+        ran = self._run(scheduled)  # 2. run the model (now and then on another route of the same bits: route_timing)
+        if trial is not None:
+            self.route_timer.end(trial, time.perf_counter() - ran_at)
         if ran is None:
             return
         out = ran.output
