@@ -130,8 +130,9 @@ def test_lora_list_with_none_loaded_says_so(address):
 def test_lora_load_names_the_path_as_typed(address):
     run = cli("--address", address, "lora", "load", "x", "/no/such/dir")
     assert run.returncode == 1
-    assert run.stderr == ("error: INVALID_ARGUMENT: LoRA adapter `x`: /no/such/dir is not a directory (the path is "
-                          "read on the server's machine; a relative one from its working directory)\n")
+    # the server (no --lora-root here) says `path`; the CLI puts back the path as typed
+    assert run.stderr == ("error: NOT_FOUND: LoRA adapter `x`: /no/such/dir names no PEFT adapter under this server's "
+                          "--lora-root directories (not found, or not allowed)\n"), run.stderr
 
 
 def test_an_address_without_a_port_and_options_after_the_command(address):

@@ -190,3 +190,26 @@ def test_the_json_schema_help_shows_a_bounded_schema():
     schema = json.loads(text[text.index("{"):text.index("; ")])
     assert schema["properties"]["city"]["maxLength"] and schema["properties"]["population"]["maximum"]
     assert "docs/structured-output.md" in text
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("text, schema, cause", [
+    ('{"city": "Paris", "population": 3, "population_density": 2, "x": "y', CITY,
+     'the object has keys the schema does not list (population_density, x): the schema allows them; set '
+     '"additionalProperties": false'),
+    ('{"city": "Paris", "population": 11112222333344445555', CITY,
+     'the text ends inside a number 20 digits long: give it a "maximum" (and a "minimum")'),
+    ('{"city": "Espresso-Lemon-Lemon-Cinnamon', CITY,
+     'the text ends inside a string 29 characters long: give it a "maxLength"'),
+    ('{"items": ["a", "b", "c", "d", "e", "f", "g", "h", "i', {"properties": {"items": {}}},
+     'the text ends inside an array of 9 items: give it "maxItems"'),
+    ('{"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6, "g": 7, "h": 8', None,
+     'the text ends inside an object of 8 keys: give it "maxProperties" (or send a schema)'),
+    ('{"ci', CITY, None),  # the budget was simply too small: the general advice only
+])
+def test_a_cut_off_structure_names_what_ran_on(text, schema, cause):
+    """The exit-3 hint named bounds in general, not additionalProperties nor what actually ran on (issue 44)."""
+    from tokenloop_client._cli_help import incomplete_cause
+    assert incomplete_cause(text, schema) == cause

@@ -307,7 +307,7 @@ def cmd_lora(client: Client, args: argparse.Namespace) -> None:
         try:
             adapters = [client.load_lora_adapter(args.name, args.path, id=args.id)]
         except TokenloopError as err:  # the server elides file paths from messages; this one is what was typed
-            err.message = err.message.replace("<path>", args.path)
+            err.message = err.message.replace("<path>", args.path).replace("`path` names", f"{args.path} names")
             if "not a directory" in err.message or "not a PEFT adapter" in err.message:
                 err.message += " (the path is read on the server's machine; a relative one from its working directory)"
             raise
