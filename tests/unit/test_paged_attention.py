@@ -141,7 +141,7 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path, caplog):
     # a first start says why it is quiet for seconds (issue 44); a cached build says nothing
     compiling = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling the native kernel")]
     assert len(compiling) == len({m.split()[4] for m in compiling}) >= 1
-    assert f"compiling the native kernel {kernels.SOURCE.name} with" in compiling[-1]
+    assert f"compiling the native kernel {kernels.PAGED_SOURCE.name} with" in compiling[-1]
     other = tmp_path / "other.c"
     other.write_text(kernels.PAGED_SOURCE.read_text() + "\n/* changed */\n")
     assert kernels.build(other) != first
