@@ -213,3 +213,11 @@ def test_a_cut_off_structure_names_what_ran_on(text, schema, cause):
     """The exit-3 hint named bounds in general, not additionalProperties nor what actually ran on (issue 44)."""
     from tokenloop_client._cli_help import incomplete_cause
     assert incomplete_cause(text, schema) == cause
+
+
+def test_the_quiet_grpc_log_level_is_not_inherited_by_child_processes():
+    """tokenloop_client runs gRPC's core at ERROR, but leaves GRPC_VERBOSITY out of the environment it passes on."""
+    code = "import os, tokenloop_client, grpc; print(os.environ.get('GRPC_VERBOSITY'))"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("GRPC_VERBOSITY", "GRPC_TRACE")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert (run.returncode, run.stdout) == (0, "None\n"), run.stderr

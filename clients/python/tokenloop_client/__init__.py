@@ -1,14 +1,7 @@
 """Python client for tokenloop: sync `Client`, asyncio `AsyncClient`, typed results and errors."""
 
-import os
-
-# gRPC's C core (grpcio 1.85) prints INFO lines on stderr by default (`I1206 ... ssl_transport_security.cc ...
-# Handshake failed`, `fork_posix.cc ... skipping fork() handlers`): keep it at ERROR unless the user set a verbosity
-# or asked for traces. It is read when grpc is first imported, so this comes before any import of grpc.
-if "GRPC_VERBOSITY" not in os.environ and not os.environ.get("GRPC_TRACE"):
-    os.environ["GRPC_VERBOSITY"] = "ERROR"
-
-from ._channel import RetryPolicy  # noqa: E402
+from . import _grpc_log  # noqa: F401  (first: sets gRPC's log level before grpc is imported)
+from ._channel import RetryPolicy
 from .aio import AsyncClient, AsyncTextStream
 from .client import Client, TextStream
 from .errors import (
