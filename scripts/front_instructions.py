@@ -57,8 +57,7 @@ async def serve(mode: str, model: str) -> None:
         await server.start()
         stop = server.stop
     else:
-        sys.path.insert(0, str(ROOT))  # bench/ is a folder of scripts, not an installed package
-        from bench.null_executor import NullExecutor, sample_token_ids
+        from tokenloop.bench.null_executor import NullExecutor, sample_token_ids
         from tokenloop.core.tokenizer import Tokenizer
         from tokenloop.service.server import Server
         ex = NullExecutor(sample_token_ids(Tokenizer.from_dir(model)))
