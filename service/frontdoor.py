@@ -210,22 +210,22 @@ class _Mapped:
         return False
 
 
-async def _mapped_call(servicer, fn, ready: bool, request, context):
-    async with _Mapped(context, fn.__name__, servicer.app if ready else None):
-        return await fn(servicer, request, context)
-
-
-async def _mapped_stream(servicer, fn, ready: bool, request, context):
-    async with _Mapped(context, fn.__name__, servicer.app if ready else None):
-        async for msg in fn(servicer, request, context):
-            yield msg
-
-
 def unary(ready: bool = True):
     """Decorates a unary handler `async def RPC(self, request, context)` of a servicer with `self.app` (or a
     server-streaming one, an async generator, other than Generate): the ready check (`ready=True`), then the one
     error mapping (`_Mapped`). grpc sees a coroutine (or async generator) function, as before."""
     def wrap(fn):
-        run = _mapped_stream if inspect.isasyncgenfunction(fn) else _mapped_call
-        return functools.update_wrapper(functools.partialmethod(run, fn, ready), fn)
+        if inspect.isasyncgenfunction(fn):
+            @functools.wraps(fn)
+            async def stream(self, request, context):
+                async with _Mapped(context, fn.__name__, self.app if ready else None):
+                    async for msg in fn(self, request, context):
+                        yield msg
+            return stream
+
+        @functools.wraps(fn)
+        async def call(self, request, context):
+            async with _Mapped(context, fn.__name__, self.app if ready else None):
+                return await fn(self, request, context)
+        return call
     return wrap
