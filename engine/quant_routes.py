@@ -4,6 +4,7 @@ and keeps one family (matmul.MatmulPolicy.calibrate_quant)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .calibration import BUCKETS, COLD_TOKENS, best_times
-from .kernels import NO_COMPILER
+from .kernels import NO_COMPILER, cpu_id
 from .linear_kernels import Int4Linear, Int8Linear
 from .quant import Q4Weight, QWeight
 
@@ -77,8 +78,16 @@ def prepack_dynamic(w: QWeight | Q4Weight):
 
 def dynamic_int8(x: torch.Tensor, packed) -> torch.Tensor:
     """torch.ops.quantized.linear_dynamic: x quantized to uint8 per call (one scale for the whole tensor), int8
-    weights, VNNI where the CPU has it."""
-    return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, False)
+    weights, VNNI where the CPU has it. Without VNNI fbgemm multiplies with vpmaddubsw, whose int16 pair sums
+    saturate on 8-bit activations (an output off by ~17 % of the largest on AVX2-only Zen 3): there the activations
+    take 7 bits (`reduce_range`, torch's own advice for such CPUs)."""
+    return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, not _has_vnni())
+
+
+@functools.cache
+def _has_vnni() -> bool:
+    """Whether this CPU has an int8 dot-product instruction (AVX512-VNNI or AVX-VNNI) that fbgemm uses."""
+    return bool(set(cpu_id().split()) & {"avx512_vnni", "avx_vnni"})
 
 
 DYNQ_INELIGIBLE = ("quantizes the activations with one scale per call (the whole batch): a row's result depends on "
