@@ -64,6 +64,15 @@ def config_dict(g: GGUFFile) -> dict:
     elif scaling not in (None, "none"):
         raise GGUFError(f"{g.path}: {arch}.rope.scaling.type {scaling!r} is not one we serve; we serve linear (and "
                         "Llama 3's rope_freqs.weight)")
+    if arch == "gemma3":  # as llama.cpp runs it: every 6th layer global, the others local with base 10,000
+        full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+        full.update(config.pop("rope_scaling", {}))
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=config["head_dim"],
+                      rope_parameters={"full_attention": full,
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                      layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                   for i in range(config["num_hidden_layers"])])
+        del config["hidden_act"]
     if "rope_freqs.weight" in names:  # Llama 3.x: llama.cpp divides each rotary frequency by its factor
         config["rope_freq_factors"] = _read_float(g, names["rope_freqs.weight"]).reshape(-1).tolist()
     return config
@@ -190,8 +199,11 @@ def load_gguf_weights(path: str | Path, config, dtype: torch.dtype,
         out[f"layers.{i}.o"] = r.matrix([b + "attn_output.weight"])
         out[f"layers.{i}.gate_up"] = r.matrix([b + "ffn_gate.weight", b + "ffn_up.weight"])
         out[f"layers.{i}.down"] = r.matrix([b + "ffn_down.weight"])
-        out[f"layers.{i}.input_norm"] = r.cast(b + "attn_norm.weight")
+        out[f"layers.{i}.input_norm"] = r.cast(b + "attn_norm.weight")  # Gemma 3's norms: 1 + w in the file already
         out[f"layers.{i}.post_norm"] = r.cast(b + "ffn_norm.weight")
+        if config.sandwich_norms:
+            out[f"layers.{i}.post_attn_norm"] = r.cast(b + "post_attention_norm.weight")
+            out[f"layers.{i}.post_ff_norm"] = r.cast(b + "post_ffw_norm.weight")
         if config.qk_norm:
             out[f"layers.{i}.q_norm"] = r.cast(b + "attn_q_norm.weight")
             out[f"layers.{i}.k_norm"] = r.cast(b + "attn_k_norm.weight")

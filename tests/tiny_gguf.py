@@ -16,7 +16,10 @@ from safetensors.numpy import load_file
 
 T = GGMLQuantizationType
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3"}
+             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+GEMMA3_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
                "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
                "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -31,7 +34,7 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, gemma: bool = False) -> str:
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "model.norm.weight":
@@ -39,7 +42,7 @@ def gguf_name(name: str) -> str:
     if name == "lm_head.weight":
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[rest]}"
+    return f"blk.{layer}.{(GEMMA3_NAMES if gemma else {}).get(rest) or LAYER_NAMES[rest]}"
 
 
 def write_gguf(model_dir: str | Path, path: str | Path, matrix_type: T = T.F32, embed_type: T = T.F32,
@@ -55,12 +58,16 @@ def write_gguf(model_dir: str | Path, path: str | Path, matrix_type: T = T.F32, 
             f"{arch}.embedding_length": config["hidden_size"], f"{arch}.block_count": config["num_hidden_layers"],
             f"{arch}.feed_forward_length": config["intermediate_size"], f"{arch}.attention.head_count": heads,
             f"{arch}.attention.head_count_kv": kv_heads, f"{arch}.rope.dimension_count": config["head_dim"],
-            f"{arch}.rope.freq_base": float(config["rope_theta"]),
+            f"{arch}.rope.freq_base": float(config.get("rope_theta") or
+                                            config["rope_parameters"]["full_attention"]["rope_theta"]),
             f"{arch}.attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
             "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
             "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
             "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.padding_token_id": 2,
             "tokenizer.ggml.add_bos_token": False}
+    if arch == "gemma3":
+        keys |= {f"{arch}.attention.sliding_window": config["sliding_window"],
+                 f"{arch}.attention.key_length": config["head_dim"]}
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     tokens = [t for t, _ in vocab]
     specials = {a["id"] for a in tok["added_tokens"] if a["special"]}
@@ -86,7 +93,9 @@ def write_gguf(model_dir: str | Path, path: str | Path, matrix_type: T = T.F32, 
         t = t.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = permute(t, heads if "q_proj" in name else kv_heads)
-        out = gguf_name(name)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma's 1 + w
+            t = t + np.float32(1.0)
+        out = gguf_name(name, arch == "gemma3")
         kind = (types or {}).get(out, embed_type if out in ("token_embd.weight", "output.weight") else
                                  matrix_type if t.ndim == 2 else T.F32)
         data = t if kind == T.F32 else t.astype(np.int8) if kind == T.I8 else quants.quantize(t, kind)

@@ -201,3 +201,24 @@ def test_llama3_rope_freqs_give_the_checkpoints_rotary_frequencies_and_tokens(tm
         finally:
             engine.shutdown()
     assert results[0] == results[1]
+
+
+def test_gemma3_file_gives_the_checkpoints_weights_and_serves(tmp_path):
+    """A Gemma 3 file (llama.cpp's names, its norms stored as 1 + w) loads the checkpoint's weights bit for bit and
+    its shape as llama.cpp runs it (every 6th layer global, attention scaled by the head size), and serves."""
+    model = make_tiny_model(tmp_path / "model", "gemma3", tied=False, num_layers=6)
+    gguf = write_gguf(model, tmp_path / "g3.gguf")
+    ours, ref = ModelConfig.from_dir(gguf), ModelConfig.from_dir(model)
+    assert ours.local_layers == (True,) * 5 + (False,) and ours.attn_scale == ref.head_dim ** -0.5
+    assert dataclasses.replace(ours, rms_norm_eps=1e-5, local_layers=ref.local_layers,
+                               attn_scale=ref.attn_scale) == ref
+    mine, theirs = load_weights(gguf, ours, torch.float32), load_weights(model, ref, torch.float32)
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(mine[name], theirs[name]), name
+    engine = Engine.from_dir(gguf, EngineConfig(kv_cache_tokens=1024, max_batch_size=4, max_num_tokens=64))
+    try:
+        ids, steps = run_all(engine, [greedy_request(p, 8) for p in PROMPTS])
+        assert all(len(tokens(steps[(i, 0)])) == 8 for i in ids)
+    finally:
+        engine.shutdown()
