@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import re
 import threading
 import time
@@ -93,47 +94,81 @@ def lark_of(kind: str, spec: str) -> str:
         raise GrammarError(kind, f"{type(exc).__name__}: {exc}") from None
 
 
-def bounded_schema(schema):
+def bounded_schema(schema, close: bool | None = None):
     """`schema` (parsed JSON) with the first-try defaults filled in where it leaves a bound out (see MAX_SAFE_INTEGER
-    above): a new dict, the input untouched. A bound the schema gives is kept, so is `additionalProperties: true`."""
+    above): a new dict, the input untouched. A bound the schema gives is kept, so is `additionalProperties: true`;
+    a default never contradicts a bound the schema gives (a `minLength` of 200 gets a `maxLength` of 200, not 128),
+    so a schema that admits a value still admits one. `close`: whether objects that list properties are closed
+    (None: unless the schema has an `allOf`, whose parts, each closed, would admit no object together)."""
     if not isinstance(schema, dict):
         return schema
+    if close is None:
+        close = not _mentions(schema, "allOf")
     out = dict(schema)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: bounded_schema(sub) for name, sub in out[key].items()}
+            out[key] = {name: bounded_schema(sub, close) for name, sub in out[key].items()}
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [bounded_schema(sub) for sub in out[key]]
+            out[key] = [bounded_schema(sub, close) for sub in out[key]]
     for key in _SUBSCHEMAS:
         if isinstance(out.get(key), dict):
-            out[key] = bounded_schema(out[key])
+            out[key] = bounded_schema(out[key], close)
     if "enum" in out or "const" in out or "$ref" in out:
         return out
     types = out.get("type")
     types = set(types) if isinstance(types, list) else {types}
     if "object" in types or "properties" in out:
-        _bound_object(out)
+        _bound_object(out, close)
     if types & {"integer", "number"}:
-        if "maximum" not in out and "exclusiveMaximum" not in out:
+        low = max((v for v in (_number(out.get("minimum")), _number(out.get("exclusiveMinimum"))) if v is not None),
+                  default=None)
+        high = min((v for v in (_number(out.get("maximum")), _number(out.get("exclusiveMaximum"))) if v is not None),
+                   default=None)
+        if "maximum" not in out and "exclusiveMaximum" not in out and (low is None or low < MAX_SAFE_INTEGER):
             out["maximum"] = MAX_SAFE_INTEGER
-        if "minimum" not in out and "exclusiveMinimum" not in out:
+        if "minimum" not in out and "exclusiveMinimum" not in out and (high is None or high > -MAX_SAFE_INTEGER):
             out["minimum"] = -MAX_SAFE_INTEGER
         if "number" in types and "integer" not in types and "multipleOf" not in out:
             out["multipleOf"] = 10.0**-NUMBER_DECIMALS
     if "string" in types and not {"maxLength", "pattern", "format"} & out.keys():
-        out["maxLength"] = MAX_STRING_CHARS
+        out["maxLength"] = max(MAX_STRING_CHARS, _count(out.get("minLength")))
     if "array" in types and "maxItems" not in out and not isinstance(out.get("items"), bool):
-        out["maxItems"] = MAX_ITEMS
+        out["maxItems"] = max(MAX_ITEMS, _count(out.get("minItems")))
     return out
 
 
-def _bound_object(schema: dict) -> None:
-    if schema.get("properties"):
-        if not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys():
+def _bound_object(schema: dict, close: bool) -> None:
+    properties = schema.get("properties")
+    if properties:
+        required = schema.get("required")
+        # a required key the schema does not list is allowed only as an extra key: closing would forbid it
+        unlisted = isinstance(required, list) and any(name not in properties for name in required)
+        if close and not unlisted and \
+                not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys():
             schema["additionalProperties"] = False
     elif "maxProperties" not in schema:  # keys of any name: as many as a model wants, unless bounded
-        schema["maxProperties"] = MAX_PROPERTIES
+        schema["maxProperties"] = max(MAX_PROPERTIES, _count(schema.get("minProperties")))
+
+
+def _number(value) -> float | None:
+    """A numeric bound's value; None for none (or a draft-4 boolean `exclusiveMinimum`)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _count(value) -> int:
+    """A `minLength` / `minItems` / `minProperties` as an int (0 when absent or not a number)."""
+    number = _number(value)
+    return int(number) if number is not None and math.isfinite(number) else 0
+
+
+def _mentions(schema, key: str) -> bool:
+    """Whether `key` is a key anywhere in `schema` (parsed JSON)."""
+    if isinstance(schema, dict):
+        return key in schema or any(_mentions(v, key) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_mentions(v, key) for v in schema)
+    return False
 
 
 def schema_text(kind: str, spec: str) -> str:
@@ -143,11 +178,15 @@ def schema_text(kind: str, spec: str) -> str:
         return json.dumps(bounded_schema(BOUNDED_ANY_OBJECT))
     try:
         schema = json.loads(spec)
+        if not isinstance(schema, dict):
+            raise GrammarError(kind, f"a JSON schema is a JSON object; got {type(schema).__name__}")
+        return json.dumps(bounded_schema(schema))
+    except GrammarError:
+        raise
     except ValueError as exc:
         raise GrammarError(kind, f"not JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise GrammarError(kind, f"a JSON schema is a JSON object; got {type(schema).__name__}")
-    return json.dumps(bounded_schema(schema))
+    except RecursionError:  # Python's parser and `bounded_schema` recurse once per level (llguidance stops sooner)
+        raise GrammarError(kind, "the schema is nested too deeply") from None
 
 
 def grammar_text(kind: str, spec: str) -> str:

@@ -14,6 +14,7 @@ from tokenloop.core.structured import (
     MAX_SAFE_INTEGER,
     MAX_STRING_CHARS,
     GrammarCompiler,
+    GrammarError,
     bounded_schema,
     schema_text,
 )
@@ -88,3 +89,36 @@ def test_json_object_is_any_object_with_bounded_keys_and_values(admits):
     many = "{" + ", ".join(f'"k{i}": {i}' for i in range(MAX_PROPERTIES + 1)) + "}"
     assert not admits("json_object", None, many)
     assert json.loads(schema_text("json_object", ""))["maxProperties"] == MAX_PROPERTIES
+
+
+# A default never contradicts a bound the schema gives: each of these admitted its value before the defaults, and
+# with them llguidance refused the schema ("Unsatisfiable schema: minLength (200) is greater than maxLength (128)",
+# a maxLength the client never sent), or admitted no object at all (allOf's parts each closed).
+@pytest.mark.parametrize(("schema", "value"), [
+    ({"type": "string", "minLength": 200}, "a" * 200),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 20}, list(range(20))),
+    ({"type": "object", "minProperties": 10}, {f"k{i}": i for i in range(10)}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, {"a": 1, "b": 2}),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"type": "object", "properties": {"b": {"type": "integer"}}}]}, {"a": 1, "b": 2}),
+])
+def test_a_default_never_makes_a_satisfiable_schema_unsatisfiable(admits, schema, value):
+    assert admits("json_schema", schema, json.dumps(value))
+
+
+def test_the_defaults_stay_where_the_schema_gives_only_a_small_lower_bound():
+    assert bounded_schema({"type": "string", "minLength": 3})["maxLength"] == MAX_STRING_CHARS
+    assert bounded_schema({"type": "array", "minItems": 2})["maxItems"] == MAX_ITEMS
+    assert bounded_schema({"type": "integer", "minimum": 0})["maximum"] == MAX_SAFE_INTEGER
+    assert bounded_schema({"anyOf": [CITY]})["anyOf"][0]["additionalProperties"] is False  # no allOf: closed
+    # a lower bound past the default maximum gets none (llguidance cannot compile a one-sided range that large, but
+    # that is the schema as sent: the default no longer says `maximum` < `minimum`)
+    assert "maximum" not in bounded_schema({"type": "integer", "minimum": 2**60})
+    assert "minimum" not in bounded_schema({"type": "number", "exclusiveMaximum": -(2**60)})
+
+
+@pytest.mark.parametrize("spec", ['{"items": ' * 5000 + "{}" + "}" * 5000,
+                                  '{"type": "array", "items": ' * 900 + "{}" + "}" * 900])
+def test_a_schema_nested_past_pythons_recursion_limit_is_a_grammar_error(spec):
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        schema_text("json_schema", spec)
