@@ -328,7 +328,10 @@ class Engine:
         """The requests of rows that could not be sampled end alone, with their errors."""
         steps = []
         for request_id, failure in {seq.executor_id: f for seq, f in failures}.items():
-            log.warning("request %d failed in sampling: %s", request_id, failure.message)
+            # a request's own values (invalid): the client gets the message and the request log's line, within its
+            # budget for failed calls, says so; a warning per request would let a client flood the log at will
+            log.log(logging.DEBUG if failure.invalid else logging.WARNING, "request %d failed in sampling: %s",
+                    request_id, failure.message)
             kind = ErrorKind.INVALID_ARGUMENT if failure.invalid else ErrorKind.INTERNAL
             steps += error_steps(request_id, self._forget(request_id), self.scheduler, failure.message, kind)
         return steps

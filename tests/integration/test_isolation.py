@@ -10,6 +10,7 @@ forward that fails for one request's rows (TOKENLOOP_DEBUG_FAULT's `position:N`,
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -117,7 +118,11 @@ def test_v1_bad_requests_fail_alone_beside_16_streams_that_get_their_tokens(chec
     run(body())
 
 
-def test_the_server_keeps_serving_after_many_bad_requests_in_a_row(checkpoint):
+def test_the_server_keeps_serving_after_many_bad_requests_in_a_row(checkpoint, caplog):
+    """... and the requests whose own values fail in sampling (INVALID_ARGUMENT) leave no warning each: a client
+    repeats them at will, and only the request log's budgeted line may record them (docs/robustness.md)."""
+    caplog.set_level(logging.DEBUG, logger="tokenloop.engine.engine")
+
     async def body():
         async with engine_server(checkpoint) as (server, stub, _, health_stub, engine):
             card = server.app.card
@@ -132,6 +137,11 @@ def test_the_server_keeps_serving_after_many_bad_requests_in_a_row(checkpoint):
             assert await outcome(stub.Generate(v1_good(3))) == first
 
     run(body())
+    sampling = [r for r in caplog.records if "failed in sampling" in r.getMessage()]
+    assert len(sampling) == 20 and all(r.levelno == logging.DEBUG for r in sampling), \
+        [(r.levelname, r.getMessage()) for r in sampling[:3]]
+    forward = [r for r in caplog.records if "fails alone in the model forward" in r.getMessage()]
+    assert len(forward) == 10 and all(r.levelno == logging.WARNING for r in forward)  # the server's own fault
 
 
 # -- trtllm.TrtllmService ------------------------------------------------------------------------------------------
