@@ -146,6 +146,7 @@ class ServerConfig:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
 
+GRPC_INT_MAX = 2**31 - 1  # grpc core's integer channel arguments
 ENGINE_POSITIVE = ("max_batch_size", "max_num_tokens", "num_threads", "block_size", "kv_cache_tokens", "max_lora_rank",
                    "num_speculative_tokens", "speculative_max_batch_size")
 
@@ -173,6 +174,12 @@ def _check_limits(c: ServerConfig) -> None:
     if c.backend == "engine" and speculative in ("lookahead", "draft_target"):
         raise ValueError(f"--speculative {speculative} is TensorRT-LLM's (--backend trtllm); the embedded engine "
                          "takes off or ngram")
+    # values that become grpc core channel arguments (C ints): a larger one failed start-up with an OverflowError
+    for flag, value, most in (("--handshake-timeout", c.handshake_timeout, GRPC_INT_MAX // 1000),
+                              ("--max-connections", c.max_connections, GRPC_INT_MAX),
+                              ("--max-message-bytes", c.max_message_bytes, GRPC_INT_MAX)):
+        if value > most:
+            raise ValueError(f"{flag} must be <= {most}; got {value}")
     fraction = c.executor_options.get("kv_cache_memory_fraction")
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"--kv-cache-memory-fraction must be > 0 and <= 1; got {fraction}")

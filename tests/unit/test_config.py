@@ -55,7 +55,12 @@ def test_management_and_connection_flags_reach_the_config():
 @pytest.mark.parametrize("kw, message", [
     ({"handshake_timeout": 0}, "--handshake-timeout must be > 0"),
     ({"max_connections": -1}, "--max-connections must be >= 0 (0: no cap)"),
-    ({"max_connections_per_peer": -1}, "--max-connections-per-peer must be >= 0 (0: no cap)")])
+    ({"max_connections_per_peer": -1}, "--max-connections-per-peer must be >= 0 (0: no cap)"),
+    # grpc core takes them as C ints: past 2**31 - 1 the server's creation raised OverflowError with a traceback
+    ({"handshake_timeout": 1e7}, "--handshake-timeout must be <= 2147483; got 10000000.0"),
+    ({"handshake_timeout": float("inf")}, "--handshake-timeout must be <= 2147483; got inf"),
+    ({"max_connections": 2**31}, "--max-connections must be <= 2147483647; got 2147483648"),
+    ({"max_message_bytes": 2**32}, "--max-message-bytes must be <= 2147483647; got 4294967296")])
 def test_config_checks_the_connection_bounds(kw, message):
     with pytest.raises(ValueError) as exc:
         ServerConfig(**kw)
