@@ -9,12 +9,15 @@ handlers` when the compile processes start). `CoreLogRelay` puts a pipe in place
 a failed handshake (an INFO line) becomes one warning with its reason, then at most one line per interval with the
 count (`HandshakeLog`); gRPC's other INFO, WARNING and DEBUG lines are dropped unless GRPC_VERBOSITY asks for them
 (DEBUG or INFO) or GRPC_TRACE is set; every other line (gRPC's errors, anything else) is written to the real stderr
-unchanged. Python's own logging is pointed at the real stderr directly, so it never passes through the relay.
+unchanged. Python's own logging is pointed at the real stderr directly, so it never passes through the relay, and
+so is `faulthandler` (on while the relay runs): a crash kills the relay's thread with the process, and the fatal
+signal's traceback would otherwise be lost in the pipe.
 (GRPC_VERBOSITY=ERROR itself would silence the handshake lines too, which the relay needs.)
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import re
@@ -99,6 +102,7 @@ class CoreLogRelay:
         self._read_fd: int | None = None
         self._thread: threading.Thread | None = None
         self._restore: list = []  # (handler, stream) and sys.stderr as they were
+        self._faulthandler_was = False
 
     def start(self) -> None:
         sys.stderr.flush()
@@ -112,6 +116,10 @@ class CoreLogRelay:
                 self._restore.append((handler, handler.setStream(real)))
         self._restore.append((None, sys.stderr))
         sys.stderr = real
+        # a crash (a kernel's SIGSEGV, an abort) ends the relay's thread with the process, and what was still in the
+        # pipe is lost: the fatal signal's Python traceback goes to the real stderr directly
+        self._faulthandler_was = faulthandler.is_enabled()
+        faulthandler.enable(file=real, all_threads=True)
         self._thread = threading.Thread(target=self._run, name="tokenloop-corelog", daemon=True)
         self._thread.start()
 
@@ -127,6 +135,12 @@ class CoreLogRelay:
                 sys.stderr = stream
             else:
                 handler.setStream(stream)
+        faulthandler.disable()
+        if self._faulthandler_was:  # on again, where it can write (sys.stderr may be a test's capture: no fd)
+            try:
+                faulthandler.enable(file=sys.stderr, all_threads=True)
+            except (AttributeError, OSError, ValueError):
+                faulthandler.enable(file=sys.__stderr__, all_threads=True)
         os.close(self._saved_fd)
         self._saved_fd = None
 

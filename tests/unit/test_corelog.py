@@ -68,3 +68,25 @@ def test_core_lines_below_error_are_dropped_unless_asked(monkeypatch, env, kept)
     with os.fdopen(read_fd, "rb") as f:
         assert f.read().splitlines(keepends=True) == kept
     assert failed == [LINE + "\n"]
+
+
+CRASH = """
+import ctypes, os
+from tokenloop.service.corelog import CoreLogRelay
+CoreLogRelay().start()
+os.write(2, b"a line for the relay\\n")
+ctypes.string_at(0)  # SIGSEGV, as a native kernel's fault would be
+"""
+
+
+def test_a_crash_while_the_relay_runs_still_reaches_stderr():
+    """The relay's thread dies with the process: a fatal signal's traceback (a kernel's SIGSEGV) was lost in the pipe
+    (it went to fd 2, the pipe, even with PYTHONFAULTHANDLER set); it now goes to the real stderr."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "GRPC_VERBOSITY", "GRPC_TRACE")}
+    run = subprocess.run([sys.executable, "-c", CRASH], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode != 0
+    assert "Fatal Python error: Segmentation fault" in run.stderr, run.stderr[-2000:]
+    assert "ctypes" in run.stderr or "string_at" in run.stderr or "<string>" in run.stderr  # the Python stack
