@@ -60,7 +60,10 @@ _ANY_VALUE = {"anyOf": [{"type": "string"}, {"type": "number"}, {"type": "boolea
 BOUNDED_ANY_OBJECT = {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}, "$defs": {"value": _ANY_VALUE}}
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMAS = ("items", "additionalProperties", "then", "else", "contains", "propertyNames")
+# not bounded: a bound inside `not` would let more through, one inside `if` would change which branch applies
+# subschemas that describe the same object as the schema they sit in (parts of it, not alternatives to it)
+_PARTS = ("anyOf", "oneOf", "allOf", "if", "then", "else", "dependentSchemas")
 _WHAT = {"json_schema": "a valid JSON schema", "json_object": "valid", "regex": "a valid regular expression",
          "grammar": "a valid grammar", "structural_tag": "a valid structural tag"}
 
@@ -105,21 +108,25 @@ def bounded_schema(schema, close: bool | None = None):
     if close is None:
         close = not _mentions(schema, "allOf")
     out = dict(schema)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: bounded_schema(sub, close) for name, sub in out[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [bounded_schema(sub, close) for sub in out[key]]
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = bounded_schema(out[key], close)
-    if "enum" in out or "const" in out or "$ref" in out:
-        return out
     types = out.get("type")
     types = set(types) if isinstance(types, list) else {types}
-    if "object" in types or "properties" in out:
-        _bound_object(out, close)
+    is_object = "object" in types or "properties" in out
+    # an object whose anyOf / oneOf / if-then-else add properties: closed, it or its parts would refuse the others'
+    parts_close = close and not (is_object and any(key in out for key in _PARTS))
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            sub_close = parts_close if key in _PARTS else close
+            out[key] = {name: bounded_schema(sub, sub_close) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_schema(sub, parts_close if key in _PARTS else close) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = bounded_schema(out[key], parts_close if key in _PARTS else close)
+    if "enum" in out or "const" in out or "$ref" in out:
+        return out
+    if is_object:
+        _bound_object(out, parts_close)
     if types & {"integer", "number"}:
         low = max((v for v in (_number(out.get("minimum")), _number(out.get("exclusiveMinimum"))) if v is not None),
                   default=None)

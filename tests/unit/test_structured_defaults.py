@@ -101,6 +101,9 @@ def test_json_object_is_any_object_with_bounded_keys_and_values(admits):
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, {"a": 1, "b": 2}),
     ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
                 {"type": "object", "properties": {"b": {"type": "integer"}}}]}, {"a": 1, "b": 2}),
+    # an object whose anyOf branches add properties: closing it, or a branch, refused the other's keys
+    ({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+      "anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}]}, {"kind": "x", "a": 1}),
 ])
 def test_a_default_never_makes_a_satisfiable_schema_unsatisfiable(admits, schema, value):
     assert admits("json_schema", schema, json.dumps(value))
@@ -110,7 +113,10 @@ def test_the_defaults_stay_where_the_schema_gives_only_a_small_lower_bound():
     assert bounded_schema({"type": "string", "minLength": 3})["maxLength"] == MAX_STRING_CHARS
     assert bounded_schema({"type": "array", "minItems": 2})["maxItems"] == MAX_ITEMS
     assert bounded_schema({"type": "integer", "minimum": 0})["maximum"] == MAX_SAFE_INTEGER
-    assert bounded_schema({"anyOf": [CITY]})["anyOf"][0]["additionalProperties"] is False  # no allOf: closed
+    assert bounded_schema({"anyOf": [CITY]})["anyOf"][0]["additionalProperties"] is False  # alternatives: closed
+    # a bound inside `not` would let more through, one inside `if` would change which branch applies: none there
+    negated = {"type": "string", "not": {"type": "string", "pattern": "^x"}, "if": {"type": "string"}}
+    assert bounded_schema(negated) == {**negated, "maxLength": MAX_STRING_CHARS}
     # a lower bound past the default maximum gets none (llguidance cannot compile a one-sided range that large, but
     # that is the schema as sent: the default no longer says `maximum` < `minimum`)
     assert "maximum" not in bounded_schema({"type": "integer", "minimum": 2**60})
