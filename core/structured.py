@@ -141,7 +141,8 @@ def bounded_schema(schema, close: bool | None = None):
     if "string" in types and not {"maxLength", "pattern", "format"} & out.keys():
         out["maxLength"] = max(MAX_STRING_CHARS, _count(out.get("minLength")))
     if "array" in types and "maxItems" not in out and not isinstance(out.get("items"), bool):
-        out["maxItems"] = max(MAX_ITEMS, _count(out.get("minItems")))
+        prefix = out.get("prefixItems")
+        out["maxItems"] = max(MAX_ITEMS, _count(out.get("minItems")), len(prefix) if isinstance(prefix, list) else 0)
     return out
 
 
@@ -155,7 +156,9 @@ def _bound_object(schema: dict, close: bool) -> None:
                 not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & schema.keys():
             schema["additionalProperties"] = False
     elif "maxProperties" not in schema:  # keys of any name: as many as a model wants, unless bounded
-        schema["maxProperties"] = max(MAX_PROPERTIES, _count(schema.get("minProperties")))
+        required = schema.get("required")
+        schema["maxProperties"] = max(MAX_PROPERTIES, _count(schema.get("minProperties")),
+                                      len(required) if isinstance(required, list) else 0)
 
 
 def _number(value) -> float | None:

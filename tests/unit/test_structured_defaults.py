@@ -98,6 +98,8 @@ def test_json_object_is_any_object_with_bounded_keys_and_values(admits):
     ({"type": "string", "minLength": 200}, "a" * 200),
     ({"type": "array", "items": {"type": "integer"}, "minItems": 20}, list(range(20))),
     ({"type": "object", "minProperties": 10}, {f"k{i}": i for i in range(10)}),
+    ({"type": "object", "required": [f"k{i}" for i in range(10)]}, {f"k{i}": i for i in range(10)}),
+    ({"type": "array", "prefixItems": [{"type": "integer"}] * 20, "minItems": 20}, list(range(20))),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, {"a": 1, "b": 2}),
     ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
                 {"type": "object", "properties": {"b": {"type": "integer"}}}]}, {"a": 1, "b": 2}),
