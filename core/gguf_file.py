@@ -26,11 +26,13 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 READ_VERSIONS = (2, 3)
 T = GGMLQuantizationType
-# tensor types we read, and the weights mode each is closest to (`--weights auto`, by the layers' element count):
-# 4 and 5 bits -> int4, 6 and 8 bits -> int8, 16 and 32 bits -> fp32
+# tensor types we read, and the smallest weights mode that holds their values without losing precision (`--weights
+# auto`, by the layers' element count): 2 to 4 bits -> int4 (Q4_0 / Q4_1 exactly, Q4_K's 32-column blocks nearly),
+# 5 to 8 bits -> int8 (Gemma 3 270M's Q5_0 / Q6_K re-quantized to 4 bits kept fp32's 16 greedy tokens on 1 prompt of
+# 16, so int4 is no longer the default for such files), 16 and 32 bits -> fp32
 TENSOR_MODES = {T.F32: "fp32", T.F16: "fp32", T.BF16: "fp32", T.Q8_0: "int8", T.Q6_K: "int8",
-                T.Q4_0: "int4", T.Q4_1: "int4", T.Q5_0: "int4", T.Q5_1: "int4", T.Q4_K: "int4", T.Q5_K: "int4",
-                T.Q3_K: "int4", T.Q2_K: "int4"}
+                T.Q5_0: "int8", T.Q5_1: "int8", T.Q5_K: "int8",
+                T.Q4_0: "int4", T.Q4_1: "int4", T.Q4_K: "int4", T.Q3_K: "int4", T.Q2_K: "int4"}
 TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE, sentencepiece BPE
 
 

@@ -102,7 +102,7 @@ def test_other_types_are_dequantized_then_quantized_to_the_mode(llama, tmp_path)
 
 
 @pytest.mark.parametrize(("kind", "mode"), [(T.F32, "fp32"), (T.F16, "fp32"), (T.Q8_0, "int8"), (T.Q4_1, "int4"),
-                                            (T.Q5_1, "int4")])
+                                            (T.Q5_1, "int8")])
 def test_weights_auto_is_the_files_precision(llama, tmp_path, kind, mode):
     assert open_gguf(write_gguf(llama, tmp_path / "a.gguf", kind, T.Q8_0)).weights_mode() == mode
 

@@ -78,7 +78,7 @@ def test_tensor_type_refused_by_name(model, tmp_path):
     path = write_gguf(model, tmp_path / "tq.gguf", types={"blk.1.ffn_up.weight": T.I8})
     message = refused(path)
     assert message.startswith(f"--model {path}: tensor 'blk.1.ffn_up.weight' has type I8, which we do not read; "
-                              "we read F32, F16, BF16, Q8_0, Q6_K, Q4_0, Q4_1")
+                              "we read F32, F16, BF16, Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1")
 
 
 def test_missing_key_and_tokenizer(model, tmp_path):
