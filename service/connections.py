@@ -132,18 +132,21 @@ def shut_down(fd: int, inode: int) -> bool:
             os.close(dup)
 
 
-def over_cap(conns: list[Conn], per_peer: int, total: int = 0) -> list[Conn]:
-    """The newest connections (highest inodes: sockets are numbered as they are made) of each peer beyond `per_peer`
-    (0: no cap), then the newest of the rest beyond `total` (0: no cap)."""
+def over_cap(conns: list[Conn], per_peer: int, total: int = 0, first_seen: dict[int, int] | None = None) -> list[Conn]:
+    """The newest connections of each peer beyond `per_peer` (0: no cap), then the newest of the rest beyond `total`
+    (0: no cap). Newest: first seen in a later look (`first_seen`: inode -> the look that first saw it); within one
+    look, the higher inode. Inodes alone do not order sockets by age: the kernel hands them out in per-CPU batches."""
+    seen = first_seen or {}
+    age = lambda c: (seen.get(c.inode, 1 << 62), c.inode)  # noqa: E731
     by_peer: dict[str, list[Conn]] = defaultdict(list)
     for c in conns:
         by_peer[c.peer].append(c)
     out = []
     for peer_conns in by_peer.values():
         if per_peer and len(peer_conns) > per_peer:
-            out += sorted(peer_conns, key=lambda c: c.inode)[per_peer:]
+            out += sorted(peer_conns, key=age)[per_peer:]
     if total:
-        left = sorted(set(conns) - set(out), key=lambda c: c.inode)
+        left = sorted(set(conns) - set(out), key=age)
         out += left[total:]
     return out
 
@@ -155,6 +158,8 @@ class ConnectionWatch:
     def __init__(self, port: int, max_connections: int, per_peer: int, interval: float = 0.5):
         self.port, self.max_connections, self.per_peer, self.interval = port, max_connections, per_peer, interval
         self.num_shut = 0
+        self._looks = 0
+        self._first_seen: dict[int, int] = {}  # socket inode -> the look that first saw it (which is older)
         self.cap_log = RateLimitedLog(log)
         self.peer_log = RateLimitedLog(log)
         self._stop = threading.Event()
@@ -180,19 +185,21 @@ class ConnectionWatch:
                 self.cap_log.warning("connection watch failed: %r", exc)
 
     def check(self) -> None:
-        """One look: log the cap when reached, shut down what is over the caps. With fewer descriptors open than the
-        smaller cap, no cap can be reached: the look stops there (one directory listing, not the TCP tables, which
-        take tens of milliseconds of kernel time on a busy host)."""
-        if len(os.listdir("/proc/self/fd")) < min(c for c in (self.max_connections, self.per_peer) if c):
+        """One look: note when each socket was first seen, log the cap when reached, shut down what is over the caps.
+        With fewer sockets open than the smaller cap, no cap can be reached: the look stops there (one pass over
+        /proc/self/fd, not the TCP tables, which take tens of milliseconds of kernel time on a busy host)."""
+        self._looks += 1
+        fds = socket_fds()
+        self._first_seen = {inode: self._first_seen.get(inode, self._looks) for inode in fds}
+        if len(fds) < min(c for c in (self.max_connections, self.per_peer) if c):
             return
         conns = established(self.port)
         if self.max_connections and len(conns) >= self.max_connections:
             self.cap_log.warning("--max-connections %d reached (%d open): new connections are closed at once until "
                                  "some close", self.max_connections, len(conns))
-        excess = over_cap(conns, self.per_peer, self.max_connections)
+        excess = over_cap(conns, self.per_peer, self.max_connections, self._first_seen)
         if not excess:
             return
-        fds = socket_fds()
         shut = sum(shut_down(fds[c.inode], c.inode) for c in excess if c.inode in fds)
         self.num_shut += shut
         peers = sorted({c.peer for c in excess})

@@ -38,6 +38,15 @@ def test_the_newest_connections_of_a_peer_over_its_cap():
     assert over_cap(conns, 2, 2) == [Conn("a", 5), Conn("a", 9), Conn("a", 3)]  # per peer first, then the total
 
 
+def test_over_cap_orders_by_the_look_that_first_saw_a_connection():
+    """Inodes come from per-CPU batches, so a later socket can have a lower inode: age is the look that first saw a
+    connection, the inode only within one look, and a connection no look has seen yet is the newest."""
+    conns = [Conn("a", 900), Conn("a", 5), Conn("a", 7), Conn("a", 3)]
+    seen = {900: 1, 5: 2, 7: 2}
+    assert over_cap(conns, 2, 0, seen) == [Conn("a", 7), Conn("a", 3)]
+    assert over_cap(conns, 0, 1, seen) == [Conn("a", 5), Conn("a", 7), Conn("a", 3)]
+
+
 def test_the_open_file_limit_is_raised_to_fit_the_cap_or_a_warning_says_why_not(caplog):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
