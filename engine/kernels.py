@@ -113,8 +113,12 @@ def build(source: Path = PAGED_SOURCE, compile_flags: tuple[str, ...] | None = N
         return target
     log.info("compiling the native kernel %s with %s (once per CPU and source: cached in %s)", source.name, cc,
              target.parent)  # a first start is otherwise silent for seconds
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot write the kernel cache {target.parent} ({exc.strerror or exc}): set "
+                               "TOKENLOOP_KERNEL_CACHE to a writable directory") from exc
     os.close(fd)
     obj = tmp[:-3] + ".o"
     try:

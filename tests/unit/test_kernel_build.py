@@ -51,3 +51,13 @@ def test_no_compiler_gives_none_and_says_why(monkeypatch, tmp_path, caplog):
     assert kernels.NO_COMPILER in caplog.text
     with pytest.raises(RuntimeError, match="no C compiler"):
         kernels.build()
+
+
+@needs_compiler
+def test_a_cache_that_cannot_be_written_names_the_variable_to_set(tmp_path, monkeypatch):
+    """A read-only cache directory (a read-only root filesystem, say) is a build failure that says what to do."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory would be")
+    monkeypatch.setenv("TOKENLOOP_KERNEL_CACHE", str(blocker / "cache"))
+    with pytest.raises(kernels.KernelBuildError, match="cannot write the kernel cache .*TOKENLOOP_KERNEL_CACHE"):
+        kernels.build(kernels.PAGED_SOURCE)
