@@ -14,6 +14,7 @@ from .speculation import SpeculativeConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 MATMUL_BACKENDS = ("auto", "torch", "numpy", "numpy2", "native2", "f32c2")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
+KV_DTYPES = ("auto", "fp32", "fp16")
 DEFAULT_KV_CACHE_TOKENS = 32768
 DEFAULT_KV_MEMORY_FRACTION = 0.25  # of MemAvailable after the weights load, at most, for the default KV cache
 
@@ -39,6 +40,10 @@ class EngineConfig:
     # time (symmetric per output channel, engine/quant.py), float32 activations and accumulation; int4 = the same
     # matrices as 4-bit values with a scale and a minimum per group of 32 columns (llama.cpp's Q4_1)
     weights: str = "fp32"
+    # --kv-dtype: the KV cache's element type (docs/engine.md#16-bit-kv-cache). fp32 = the activations' dtype (the
+    # float32 reference); fp16 = IEEE half, written rounded to nearest and widened as attention reads it (half the
+    # bytes: twice the tokens in a budget); auto = fp16 for --weights int8 / int4, fp32 otherwise
+    kv_dtype: str = "auto"
     max_lora_rank: int = 64  # --max-lora-rank: the largest LoRA rank an adapter may have
     # embedding requests that name none (engine/pooling.py): None = the model's sentence-transformers config, else
     # last token, normalized
@@ -84,6 +89,11 @@ class EngineConfig:
         if self.weights in ("int8", "int4") and self.dtype != "float32":
             raise ValueError(f"weights {self.weights!r} keeps float32 activations and needs dtype float32, "
                              f"got {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype == "fp16" and self.dtype != "float32":
+            raise ValueError(f"kv_dtype 'fp16' needs dtype float32 (the activations it is widened to), "
+                             f"got {self.dtype!r}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.embed_pooling is not None and self.embed_pooling not in POOLINGS:
@@ -100,6 +110,14 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: float16 for kv_dtype fp16, or auto with int8 / int4 weights; else the activations'."""
+        quantized = self.weights in ("int8", "int4")
+        if self.kv_dtype == "fp16" or (self.kv_dtype == "auto" and quantized and self.dtype == "float32"):
+            return torch.float16
+        return self.torch_dtype
 
     def num_kv_blocks(self, bytes_per_token: int) -> int:
         """Blocks in the KV cache, from kv_cache_tokens, a memory fraction, or default_kv_tokens (the model's bytes per

@@ -96,9 +96,9 @@ class Engine:
             not self.model.matmul.chosen.startswith("forced")
         self.route_timer = RouteTimer(self.model.matmul) if timed else None
         self._thread = threading.Thread(target=self._loop, name="tokenloop-engine", daemon=True)
-        log.info("engine: %s, weights %s, activations %s, %d KV blocks of %d tokens, matmul %s, decode attention %s, "
-                 "layer ops %s", self.model_config.architecture, self.dtype, self.config.dtype, num_blocks,
-                 self.config.block_size, self.model.matmul.describe(), f"native ({self.model.paged.isa})" if self.model.paged is not None else "torch",
+        log.info("engine: %s, weights %s, activations %s, %d KV blocks of %d tokens (%s), matmul %s, decode attention "
+                 "%s, layer ops %s", self.model_config.architecture, self.dtype, self.config.dtype, num_blocks,
+                 self.config.block_size, str(self.model.kv_dtype).removeprefix("torch."), self.model.matmul.describe(), f"native ({self.model.paged.isa})" if self.model.paged is not None else "torch",
                  "native" if self.model.ops is not None else "torch")
         log.info("engine: %s", self.speculative.describe())
         if start:

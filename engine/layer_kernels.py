@@ -24,10 +24,10 @@ class PagedAttention(CodePaths):
         self.lib = lib = ctypes.CDLL(str(path))
         self._path_supported = bind_function(lib, "paged_path_supported", [ctypes.c_int])
         lib.paged_best_path.restype = ctypes.c_int
-        self._decode = lib.paged_decode_heads_f32_path
+        self._decode = lib.paged_decode_heads_path
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._decode.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, i64, i64]
+        self._decode.argtypes = [ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64,
+                                 i64, i64, ctypes.c_float, i64, i64]
         self._decode.restype = ctypes.c_int
         if isa is None:
             isa = next(name for name, code in self.PATHS.items() if code == lib.paged_best_path())
@@ -42,15 +42,15 @@ class PagedAttention(CodePaths):
                scale: float, kv_heads: tuple[int, int] | None = None) -> None:
         """Attention of float32 decode queries q [B, H, E] over their cached context into out [B, H, E] (rows
         begin..end-1 only; with `kv_heads` (first, end), only those kv heads' query heads). k_cache, v_cache:
-        [slots, K, E] of one layer; tables [B, NB], lens [B] int64. Releases the GIL while it runs (ctypes does), so
+        [slots, K, E] of one layer, float32 or float16 (the 16-bit KV cache); tables [B, NB], lens [B] int64. Releases the GIL while it runs (ctypes does), so
         two threads can split one batch."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         first, last = kv_heads or (0, k_cache.shape[1])
-        rc = self._decode(self.code, q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        rc = self._decode(self.code, k_cache.dtype == torch.float16, q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           tables.data_ptr(), tables.shape[1], lens.data_ptr(), begin, end, num_heads,
                           k_cache.shape[1], head_dim, block_size, scale, first, last)
         if rc != 0:
-            raise RuntimeError(f"paged_decode_f32 ({self.isa}) failed (code {rc})")
+            raise RuntimeError(f"paged_decode_heads_path ({self.isa}) failed (code {rc})")
 
 
 class LayerOps:
@@ -63,8 +63,8 @@ class LayerOps:
         self._norm = lib.add_rms_norm_f32
         self._norm.argtypes = [ptr, ptr, ptr, f32, ptr, i64, i64]
         self._norm.restype = None
-        self._rope = lib.rope_store_f32
-        self._rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+        self._rope = lib.rope_store_kv
+        self._rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         self._rope.restype = ctypes.c_int
         self._silu = lib.silu_mul_f32
         self._silu.argtypes = [ptr, ptr, i64, i64]
@@ -87,13 +87,14 @@ class LayerOps:
                    sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, q_out: torch.Tensor | None = None) -> None:
         """Rotate the query and key heads of qkv [T, (H+2K)*E] (rows contiguous) in place; write K and V to the
-        caches [S, K, E] at `slots` [T] int64, and the rotated queries to q_out [T, H*E] (contiguous) when given.
+        caches [S, K, E] (float32, or float16: rounded to nearest) at `slots` [T] int64, and the rotated queries to
+        q_out [T, H*E] (contiguous) when given.
         cos, sin: [max_context, E] tables; positions [T] int64."""
         rc = self._rope(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
                         cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-                        v_cache.data_ptr(), None if q_out is None else q_out.data_ptr())
+                        v_cache.data_ptr(), None if q_out is None else q_out.data_ptr(), k_cache.dtype == torch.float16)
         if rc != 0:
-            raise RuntimeError(f"rope_store_f32 failed (code {rc})")
+            raise RuntimeError(f"rope_store_kv failed (code {rc})")
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:] (a new tensor when out is None), returned; gate_up
@@ -144,7 +145,7 @@ class _DLayer(ctypes.Structure):
 class _DModel(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in ("num_layers", "D", "H", "KV", "E", "I", "block_size")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", ctypes.c_void_p),
-                ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_DLayer))]
+                ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_DLayer)), ("kv16", ctypes.c_int64)]
 
 
 class _DKernels(ctypes.Structure):
@@ -175,7 +176,7 @@ class StepKernels:
                 desc.linear2[kind] = address(kernel.lib, f"{prefix}_linear_f32_2t")
                 desc.path[kind] = kernel.code
         desc.split, desc.split_attention = int(split), int(split_attention)
-        desc.paged, desc.paged_path = address(paged.lib, "paged_decode_heads_f32_path"), paged.code
+        desc.paged, desc.paged_path = address(paged.lib, "paged_decode_heads_path"), paged.code
         self.plan: DecodePlan | None = None  # the plan over the weight layout these paths read (model.py sets it)
 
 
@@ -206,9 +207,11 @@ class DecodePlan:
             keep.extend((q, s))
             return _DWeight(kind, q.data_ptr(), s.data_ptr(), w.num_out, w.q.shape[1], w.group_size)
 
-        tensors = [k_cache, v_cache, cos, sin] + [t for w in layers for t in (w.input_norm, w.post_norm, w.qkv_bias)
-                                                  if t is not None]
-        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        tensors = [cos, sin] + [t for w in layers for t in (w.input_norm, w.post_norm, w.qkv_bias) if t is not None]
+        kv16 = k_cache.dtype == torch.float16
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or v_cache.dtype != k_cache.dtype \
+                or k_cache.dtype not in (torch.float32, torch.float16) or not (k_cache.is_contiguous()
+                                                                               and v_cache.is_contiguous()):
             return None
         descs = (_DLayer * len(layers))()
         for i, w in enumerate(layers):
@@ -227,7 +230,7 @@ class DecodePlan:
         if any({tuple(p.shape) for p in (w.qkv, w.o, w.gate_up, w.down)} != shapes for w in layers):
             return None
         model = _DModel(len(layers), dim, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale,
-                        cos.data_ptr(), sin.data_ptr(), descs)
+                        cos.data_ptr(), sin.data_ptr(), descs, kv16)
         per_token = 3 * dim + qkv_size + 2 * q_size + 3 * inter
         return cls(model, descs, keep, kinds, per_token)
 

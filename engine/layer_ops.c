@@ -13,7 +13,9 @@
  *                     (half-split layout: x * cos + rotate_half(x) * sin, cos/sin [max_context, E] rows picked by
  *                     positions[t]), then copies each token's K and V heads to k_cache / v_cache [S, K, E] at
  *                     slot slots[t], and (q_out given) its rotated query heads to q_out [T, H * E], contiguous rows
- *                     for the decode-attention kernel
+ *                     for the decode-attention kernel. rope_store_kv: the same, into a float32 cache or (kv16) a
+ *                     float16 one, each K/V value rounded to the nearest float16 (ties to even: F16C's vcvtps2ph,
+ *                     torch's .half()); the quantized modes' 16-bit KV cache (docs/engine.md#16-bit-kv-cache)
  *   silu_mul_f32:     gate_up [T, 2I] -> out [T, I] = silu(gate) * up
  *
  *   decode_step_f32:  every decoder layer of a step of one-query attention groups in one call (below, "One call per
@@ -25,6 +27,44 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* float32 -> float16, rounded to nearest even (inf past float16's range; NaN stays NaN): F16C where the build has it,
+ * else the same rounding in bit arithmetic (F. Giesen's float_to_half_fast3_rtne) */
+static inline uint16_t half_from_float(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, 0);
+#else
+    union { float f; uint32_t u; } v = {f}, magic = {.u = 126u << 23}; /* 0.5: a float16 subnormal's ulp in bit 0 */
+    const uint32_t sign = v.u & 0x80000000u;
+    uint32_t x = v.u ^ sign;
+    uint16_t o;
+    if (x >= (143u << 23)) { /* 2^16 and above, inf, NaN */
+        o = x > (255u << 23) ? 0x7e00 : 0x7c00;
+    } else if (x < (113u << 23)) { /* below 2^-14: a float16 subnormal or zero; the float add rounds to even */
+        v.u = x;
+        v.f += magic.f;
+        o = (uint16_t)(v.u - magic.u);
+    } else {
+        const uint32_t odd = (x >> 13) & 1;
+        x += ((uint32_t)(15 - 127) << 23) + 0xfff + odd;
+        o = (uint16_t)(x >> 13);
+    }
+    return o | (uint16_t)(sign >> 16);
+#endif
+}
+
+/* n floats -> float16 at dst */
+static void store_half(uint16_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) dst[i] = half_from_float(src[i]);
+}
 
 void add_rms_norm_f32(float *h, const float *delta, const float *weight, float eps, float *out, int64_t T,
                       int64_t D) {
@@ -46,9 +86,9 @@ void add_rms_norm_f32(float *h, const float *delta, const float *weight, float e
     }
 }
 
-int rope_store_f32(float *qkv, int64_t T, int64_t stride, int64_t H, int64_t K, int64_t E, const float *cos,
-                   const float *sin, const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache,
-                   float *q_out) {
+int rope_store_kv(float *qkv, int64_t T, int64_t stride, int64_t H, int64_t K, int64_t E, const float *cos,
+                  const float *sin, const int64_t *positions, const int64_t *slots, void *k_cache, void *v_cache,
+                  float *q_out, int kv16) {
     if (E % 2 != 0) return -1;
     const int64_t half = E / 2;
     for (int64_t t = 0; t < T; t++) {
@@ -62,14 +102,25 @@ int rope_store_f32(float *qkv, int64_t T, int64_t stride, int64_t H, int64_t K, 
                 x[i + half] = x2 * c[i + half] + x1 * s[i + half];
             }
         }
-        if (slots) {
-            const int64_t slot = slots[t];
-            memcpy(k_cache + slot * K * E, row + H * E, sizeof(float) * (size_t)(K * E));
-            memcpy(v_cache + slot * K * E, row + (H + K) * E, sizeof(float) * (size_t)(K * E));
+        if (slots && kv16) {
+            const int64_t at = slots[t] * K * E;
+            store_half((uint16_t *)k_cache + at, row + H * E, K * E);
+            store_half((uint16_t *)v_cache + at, row + (H + K) * E, K * E);
+        } else if (slots) {
+            const int64_t at = slots[t] * K * E;
+            memcpy((float *)k_cache + at, row + H * E, sizeof(float) * (size_t)(K * E));
+            memcpy((float *)v_cache + at, row + (H + K) * E, sizeof(float) * (size_t)(K * E));
         }
         if (q_out) memcpy(q_out + t * H * E, row, sizeof(float) * (size_t)(H * E));
     }
     return 0;
+}
+
+/* rope_store_kv into a float32 cache */
+int rope_store_f32(float *qkv, int64_t T, int64_t stride, int64_t H, int64_t K, int64_t E, const float *cos,
+                   const float *sin, const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache,
+                   float *q_out) {
+    return rope_store_kv(qkv, T, stride, H, K, E, cos, sin, positions, slots, k_cache, v_cache, q_out, 0);
 }
 
 void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
@@ -86,7 +137,7 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
  * runner makes sequences of their own: runner.prepare), with no LoRA and quantized weights on an exact or x22 C
  * route, runs every layer here instead of ~10 Python/ctypes calls per layer (Model.forward's fast path). The order of
  * operations and the functions are those of the Python layer loop (Model._layer): the products go through the int8 /
- * int4 libraries' exported int{8,4}_linear_f32[_2t] and the attention through paged_decode_heads_f32_path, reached
+ * int4 libraries' exported int{8,4}_linear_f32[_2t] and the attention through paged_decode_heads_path, reached
  * through function pointers that Python takes from the loaded libraries (kernels.LayerOps.decode_step), so the
  * fused step gives the Python path's bits: the same functions on the same inputs.
  *
@@ -99,10 +150,10 @@ typedef int (*linear_fn)(int path, const float *x, int64_t M, int64_t K, const v
                          float *y, int64_t N, int64_t n_begin, int64_t n_end);
 typedef int (*linear2_fn)(int path, const float *x, int64_t M, int64_t K, const void *q, const void *s, int64_t G,
                           float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end);
-typedef int (*paged_fn)(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
+typedef int (*paged_fn)(int path, int kv16, const float *q, float *out, const void *k_cache, const void *v_cache,
                         const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin, int64_t b_end,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                        int64_t kv_begin, int64_t kv_end); /* paged_decode_heads_f32_path */
+                        int64_t kv_begin, int64_t kv_end); /* paged_attention.c's paged_decode_heads_path */
 
 /* one quantized weight [N, K]: kind 0 = int8 (q, scale), 1 = int4 (q, sm); groups of G columns */
 typedef struct {
@@ -114,7 +165,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm, *qkv_bias; /* qkv_bias NULL when the model has none */
     dweight_t qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* this layer's [S, KV, E] */
+    void *k_cache, *v_cache; /* this layer's [S, KV, E], float32 or float16 (dmodel_t.kv16) */
 } dlayer_t;
 
 /* the model, built once at load (kernels.DecodePlan) */
@@ -123,6 +174,7 @@ typedef struct {
     float eps, scale;
     const float *cos, *sin; /* [max_context, E] */
     const dlayer_t *layers;
+    int64_t kv16; /* the KV cache holds float16 */
 } dmodel_t;
 
 /* what a step's route and kernels are: the products' function pointers and path codes per kind, the attention's */
@@ -148,10 +200,10 @@ typedef struct {
 
 typedef struct {
     paged_fn fn;
-    int path;
+    int path, kv16;
     const float *q;
     float *out;
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache;
     const int64_t *tables, *lens;
     int64_t max_blocks, H, KV, E, block_size;
     float scale;
@@ -163,7 +215,7 @@ static int run_job(const job_t *j);
 #include "kernel_worker.h"
 
 static int run_job(const job_t *j) {
-    return j->fn(j->path, j->q, j->out, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, j->b_begin,
+    return j->fn(j->path, j->kv16, j->q, j->out, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, j->b_begin,
                  j->b_end, j->H, j->KV, j->E, j->block_size, j->scale, j->kv_begin, j->kv_end);
 }
 
@@ -199,13 +251,13 @@ int decode_step_f32(const dmodel_t *m, const dkernels_t *k, float *h, int64_t T,
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < NQKV; i++) qkv[t * NQKV + i] += w->qkv_bias[i];
         where[1] = 2;
-        if ((rc = rope_store_f32(qkv, T, NQKV, H, KV, E, m->cos, m->sin, positions, slots, w->k_cache, w->v_cache,
-                                 q)) != 0)
+        if ((rc = rope_store_kv(qkv, T, NQKV, H, KV, E, m->cos, m->sin, positions, slots, w->k_cache, w->v_cache,
+                                q, (int)m->kv16)) != 0)
             return rc;
         where[1] = 3;
         for (int64_t gi = 0; gi < num_groups; gi++) {
             const dgroup_t *g = groups + gi;
-            const job_t mine = {k->paged, (int)k->paged_path, q + g->out_start * HE, attn + g->out_start * HE,
+            const job_t mine = {k->paged, (int)k->paged_path, (int)m->kv16, q + g->out_start * HE, attn + g->out_start * HE,
                                 w->k_cache, w->v_cache, g->tables, g->lens, g->max_blocks, H, KV, E, m->block_size,
                                 m->scale, 0, g->num_seqs, 0, KV};
             if (k->split_attention && 0 < g->split && g->split < g->num_seqs) {

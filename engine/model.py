@@ -62,9 +62,11 @@ class Model:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  num_blocks: int, block_size: int, matmul: MatmulPolicy, paged: PagedAttention | None = None,
-                 split_attention: bool = False, ops: LayerOps | None = None):
+                 split_attention: bool = False, ops: LayerOps | None = None, kv_dtype: torch.dtype | None = None):
         self.config = config
         self.dtype = dtype
+        # the KV cache's dtype: the activations' (fp32's reference), or float16 (the quantized modes' 16-bit cache)
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         self.matmul = matmul
         # decode attention straight from the paged cache (kernels.py); None: gather + SDPA in torch
         self.paged = paged if dtype == torch.float32 else None
@@ -88,8 +90,8 @@ class Model:
         # k_cache, v_cache: [L, num_blocks * block_size, K, E]; slot = block_id * block_size + offset; on huge pages
         # like the weights (hugepages.py): attention streams them too
         cache_shape = (c.num_layers, num_blocks * block_size, c.num_kv_heads, c.head_dim)
-        self.k_cache = hugepages.zeros(cache_shape, dtype)
-        self.v_cache = hugepages.zeros(cache_shape, dtype)
+        self.k_cache = hugepages.zeros(cache_shape, self.kv_dtype)
+        self.v_cache = hugepages.zeros(cache_shape, self.kv_dtype)
         # cos, sin: [max_context, E], computed in float32 like transformers, then cast
         pos = torch.arange(c.max_context_length, dtype=torch.float32)
         freqs = pos[:, None] * rope_inv_freq(c)[None, :]
@@ -287,8 +289,8 @@ class Model:
                 self._fresh_prefill(q, k, v, out, g)
                 continue
             qg = q[g.query_rows].view(g.num_seqs, g.max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, E]
-            kg = self._gather(k_cache, g.kv_blocks)  # [B, K, C, E]
-            vg = self._gather(v_cache, g.kv_blocks)
+            kg = self._gather(k_cache, g.kv_blocks).to(q.dtype)  # [B, K, C, E], widened from a 16-bit cache
+            vg = self._gather(v_cache, g.kv_blocks).to(q.dtype)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True,
                                                 scale=self.sdpa_scale)  # [B, H, Q, E]
             og = og.transpose(1, 2).reshape(g.num_seqs * g.max_q, num_heads * head_dim)
@@ -305,6 +307,8 @@ class Model:
         n, num_heads, head_dim = g.max_q, q.shape[1], q.shape[2]
         start = g.out_start
         qg, kg, vg = (x[start:start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, n, E]
+        if self.kv_dtype != q.dtype:  # K/V as the 16-bit cache holds them, as every later step reads them
+            kg, vg = kg.to(self.kv_dtype).to(q.dtype), vg.to(self.kv_dtype).to(q.dtype)
 
         def part(lo: int, hi: int):
             def run():

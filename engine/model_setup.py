@@ -34,11 +34,13 @@ def build_model(model_dir: str | Path, config: EngineConfig, model_config: Model
     started = time.perf_counter()
     weights = load_weights(model_dir, model_config, dtype, config.weights)
     log.info("engine: weights %s loaded in %.1f s", weights_name, time.perf_counter() - started)
-    num_blocks = config.num_kv_blocks(Model.kv_bytes_per_token(model_config, dtype))
+    kv_dtype = config.kv_torch_dtype
+    num_blocks = config.num_kv_blocks(Model.kv_bytes_per_token(model_config, kv_dtype))
     gate_ups = [weights[f"layers.{i}.gate_up"] for i in range(model_config.num_layers)]
     paged = paged_attention(config, dtype)
     return Model(model_config, weights, dtype, num_blocks, config.block_size, matmul_policy(config, gate_ups), paged,
-                 split_attention=(os.cpu_count() or 1) >= 2, ops=kernels.load_ops() if paged is not None else None)
+                 split_attention=(os.cpu_count() or 1) >= 2, ops=kernels.load_ops() if paged is not None else None,
+                 kv_dtype=kv_dtype)
 
 
 def paged_attention(config: EngineConfig, dtype: torch.dtype) -> PagedAttention | None:

@@ -9,7 +9,9 @@
  *
  *   q        [B, H, E]   queries of the decoding sequences (float32, contiguous)
  *   out      [B, H, E]   attention output
- *   k_cache  [S, K, E]   one layer's cache; slot = block_id * block_size + offset (v_cache alike)
+ *   k_cache  [S, K, E]   one layer's cache; slot = block_id * block_size + offset (v_cache alike): float32, or
+ *                        IEEE float16 (`kv16`, the quantized modes' 16-bit KV cache: docs/engine.md#16-bit-kv-cache),
+ *                        each row widened to float32 as it is loaded (F16C's vcvtph2ps on the x86 paths, exact)
  *   tables   [B, NB]     int64 block table of each sequence
  *   lens     [B]         int64 context length: keys 0 .. lens[b]-1 (the current token's K/V is written)
  *
@@ -55,7 +57,7 @@ enum { PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_X86 1
 #include <immintrin.h>
-#define AVX2_FN __attribute__((target("avx2,fma")))
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define AVX512_FN __attribute__((target("avx512f")))
 #else
 #define HAVE_X86 0
@@ -81,13 +83,34 @@ enum { PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
 #define PREFETCH_LINE(p) __builtin_prefetch((p), 0, 3)
 #endif
 
+/* float16 <-> float32, both exact where float16 can hold the value (the wider conversion always; the narrower rounds to
+ * nearest even, as F16C's vcvtps2ph and torch's .half() do): F16C's instructions where the build has them, else bit
+ * arithmetic with the same results (layer_ops.c writes the cache with half_from_float). */
+#if HAVE_X86 && defined(__F16C__)
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exp == 0x1f) {
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    } else { /* zero or subnormal: man * 2^-24, exact in float */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+}
+#endif
+
 /* Row pointers of context rows c0 .. c0 + n - 1 (the first computed kv head's slice); rows n .. W - 1 repeat row c0,
- * so a chunk can always be computed whole (its extra lanes are masked afterwards). */
-static inline void chunk_rows(const float *cache, const int64_t *table, int64_t bs, int64_t KE, int64_t c0, int64_t n,
-                              int64_t W, const float **rows) {
+ * so a chunk can always be computed whole (its extra lanes are masked afterwards). `row` is a cache row's bytes. */
+static inline void chunk_rows(const void *cache, const int64_t *table, int64_t bs, int64_t row, int64_t c0, int64_t n,
+                              int64_t W, const void **rows) {
     int64_t blk = c0 / bs, off = c0 % bs;
     for (int64_t j = 0; j < n; j++) {
-        rows[j] = cache + (table[blk] * bs + off) * KE;
+        rows[j] = (const char *)cache + (table[blk] * bs + off) * row;
         if (++off == bs) {
             off = 0;
             blk++;
@@ -105,10 +128,10 @@ typedef struct {
 } seq_args;
 
 /* k_cache / v_cache point at the first kv head computed; H and K count the query and kv heads computed, KE is a
- * cache row's stride (every kv head's) */
+ * cache row's stride (every kv head's) in elements, esz an element's bytes (4: float32, 2: float16) */
 typedef struct {
-    const float *k_cache, *v_cache;
-    int64_t H, K, G, E, KE, bs;
+    const void *k_cache, *v_cache;
+    int64_t H, K, G, E, KE, bs, esz;
     float scale;
 } shape_args;
 
@@ -130,10 +153,10 @@ static inline void ahead(read_ahead *r, int64_t reading, int64_t max_rows) {
     const int64_t end = 2 * r->len + r->next_len;
     if (upto > end) upto = end;
     for (int64_t n = 0; r->at < upto && n < max_rows; n++) {
-        const float *cache = r->at >= r->len && r->at < 2 * r->len ? s->v_cache : s->k_cache;
+        const void *cache = r->at >= r->len && r->at < 2 * r->len ? s->v_cache : s->k_cache;
         const int64_t *table = r->at < 2 * r->len ? r->table : r->next_table;
-        const char *p = (const char *)(cache + (table[r->blk] * s->bs + r->off) * s->KE);
-        for (int64_t o = 0; o < s->K * s->E * (int64_t)sizeof(float); o += CACHE_LINE) PREFETCH_LINE(p + o);
+        const char *p = (const char *)cache + (table[r->blk] * s->bs + r->off) * s->KE * s->esz;
+        for (int64_t o = 0; o < s->K * s->E * s->esz; o += CACHE_LINE) PREFETCH_LINE(p + o);
         r->at++;
         if (++r->off == s->bs) { /* no division per row: it would cost as much as the row's arithmetic */
             r->off = 0;
@@ -145,51 +168,58 @@ static inline void ahead(read_ahead *r, int64_t reading, int64_t max_rows) {
 
 /* ---- portable C ---- */
 
-static void seq_portable(const seq_args *a, const shape_args *s, read_ahead *r, float *scores, float *acc) {
-    const int64_t len = a->len, H = s->H, G = s->G, E = s->E, KE = s->KE, bs = s->bs;
-    const float *rows[MAX_W];
-    for (int64_t c0 = 0; c0 < len; c0 += MAX_W) {
-        const int64_t n = len - c0 < MAX_W ? len - c0 : MAX_W;
-        chunk_rows(s->k_cache, a->table, bs, KE, c0, n, MAX_W, rows);
-        for (int64_t h = 0; h < H; h++) {
-            ahead(r, c0, MAX_W / H + 2);
-            const float *qh = a->q + h * E;
-            const int64_t kh = h / G;
-            for (int64_t j = 0; j < n; j++) {
-                const float *kr = rows[j] + kh * E;
-                float dot = 0.0f;
-                for (int64_t e = 0; e < E; e++) dot += qh[e] * kr[e];
-                scores[h * len + c0 + j] = dot * s->scale;
-            }
-        }
+/* one path per cache element type T, its elements widened by CVT */
+#define DEFINE_PORTABLE(NAME, T, CVT)                                                                             \
+    static void seq_##NAME(const seq_args *a, const shape_args *s, read_ahead *r, float *scores, float *acc) {     \
+        const int64_t len = a->len, H = s->H, G = s->G, E = s->E, KE = s->KE, bs = s->bs;                         \
+        const void *rows[MAX_W];                                                                                   \
+        for (int64_t c0 = 0; c0 < len; c0 += MAX_W) {                                                              \
+            const int64_t n = len - c0 < MAX_W ? len - c0 : MAX_W;                                                 \
+            chunk_rows(s->k_cache, a->table, bs, KE * s->esz, c0, n, MAX_W, rows);                                 \
+            for (int64_t h = 0; h < H; h++) {                                                                      \
+                ahead(r, c0, MAX_W / H + 2);                                                                       \
+                const float *qh = a->q + h * E;                                                                    \
+                const int64_t kh = h / G;                                                                          \
+                for (int64_t j = 0; j < n; j++) {                                                                  \
+                    const T *kr = (const T *)rows[j] + kh * E;                                                     \
+                    float dot = 0.0f;                                                                              \
+                    for (int64_t e = 0; e < E; e++) dot += qh[e] * CVT(kr[e]);                                     \
+                    scores[h * len + c0 + j] = dot * s->scale;                                                     \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int64_t h = 0; h < H; h++) {                                                                          \
+            float *sh = scores + h * len;                                                                          \
+            float m = sh[0]; /* len >= 1 (checked by the caller): the current token is always in the context */   \
+            for (int64_t c = 1; c < len; c++) m = sh[c] > m ? sh[c] : m;                                           \
+            float sum = 0.0f;                                                                                      \
+            for (int64_t c = 0; c < len; c++) {                                                                    \
+                sh[c] = expf(sh[c] - m);                                                                           \
+                sum += sh[c];                                                                                      \
+            }                                                                                                      \
+            const float inv = 1.0f / sum;                                                                          \
+            for (int64_t c = 0; c < len; c++) sh[c] *= inv;                                                        \
+        }                                                                                                          \
+        for (int64_t i = 0; i < H * E; i++) acc[i] = 0.0f;                                                         \
+        for (int64_t c0 = 0; c0 < len; c0 += bs) {                                                                 \
+            const int64_t n = len - c0 < bs ? len - c0 : bs;                                                       \
+            const T *vb = (const T *)s->v_cache + a->table[c0 / bs] * bs * KE;                                     \
+            ahead(r, len + c0, n + 1);                                                                             \
+            for (int64_t j = 0; j < n; j++) {                                                                      \
+                for (int64_t h = 0; h < H; h++) {                                                                  \
+                    const float w = scores[h * len + c0 + j];                                                      \
+                    const T *vr = vb + j * KE + (h / G) * E;                                                       \
+                    float *ah = acc + h * E;                                                                       \
+                    for (int64_t e = 0; e < E; e++) ah[e] += w * CVT(vr[e]);                                       \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int64_t i = 0; i < H * E; i++) a->out[i] = acc[i];                                                    \
     }
-    for (int64_t h = 0; h < H; h++) {
-        float *sh = scores + h * len;
-        float m = sh[0]; /* len >= 1 (checked by the caller): the current token is always in the context */
-        for (int64_t c = 1; c < len; c++) m = sh[c] > m ? sh[c] : m;
-        float sum = 0.0f;
-        for (int64_t c = 0; c < len; c++) {
-            sh[c] = expf(sh[c] - m);
-            sum += sh[c];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t c = 0; c < len; c++) sh[c] *= inv;
-    }
-    for (int64_t i = 0; i < H * E; i++) acc[i] = 0.0f;
-    for (int64_t c0 = 0; c0 < len; c0 += bs) {
-        const int64_t n = len - c0 < bs ? len - c0 : bs;
-        const float *vb = s->v_cache + a->table[c0 / bs] * bs * KE;
-        ahead(r, len + c0, n + 1);
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t h = 0; h < H; h++) {
-                const float w = scores[h * len + c0 + j], *vr = vb + j * KE + (h / G) * E;
-                float *ah = acc + h * E;
-                for (int64_t e = 0; e < E; e++) ah[e] += w * vr[e];
-            }
-        }
-    }
-    for (int64_t i = 0; i < H * E; i++) a->out[i] = acc[i];
-}
+
+#define AS_FLOAT(x) (x)
+DEFINE_PORTABLE(portable, float, AS_FLOAT)
+DEFINE_PORTABLE(portable_f16, uint16_t, half_to_float)
 
 #if HAVE_X86
 /* ---- the x86 paths' vector pieces ---- */
@@ -282,16 +312,16 @@ AVX2_FN static inline __m256 lanes_below256(int64_t n) {
  * scores [H, Lp] with Lp = len rounded up to W, lanes past len -FLT_MAX (so exp makes them 0). Register tiles of the
  * weighted sum: up to TG heads x TV vectors of accumulators, loops with constant bounds (fully unrolled, so the
  * tile stays in registers) and run-time guards for a partial tile. */
-#define DEFINE_PATH(NAME, ATTR, V, W, TG, TV, LOADU, STOREU, SET1, ZERO, MUL, ADD, SUB, FMADD, MAX, BLEND,         \
-                    BLEND_BELOW, SUMLANES, HSUM, HMAX, EXP)                                                                               \
+#define DEFINE_PATH(NAME, ATTR, V, W, TG, TV, T, LOADKV, LOADU, STOREU, SET1, ZERO, MUL, ADD, SUB, FMADD, MAX, BLEND, \
+                    BLEND_BELOW, SUMLANES, HSUM, HMAX, EXP)                                                        \
     ATTR static void seq_##NAME(const seq_args *a, const shape_args *s, read_ahead *r, float *scores, float *acc) { \
         const int64_t len = a->len, H = s->H, G = s->G, E = s->E, KE = s->KE, bs = s->bs;                         \
         const int64_t Lp = (len + W - 1) / W * W;                                                                  \
         const V scale = SET1(s->scale), masked = SET1(-FLT_MAX);                                                    \
-        const float *rows[W];                                                                                      \
+        const void *rows[W];                                                                                       \
         for (int64_t c0 = 0; c0 < len; c0 += W) {                                                                  \
             const int64_t n = len - c0 < W ? len - c0 : W;                                                         \
-            chunk_rows(s->k_cache, a->table, bs, KE, c0, n, W, rows);                                              \
+            chunk_rows(s->k_cache, a->table, bs, KE * (int64_t)sizeof(T), c0, n, W, rows);                         \
             const V valid = BLEND_BELOW(n);                                                                        \
             for (int64_t h = 0; h < H; h++) {                                                                      \
                 ahead(r, c0, W / H + 2);                                                                           \
@@ -302,7 +332,7 @@ AVX2_FN static inline __m256 lanes_below256(int64_t n) {
                 for (int64_t e = 0; e < E; e += W) {                                                               \
                     const V qv = LOADU(qh + e);                                                                    \
                     _Pragma("GCC unroll 16") for (int j = 0; j < W; j++)                                           \
-                        part[j] = FMADD(qv, LOADU(rows[j] + ko + e), part[j]);                                     \
+                        part[j] = FMADD(qv, LOADKV((const T *)rows[j] + ko + e), part[j]);                         \
                 }                                                                                                  \
                 const V sc = MUL(SUMLANES(part), scale);                                                           \
                 STOREU(scores + h * Lp + c0, n == W ? sc : BLEND(masked, sc, valid));                                \
@@ -325,11 +355,11 @@ AVX2_FN static inline __m256 lanes_below256(int64_t n) {
         for (int64_t i = 0; i < H * E; i++) acc[i] = 0.0f;                                                         \
         for (int64_t c0 = 0; c0 < len; c0 += bs) {                                                                 \
             const int64_t n = len - c0 < bs ? len - c0 : bs;                                                       \
-            const float *vb = s->v_cache + a->table[c0 / bs] * bs * KE;                                            \
+            const T *vb = (const T *)s->v_cache + a->table[c0 / bs] * bs * KE;                                     \
             for (int64_t g0 = 0, gn; g0 < H; g0 += gn) { /* heads g0 .. g0 + gn - 1, all of one kv head */         \
                 gn = TG < G - g0 % G ? TG : G - g0 % G;                                                            \
                 ahead(r, len + c0, n * gn / H + 2);                                                                \
-                const float *vh = vb + (g0 / G) * E;                                                               \
+                const T *vh = vb + (g0 / G) * E;                                                                   \
                 const float *p = scores + g0 * Lp + c0;                                                            \
                 for (int64_t e0 = 0; e0 < E; e0 += W * TV) {                                                       \
                     const int64_t vn = (E - e0) / W < TV ? (E - e0) / W : TV;                                      \
@@ -338,9 +368,9 @@ AVX2_FN static inline __m256 lanes_below256(int64_t n) {
                     _Pragma("GCC unroll 4") for (int i = 0; i < TV; i++)                                           \
                         t[g][i] = g < gn && i < vn ? LOADU(acc + (g0 + g) * E + e0 + W * i) : ZERO();              \
                     for (int64_t j = 0; j < n; j++) {                                                              \
-                        const float *vr = vh + j * KE + e0;                                                        \
+                        const T *vr = vh + j * KE + e0;                                                            \
                         V x[TV];                                                                                   \
-                        _Pragma("GCC unroll 4") for (int i = 0; i < TV; i++) x[i] = i < vn ? LOADU(vr + W * i) : ZERO(); \
+                        _Pragma("GCC unroll 4") for (int i = 0; i < TV; i++) x[i] = i < vn ? LOADKV(vr + W * i) : ZERO(); \
                         _Pragma("GCC unroll 4") for (int g = 0; g < TG; g++) {                                     \
                             if (g >= gn) break;                                                                    \
                             const V w = SET1(p[g * Lp + j]);                                                       \
@@ -366,14 +396,22 @@ AVX512_FN static inline __m512 blend512(__m512 a, __m512 b, __m512 mask) {
 }
 #define blend256 _mm256_blendv_ps
 
-/* AVX-512: 12 accumulators + 4 V vectors of the 32 zmm registers */
-DEFINE_PATH(avx512, AVX512_FN, __m512, 16, 3, 4, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_setzero_ps,
-            _mm512_mul_ps, _mm512_add_ps, _mm512_sub_ps, _mm512_fmadd_ps, _mm512_max_ps, blend512, lanes_below512,
-            sum_lanes512, _mm512_reduce_add_ps, _mm512_reduce_max_ps, exp512)
+#define DEFINE_PATH_(...) DEFINE_PATH(__VA_ARGS__) /* expands AVX512_ARGS / AVX2_ARGS into DEFINE_PATH's arguments */
+/* 16 / 8 float16 cache elements widened to a vector of floats (exact) */
+#define load_f16x16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define load_f16x8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+
+/* AVX-512: 12 accumulators + 4 V vectors of the 32 zmm registers; float32 and float16 caches */
+#define AVX512_ARGS _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_mul_ps, _mm512_add_ps, \
+    _mm512_sub_ps, _mm512_fmadd_ps, _mm512_max_ps, blend512, lanes_below512, sum_lanes512, _mm512_reduce_add_ps,     \
+    _mm512_reduce_max_ps, exp512
+DEFINE_PATH_(avx512, AVX512_FN, __m512, 16, 3, 4, float, _mm512_loadu_ps, AVX512_ARGS)
+DEFINE_PATH_(avx512_f16, AVX512_FN, __m512, 16, 3, 4, uint16_t, load_f16x16, AVX512_ARGS)
 /* AVX2: 6 accumulators + 2 V vectors of the 16 ymm registers */
-DEFINE_PATH(avx2, AVX2_FN, __m256, 8, 3, 2, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_setzero_ps,
-            _mm256_mul_ps, _mm256_add_ps, _mm256_sub_ps, _mm256_fmadd_ps, _mm256_max_ps, blend256, lanes_below256,
-            sum_lanes256, hsum256, hmax256, exp256)
+#define AVX2_ARGS _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_mul_ps, _mm256_add_ps,   \
+    _mm256_sub_ps, _mm256_fmadd_ps, _mm256_max_ps, blend256, lanes_below256, sum_lanes256, hsum256, hmax256, exp256
+DEFINE_PATH_(avx2, AVX2_FN, __m256, 8, 3, 2, float, _mm256_loadu_ps, AVX2_ARGS)
+DEFINE_PATH_(avx2_f16, AVX2_FN, __m256, 8, 3, 2, uint16_t, load_f16x8, AVX2_ARGS)
 #endif /* HAVE_X86 */
 
 /* 1 when this CPU (and this build) can run `path` */
@@ -381,7 +419,8 @@ int paged_path_supported(int path) {
     if (path == PATH_PORTABLE) return 1;
 #if HAVE_X86
     __builtin_cpu_init();
-    if (path == PATH_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (path == PATH_AVX2) /* F16C (every AVX2 CPU has it) widens the 16-bit KV cache */
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (path == PATH_AVX512) return __builtin_cpu_supports("avx512f");
 #endif
     return 0;
@@ -411,26 +450,26 @@ static float *work_area(int64_t floats) {
 
 typedef void (*seq_fn)(const seq_args *, const shape_args *, read_ahead *, float *, float *);
 
-/* paged_decode_f32_path over kv heads kv_begin .. kv_end-1 only (their query heads' rows of `out` are written, the
- * others left alone): one sequence's attention split over two threads by heads. A head's result is the same bits
- * whichever heads come with it (every step is per head). */
-int paged_decode_heads_f32_path(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
-                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
-                                int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                int64_t block_size, float scale, int64_t kv_begin, int64_t kv_end) {
+/* Decode attention over kv heads kv_begin .. kv_end-1 only (their query heads' rows of `out` are written, the others
+ * left alone): one sequence's attention split over two threads by heads. A head's result is the same bits whichever
+ * heads come with it (every step is per head). kv16: the caches hold float16 (else float32). */
+int paged_decode_heads_path(int path, int kv16, const float *q, float *out, const void *k_cache, const void *v_cache,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
+                            int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, float scale, int64_t kv_begin, int64_t kv_end) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || block_size < 1) return -1;
     if (kv_begin < 0 || kv_end > num_kv_heads || kv_begin >= kv_end) return -1;
     if (!paged_path_supported(path)) return -4;
-    const int64_t G = num_heads / num_kv_heads, E = head_dim, HE = num_heads * head_dim;
+    const int64_t G = num_heads / num_kv_heads, E = head_dim, HE = num_heads * head_dim, esz = kv16 ? 2 : 4;
     const int64_t H = (kv_end - kv_begin) * G, first = kv_begin * G * E; /* the heads computed, and where they start */
-    const shape_args s = {k_cache + kv_begin * E, v_cache + kv_begin * E, H, kv_end - kv_begin, G, E,
-                          num_kv_heads * head_dim, block_size, scale};
-    seq_fn run = seq_portable;
+    const shape_args s = {(const char *)k_cache + kv_begin * E * esz, (const char *)v_cache + kv_begin * E * esz,
+                          H, kv_end - kv_begin, G, E, num_kv_heads * head_dim, block_size, esz, scale};
+    seq_fn run = kv16 ? seq_portable_f16 : seq_portable;
 #if HAVE_X86
     if (path == PATH_AVX512 && E % 16 == 0)
-        run = seq_avx512;
+        run = kv16 ? seq_avx512_f16 : seq_avx512;
     else if (path >= PATH_AVX2 && E % 8 == 0) /* AVX-512 CPUs have AVX2: a head_dim of 8k serves there */
-        run = seq_avx2;
+        run = kv16 ? seq_avx2_f16 : seq_avx2;
 #endif
     int64_t longest = 1;
     for (int64_t b = b_begin; b < b_end; b++) {
@@ -456,6 +495,15 @@ int paged_decode_heads_f32_path(int path, const float *q, float *out, const floa
         }
     }
     return 0;
+}
+
+/* paged_decode_heads_path over a float32 cache */
+int paged_decode_heads_f32_path(int path, const float *q, float *out, const float *k_cache, const float *v_cache,
+                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
+                                int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale, int64_t kv_begin, int64_t kv_end) {
+    return paged_decode_heads_path(path, 0, q, out, k_cache, v_cache, tables, max_blocks, lens, b_begin, b_end,
+                                   num_heads, num_kv_heads, head_dim, block_size, scale, kv_begin, kv_end);
 }
 
 /* paged_decode_heads_f32_path over every kv head */

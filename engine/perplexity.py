@@ -27,10 +27,10 @@ DEFAULT_TEXT = ROOT / "tests" / "data" / "perplexity-en.txt"
 DEFAULT_WINDOW = 512
 
 
-def load_engine(model_dir: str | Path, weights: str, window: int = DEFAULT_WINDOW) -> Engine:
+def load_engine(model_dir: str | Path, weights: str, window: int = DEFAULT_WINDOW, kv_dtype: str = "auto") -> Engine:
     """An engine whose thread is not started: only its model's forward pass is used."""
     return Engine(model_dir, EngineConfig(weights=weights, kv_cache_tokens=max(window, 16), max_num_tokens=window,
-                                          max_batch_size=1), start=False)
+                                          max_batch_size=1, kv_dtype=kv_dtype), start=False)
 
 
 @torch.inference_mode()

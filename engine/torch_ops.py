@@ -42,8 +42,8 @@ class TorchLayerOps:
         num_tokens, qk_size = qkv.shape[0], (num_heads + num_kv_heads) * head_dim
         qk = qkv[:, :qk_size].view(num_tokens, num_heads + num_kv_heads, head_dim)  # [T, H+K, E]
         qk.copy_(rotate(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)))
-        k_cache.index_copy_(0, slots, qk[:, num_heads:])
-        v_cache.index_copy_(0, slots, qkv[:, qk_size:].view(num_tokens, num_kv_heads, head_dim))
+        k_cache.index_copy_(0, slots, qk[:, num_heads:].to(k_cache.dtype))  # rounded to a 16-bit cache's dtype
+        v_cache.index_copy_(0, slots, qkv[:, qk_size:].view(num_tokens, num_kv_heads, head_dim).to(v_cache.dtype))
         if q_out is not None:
             q_out.copy_(qk[:, :num_heads])
 

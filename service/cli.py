@@ -17,7 +17,7 @@ from .startup import StartupError, check_startup
 ENGINE_FLAGS = ("kv_cache_tokens", "kv_cache_memory_fraction", "max_num_tokens", "max_batch_size", "dtype",
                 "num_threads", "block_size", "enable_prefix_caching", "attention_backend", "matmul_backend", "weights",
                 "max_lora_rank", "embed_pooling", "embed_normalize", "speculative", "num_speculative_tokens",
-                "speculative_max_batch_size", "route_retiming")
+                "speculative_max_batch_size", "route_retiming", "kv_dtype")
 TRTLLM_FLAGS = ("trtllm_api", "kv_cache_free_gpu_memory_fraction", "enable_block_reuse", "enable_chunked_context",
                 "scheduler_policy", "tensor_parallel_size", "pipeline_parallel_size", "beam_width",
                 "max_batch_size", "max_num_tokens", "guided_decoding_backend", "kv_event_buffer_max_size",
@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the layers as 4 bits with a scale and a minimum per 32 columns (llama.cpp's Q4_1), the "
                         "lm_head int8 (docs/engine.md). auto: a GGUF file's own precision (docs/models.md). Default: fp32 "
                         "for a checkpoint directory (token-for-token equal to transformers), auto for a GGUF file")
+    e.add_argument("--kv-dtype", choices=("auto", "fp32", "fp16"), default=None,
+                   help="the KV cache's element type: fp16 halves its bytes (twice the tokens in a budget), fp32 is the "
+                        "activations' own; auto: fp16 with --weights int8/int4, fp32 otherwise (docs/engine.md)")
     e.add_argument("--num-threads", type=int, default=None, help="torch threads")
     e.add_argument("--route-retiming", action=argparse.BooleanOptionalAction, default=None,
                    help="with --weights int8/int4: now and then run a step on another route of the calibrated family "

@@ -6,7 +6,8 @@ GetModelInfo and the start-up log say the mode and its routes.
 
 The reference is the same engine in float32 on a copy of the checkpoint whose layer matrices were replaced by what the
 mode serves (int8: values times scales; int4: 4-bit levels times scales plus minimums, and the lm_head's int8 values
-times scales): the two runs differ only in float rounding, so greedy tokens must agree. (The real model's quality
+times scales), both over a float32 KV cache (the quantized modes' default, a 16-bit cache, has its own contract:
+tests/e2e/test_kv16_quality.py): the two runs differ only in float rounding, so greedy tokens must agree. (The real model's quality
 contract, perplexity and agreement with fp32 on every route, is tests/e2e/test_weights_quality.py.)
 """
 
@@ -82,7 +83,7 @@ def engines(checkpoints, tmp_path_factory, mode):
     LoRA adapter `a`."""
     original, dequantized = checkpoints
     adapter = write_adapter(original, tmp_path_factory.mktemp("adapter") / "a", seed=1, scale=0.3)
-    quant = engine(original, mode, exact_route(mode))
+    quant = engine(original, mode, exact_route(mode), kv_dtype="fp32")  # as the reference's (see the docstring)
     ref = Engine.from_dir(dequantized, EngineConfig(weights="fp32", **CONFIG))
     for e in (quant, ref):
         e.add_lora(e.read_lora("a", adapter))

@@ -31,6 +31,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"speculative": "lookahead"}, "speculative mode must be one of off, ngram, got 'lookahead'"),
     ({"speculative": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be in 1..16, got 0"),
     ({"speculative_max_batch_size": 0}, "speculative max_batch_size must be >= 1, got 0"),
+    ({"kv_dtype": "bf16"}, "kv_dtype must be one of auto, fp32, fp16, got 'bf16'"),
+    ({"kv_dtype": "fp16", "dtype": "bfloat16"}, "kv_dtype 'fp16' needs dtype float32"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError) as err:
@@ -93,3 +95,12 @@ def test_default_kv_cache_is_sized_from_the_model_and_free_memory():
     assert default_kv_tokens(46 * 1024, 16, available=20 * gib) == DEFAULT_KV_CACHE_TOKENS  # 135M: 1.4 GiB
     assert default_kv_tokens(384 * 1024, 16, available=20 * gib) == 5 * gib // (384 * 1024)  # 1.7B: 13,653 tokens
     assert default_kv_tokens(1 << 30, 16, available=gib) == 16
+
+
+def test_the_kv_cache_is_16_bit_for_the_quantized_modes_unless_asked_otherwise():
+    assert EngineConfig(weights="int8").kv_torch_dtype is torch.float16
+    assert EngineConfig(weights="int4").kv_torch_dtype is torch.float16
+    assert EngineConfig(weights="int4", kv_dtype="fp32").kv_torch_dtype is torch.float32
+    assert EngineConfig().kv_torch_dtype is torch.float32  # fp32 weights: the float32 reference
+    assert EngineConfig(kv_dtype="fp16").kv_torch_dtype is torch.float16
+    assert EngineConfig(dtype="float64").kv_torch_dtype is torch.float64  # the activations' own

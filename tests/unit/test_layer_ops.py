@@ -67,3 +67,55 @@ def test_silu_mul_matches_torch():
     ops.silu_mul(gate_up, out)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 6)])
+def test_rope_store_into_a_16_bit_cache_rounds_as_torch_half_does(heads, kv_heads, head_dim):
+    """The 16-bit KV cache: each K/V value the nearest float16, ties to even (the bits of torch's .half()); the row
+    tail past the last 8 values (head_dim 6 x 4 heads) takes the scalar conversion."""
+    gen = torch.Generator().manual_seed(heads + 100)
+    num_tokens = 4
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3
+    positions, slots = torch.tensor([0, 3, 5, 2]), torch.tensor([7, 1, 4, 0])
+    emb = torch.randn(8, head_dim, generator=gen)
+    cos, sin = emb.cos(), emb.sin()
+    caches = [torch.zeros(8, kv_heads, head_dim, dtype=dtype) for dtype in (torch.float32, torch.float16) for _ in "kv"]
+    wide = qkv.clone()
+    ops.rope_store(wide, heads, kv_heads, head_dim, cos, sin, positions, slots, caches[0], caches[1])
+    ops.rope_store(qkv, heads, kv_heads, head_dim, cos, sin, positions, slots, caches[2], caches[3])
+    assert torch.equal(qkv, wide)  # the rotation itself is the same in both
+    assert torch.equal(caches[2], caches[0].half()) and torch.equal(caches[3], caches[1].half())
+
+
+EDGES = [0.0, 1.0, 65504.0, 65519.99, 65520.0, 1e6, float("inf"), float("-inf"), 6.1035156e-05, 6.0e-05,
+         5.9604645e-08, 2.9802322e-08, 2.9802326e-08, 8.940697e-08, 1e-12, -3.1e-06, 1.00048828125, 1.00146484375,
+         1.000732421875, 2049.0, 2051.0, -2050.5]
+
+
+@pytest.mark.parametrize("f16c", [True, False], ids=["f16c", "bit-arithmetic"])
+def test_float16_rounding_equals_torch_with_and_without_f16c(f16c):
+    """layer_ops.c's float16 conversion, built with F16C and without it (the bit arithmetic of CPUs without F16C),
+    against torch's .half() on random values and the edges: float16's overflow (65520 rounds to inf), subnormals,
+    the smallest values, ties to even. V is stored as it comes (K is rotated first: inf * sin 0 is NaN); -0.0 is left
+    out: -ffast-math need not keep a zero's sign, which attention reads alike."""
+    if ops is None:
+        pytest.skip("no C compiler here: the torch path serves")
+    if f16c:
+        lib = ops
+    else:
+        flags = kernels.compile_flags_for(kernels.OPS_SOURCE) + ("-mno-f16c",)
+        lib = kernels.LayerOps(kernels.build(kernels.OPS_SOURCE, flags))
+    gen = torch.Generator().manual_seed(7)
+    values = torch.cat((torch.tensor(EDGES), torch.randn(4000, generator=gen) * 10.0 ** torch.randint(-9, 6, (4000,),
+                                                                                                  generator=gen)))
+    n = values.numel() // 2 * 2
+    kv = values[:n].view(n // 2, 1, 2)  # one kv head of head_dim 2 per token: K = V = the values
+    qkv = torch.cat((torch.zeros(n // 2, 2), kv.view(-1, 2), kv.view(-1, 2)), dim=1)
+    k_cache, v_cache = (torch.zeros(n // 2, 1, 2, dtype=torch.float16) for _ in "kv")
+    zeros = torch.zeros(1, 2)
+    cos, sin = torch.ones(1, 2), zeros
+    lib.rope_store(qkv, 1, 1, 2, cos, sin, torch.zeros(n // 2, dtype=torch.long), torch.arange(n // 2), k_cache,
+                   v_cache)
+    want = kv.half()
+    assert torch.equal(v_cache.view(torch.int16), want.view(torch.int16))

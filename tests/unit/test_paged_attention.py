@@ -240,3 +240,30 @@ def test_a_context_longer_than_any_before_grows_the_work_area():
         out = torch.full_like(q, float("nan"))
         paged.decode(q, out, k_cache, v_cache, tables, lens, 0, 1, 16, 0.25)
         torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 16), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", list(kernels.PagedAttention.PATHS))
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 1, 80), (10, 2, 72), (6, 3, 20)])
+def test_kernel_over_a_16_bit_cache_matches_sdpa_over_its_widened_values(isa, num_heads, num_kv_heads, head_dim):
+    """The 16-bit KV cache (float16): each path widens the rows as it loads them (exactly), so its result is SDPA's
+    over the cache's values in float32, to float32 rounding (on the vector paths, the float32 kernel's bits over the
+    widened cache); the same bits in a batch and alone."""
+    kernel = kernel_path(isa)
+    gen = torch.Generator().manual_seed(num_heads * 100 + head_dim)
+    block_size, lens = 16, torch.tensor([1, 17, 300, 64], dtype=torch.long)
+    tables = torch.randperm(80, generator=gen)[:4 * 19].view(4, 19)  # distinct blocks, shuffled
+    k_cache, v_cache = (torch.randn(80 * block_size, num_kv_heads, head_dim, generator=gen).half() for _ in "kv")
+    q = torch.randn(4, num_heads, head_dim, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    kernel.decode(q, out, k_cache, v_cache, tables, lens, 0, 4, block_size, head_dim ** -0.5)
+    want = reference(q, k_cache.float(), v_cache.float(), tables, lens, block_size)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    wide = torch.full_like(q, float("nan"))  # the float32 kernel over the widened cache
+    kernel.decode(q, wide, k_cache.float(), v_cache.float(), tables, lens, 0, 4, block_size, head_dim ** -0.5)
+    if isa != "portable" and head_dim % 8 == 0:  # the vector paths: the same sums in the same order
+        assert torch.equal(out, wide)
+    else:  # the portable loops, as the compiler vectorises each
+        torch.testing.assert_close(out, wide, rtol=1e-5, atol=1e-6)
+    alone = torch.full_like(q, float("nan"))
+    kernel.decode(q, alone, k_cache, v_cache, tables, lens, 2, 3, block_size, head_dim ** -0.5)
+    assert torch.equal(alone[2], out[2])
