@@ -96,7 +96,7 @@ def quantized(request, checkpoint, tmp_path_factory):
     kernel = kernels.load_int4() if mode == "int4" else kernels.load_int8()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ROUTE_ENV, f"{mode}-{kernel.isa}" if kernel is not None else "torch-fp32")
-        quant = Engine.from_dir(checkpoint, EngineConfig(weights=mode, **CONFIG))
+        quant = Engine.from_dir(checkpoint, EngineConfig(weights=mode, kv_dtype="fp32", **CONFIG))  # fp32's cache
     ref = Engine.from_dir(copy, EngineConfig(weights="fp32", **CONFIG))
     for e in (quant, ref):
         e.add_lora(e.read_lora("a", adapter))
