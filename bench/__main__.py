@@ -81,6 +81,15 @@ BENCHMARKS = {
     "spec": Benchmark("spec_bench", "speculative decoding off / ngram against llama-server plain and with its n-gram "
                       "speculation (--llama-cpp DIR): grounded tasks and free chat, 1 and 8 streams", "results-spec.json",
                       ("--scenarios", "grounded", "--streams", "1", "--new-tokens", "8", "--repeats", "1")),
+    "size_table": Benchmark("size_table", "the engine against llama-server as models grow: 135M, 360M and 1.7B "
+                            "shapes, Gemma 3 270M from its GGUF; 1 and 8 streams (--llama-cpp DIR)",
+                            "results-size.json", ("--scenarios", "single", "--single-repeats", "1",
+                                                  "--new-tokens", "8")),
+    "route_retiming": Benchmark("route_retiming", "one stream's tok/s over the first minutes after a quiet start "
+                                "and after starts beside a CPU hog, with and without --route-retiming",
+                                "results-route-retiming.json",
+                                ("--seconds", "2", "--window", "1", "--rounds", "1", "--new-tokens", "8",
+                                 "--arms", "quiet,loaded+retiming")),
     "grammar_libs": Benchmark("grammar_libs", "xgrammar against llguidance: compile, mask per token",
                               "results-grammar-libs.json", ("--walks", "1")),
 }

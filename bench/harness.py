@@ -81,13 +81,13 @@ class TokenloopServer:
     """`tokenloop serve --model MODEL FLAGS` on a free port for the length of a `with` block, ready when entered."""
 
     def __init__(self, model: str | Path, flags: list[str] = (), env: dict | None = None,
-                 log_level: str | None = None, timeout: float = 300.0):
+                 log_level: str | None = None, timeout: float = 300.0, stderr=None):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.cmd = [*tokenloop_command(), "serve", "--model", str(model), "--host", "127.0.0.1", "--port",
                     str(self.port), "--metrics-port", "0",
                     "--log-level", log_level or os.environ.get("BENCH_LOG_LEVEL", "WARNING"), *flags]
-        self.env, self.timeout, self.proc = env, timeout, None
+        self.env, self.timeout, self.proc, self.stderr = env, timeout, None, stderr  # stderr: a file, else ours
 
     @property
     def pid(self) -> int:
@@ -109,7 +109,7 @@ class TokenloopServer:
 
     async def start(self) -> None:
         """Start it and wait until it serves (stopped again if it does not)."""
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.stderr,
                                      env={**os.environ, **(self.env or {})})
         try:
             await wait_ready(self.port, self.timeout, self.proc)
