@@ -152,7 +152,57 @@ FIGURES |= {
     "structured.admission_p50": Figure(S, lambda d: f"{d['admission']['p50_s'] * 1e6:.1f} µs"),
     "structured.admission_p99": Figure(S, lambda d: f"{d['admission']['p99_s'] * 1e6:.1f} µs"),
 }
-TABLES = {"engine": (E, engine_table)}
+SP = "results-spec.json"
+SPEC_OURS = ("tokenloop off", "tokenloop ngram")
+
+
+def _spec_row(d: dict, scenario: str, streams: int) -> dict:
+    for row in d["rows"]:
+        if row["scenario"] == scenario and row["streams"] == streams:
+            return row
+    raise KeyError(f"results-spec.json has no {scenario} row at {streams} streams")
+
+
+def _llama_best(row: dict) -> tuple[str, float]:
+    """llama-server's fastest arm on a row (plain or one of its n-gram speculation types)."""
+    arms = {k: v["tok_s"] for k, v in row.items() if k.startswith("llama-server")}
+    best = max(arms, key=arms.get)
+    return best, arms[best]
+
+
+def spec_table(d: dict) -> str:
+    """Speculative decoding off / ngram against llama-server plain and with its n-gram speculation (tok/s)."""
+    runs = "; ".join(f"{r['date'].replace('T', ' ')[:16]} UTC at `{r['commit']}`: `{r['command']}`" for r in d["runs"])
+    intro = (f"Greedy, {d['new_tokens']} new tokens per request, EOS ignored, `--weights {d['weights']}`, the median of "
+             f"each row's interleaved rounds, on a {d['cpus']}-vCPU {describe(d)}; {runs}.")
+    lines = [textwrap.fill(intro, 118, break_on_hyphens=False, break_long_words=False), "",
+             "| scenario | streams | speculation off | `--speculative ngram` (tokens per verification) | "
+             "llama-server, best of plain / ngram-simple / ngram-map-k | ngram / off | ngram / llama-server |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in d["rows"]:
+        off, on = row["tokenloop off"]["tok_s"], row["tokenloop ngram"]
+        per_step = f" ({on['tokens_per_step']:.2f})" if on.get("tokens_per_step") else ""
+        llama = _llama_best(row) if any(k.startswith("llama-server") for k in row) else None
+        lines.append(f"| {row['scenario']} | {row['streams']} | {off:.1f} | {on['tok_s']:.1f}{per_step} | "
+                     + (f"{llama[1]:.1f} ({llama[0].removeprefix('llama-server').strip() or 'plain'})" if llama
+                        else "—")
+                     + f" | {on['tok_s'] / off:.2f}x | " + (f"{on['tok_s'] / llama[1]:.2f}x |" if llama else "— |"))
+    return "\n".join(lines)
+
+
+def _spec_ratio(d: dict, scenario: str, streams: int, versus: str = "off") -> str:
+    row = _spec_row(d, scenario, streams)
+    other = row["tokenloop off"]["tok_s"] if versus == "off" else _llama_best(row)[1]
+    return f"{row['tokenloop ngram']['tok_s'] / other:.2f}x"
+
+
+FIGURES |= {
+    **{f"spec.{sc}_{n}_vs_off": Figure(SP, lambda d, sc=sc, n=n: _spec_ratio(d, sc, n))
+       for sc, n in (("grounded", 1), ("grounded", 8), ("chat", 1), ("chat", 8), ("chat", 32))},
+    **{f"spec.{sc}_{n}_vs_llama": Figure(SP, lambda d, sc=sc, n=n: _spec_ratio(d, sc, n, "llama"))
+       for sc, n in (("grounded", 1), ("grounded", 8))},
+}
+TABLES = {"engine": (E, engine_table), "spec": (SP, spec_table)}
 
 
 def value(name: str) -> str:

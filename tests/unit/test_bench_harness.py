@@ -130,7 +130,7 @@ def test_every_benchmark_writes_its_figures_through_the_harness(script):
     assert len(_file_writes(ast.parse(source))) == NOT_FIGURES.get(script, 0), _file_writes(ast.parse(source))
     if '"--out"' in source or "add_out_argument" in source:
         assert "from tokenloop.bench.harness import" in source
-        assert "write(args.out" in source or "write(out," in source or script == "soak.py"
+        assert "write(args.out" in source or "write(out," in source or "report(args," in source or script == "soak.py"
     if script == "soak.py":
         assert "describe(where)" in source
 
