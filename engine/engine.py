@@ -291,10 +291,9 @@ class Engine:
         if not scheduled:
             return
         trial = self.route_timer.begin(sum(n for _, n in scheduled)) if self.route_timer else None
-        ran_at = time.perf_counter()
         ran = self._run(scheduled)  # 2. run the model (now and then on another route of the same bits: route_timing)
         if trial is not None:
-            self.route_timer.end(trial, time.perf_counter() - ran_at)
+            self.route_timer.end(trial)
         if ran is None:
             return
         out = ran.output

@@ -3,19 +3,25 @@
 
 The start-up calibration (matmul.MatmulPolicy.calibrate_quant) times each route once; a server started while the
 machine was busy keeps what it timed then (two threads lose to one under load, and the choice is cached). While
-serving, `RouteTimer` runs one step in `period` of each step size (bucket) on another candidate route, measures
-the whole step, and keeps a window of recent step times per candidate; when a candidate's median beats the
-incumbent's by `margin` it becomes the bucket's route, with a log line. The candidates are the routes of the
-incumbent's family that the calibration chose for some bucket, each on one thread and on two: they give the same
-bits (a family's routes compute every output alike; a two-thread split divides the output channels), so switching
-changes no token, only the time.
+serving, `RouteTimer` runs one step in `period` of each step size (bucket) on another candidate route and compares
+it like with like: with the incumbent's steps right before and right after it, of the same number of rows. Each
+such trial gives one ratio (the candidate's step time over the mean of its neighbours'); when the median of a
+candidate's last `window` ratios is below `margin`, it becomes the bucket's route, with a log line. Pairing
+neighbours keeps what the machine was doing at the time out of the comparison: a candidate tried during a quiet
+minute is not compared with an incumbent timed under load, nor the other way round.
+
+The candidates are the routes of the incumbent's family that the calibration chose for some bucket, each on one
+thread and on two: they give the same bits (a family's routes compute every output alike; a two-thread split
+divides the output channels), so switching changes no token, only the time.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .calibration import BUCKETS
@@ -30,24 +36,39 @@ def bucket_of(num_tokens: int) -> int:
 
 @dataclass(slots=True)
 class Trial:
-    """What one step ran with: its bucket, and the candidate it tried (None: the incumbent, timed as usual)."""
+    """One step: its rows, its bucket, the candidate it tried (None: the incumbent) and when it began."""
 
+    num_tokens: int
     bucket: int
     candidate: tuple | None = None
+    started: float = 0.0
+
+
+@dataclass(slots=True)
+class Pending:
+    """A candidate's step waiting for the incumbent's step after it: its rows, its time, the one before it."""
+
+    candidate: tuple
+    num_tokens: int
+    seconds: float
+    before: float | None
 
 
 @dataclass
 class RouteTimer:
     """Re-times `policy.qroutes` (bucket -> (QuantRoute, split)) on real steps; `begin` before a step's forward,
-    `end` with its duration after."""
+    `end` after it (times read from `clock`)."""
 
     policy: object  # matmul.MatmulPolicy
     period: int = 25  # one step in `period` of a bucket tries a candidate (4 %)
-    window: int = 9  # step times kept per candidate; compared once both sides have this many
-    margin: float = 0.93  # a candidate whose median is below the incumbent's times this replaces it
+    window: int = 9  # paired ratios kept per candidate; a switch needs this many
+    margin: float = 0.93  # a candidate whose median ratio to the incumbent is below this replaces it
+    clock: Callable[[], float] = time.perf_counter
     candidates: dict[int, list[tuple]] = field(default_factory=dict)
-    samples: dict[tuple[int, tuple], deque] = field(default_factory=dict)
+    ratios: dict[tuple[int, tuple], deque] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
+    last: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> the incumbent's last (rows, s)
+    pending: dict[int, Pending] = field(default_factory=dict)
     num_switches: int = 0
     incumbent: tuple | None = None  # the route a trial step displaced, put back by `end`
 
@@ -63,38 +84,47 @@ class RouteTimer:
         count = self.counts[bucket] = self.counts.get(bucket, 0) + 1
         others = [c for c in self.candidates.get(bucket, ()) if c != self.policy.qroutes[bucket]]
         if not others or count % self.period:
-            return Trial(bucket)
+            return Trial(num_tokens, bucket, started=self.clock())
         candidate = others[(count // self.period) % len(others)]
         self.incumbent = self.policy.qroutes[bucket]
         self.policy.qroutes[bucket] = candidate
-        return Trial(bucket, candidate)
+        return Trial(num_tokens, bucket, candidate, self.clock())
 
-    def end(self, trial: Trial, seconds: float) -> None:
-        """After the step: put the incumbent back, keep the time, and switch when a candidate measures faster."""
+    def end(self, trial: Trial) -> None:
+        """After the step: put the incumbent back; pair a candidate's time with the incumbent's neighbouring steps
+        of the same size, and switch when a candidate measures faster."""
+        seconds = self.clock() - trial.started
         bucket = trial.bucket
-        if trial.candidate is not None:
+        if trial.candidate is not None:  # 1. a trial: wait for the incumbent's next step
             self.policy.qroutes[bucket] = self.incumbent
-        ran = trial.candidate if trial.candidate is not None else self.policy.qroutes.get(bucket)
-        if ran is None:
+            rows, before = self.last.get(bucket, (None, None))
+            self.pending[bucket] = Pending(trial.candidate, trial.num_tokens, seconds,
+                                           before if rows == trial.num_tokens else None)
             return
-        self.samples.setdefault((bucket, ran), deque(maxlen=self.window)).append(seconds)
-        if trial.candidate is not None:
-            self._compare(bucket, trial.candidate)
+        self.last[bucket] = (trial.num_tokens, seconds)  # 2. the incumbent: the trial before it gets its pair
+        waiting = self.pending.pop(bucket, None)
+        if waiting is None or waiting.num_tokens != trial.num_tokens:
+            return
+        around = seconds if waiting.before is None else (waiting.before + seconds) / 2
+        self.ratios.setdefault((bucket, waiting.candidate), deque(maxlen=self.window)).append(
+            waiting.seconds / around)
+        self._compare(bucket, waiting.candidate)
 
     def _compare(self, bucket: int, candidate: tuple) -> None:
-        incumbent = self.policy.qroutes[bucket]
-        mine, theirs = self.samples.get((bucket, candidate)), self.samples.get((bucket, incumbent))
-        if not mine or not theirs or len(mine) < self.window or len(theirs) < self.window:
+        mine = self.ratios[(bucket, candidate)]
+        if len(mine) < self.window:
             return
-        new, old = statistics.median(mine), statistics.median(theirs)
-        if new < old * self.margin:
+        ratio = statistics.median(mine)
+        if ratio < self.margin:
+            incumbent = self.policy.qroutes[bucket]
             self.policy.qroutes[bucket] = candidate
             self.num_switches += 1
-            log.info("matmul: steps of <=%d tokens switch from %s to %s (median step %.2f ms against %.2f ms over "
-                     "the last %d steps each)", bucket, describe(incumbent), describe(candidate), new * 1e3,
-                     old * 1e3, self.window)
-            for key in [k for k in self.samples if k[0] == bucket]:
-                del self.samples[key]  # start the comparison afresh around the new incumbent
+            log.info("matmul: steps of <=%d tokens switch from %s to %s (median %.3f of the step time on the "
+                     "incumbent's neighbouring steps of the same size, over %d trials)", bucket,
+                     describe(incumbent), describe(candidate), ratio, self.window)
+            for key in [k for k in self.ratios if k[0] == bucket]:
+                del self.ratios[key]  # start the comparison afresh around the new incumbent
+            self.last.pop(bucket, None)
 
 
 def describe(route: tuple) -> str:

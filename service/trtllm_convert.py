@@ -102,7 +102,8 @@ class TrtllmWriter(SequenceWriter):
         msg = tpb.GenerateComplete(
             output_token_ids=ids, sequence_index=done.index, finish_reason=FINISH_REASONS[done.finish_reason],
             prompt_tokens=done.prompt_tokens, completion_tokens=len(ids), cached_tokens=done.cached_prompt_tokens,
-            logprobs=_logprobs((done.logprobs or [])[:len(ids)]))
+            logprobs=_logprobs((done.logprobs or [])[:len(ids)]),
+            spec_draft_tokens=done.draft_tokens, spec_accepted_tokens=done.accepted_draft_tokens)  # speculation
         if done.matched_stop_str is not None:
             msg.matched_stop_str = done.matched_stop_str
         elif done.matched_stop_token is not None:

@@ -229,7 +229,8 @@ class VllmWriter(SequenceWriter):
             ids, lps = done.token_ids, done.logprobs
         msg = vpb.GenerateComplete(
             output_ids=ids, finish_reason=FINISH_REASONS[done.finish_reason], prompt_tokens=done.prompt_tokens,
-            completion_tokens=len(ids), cached_tokens=done.cached_prompt_tokens, index=done.index)
+            completion_tokens=len(ids), cached_tokens=done.cached_prompt_tokens, index=done.index,
+            spec_draft_tokens=done.draft_tokens, spec_accepted_tokens=done.accepted_draft_tokens)  # speculation
         out_lps = _output_logprobs(lps, self.valid.output.top_logprobs)
         if out_lps is not None:
             msg.output_logprobs.CopyFrom(out_lps)

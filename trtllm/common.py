@@ -13,7 +13,7 @@ from tokenloop.core.executor import ExecutorStats
 from tokenloop.core.request import FinishReason, StructuredOutput, ValidRequest
 from tokenloop.core.tokenizer import Tokenizer
 
-from .speculative import check_speculative
+from .speculative import SpecCounts, check_speculative
 
 APIS = ("auto", "executor", "llm")
 GUIDED_BACKENDS = ("auto", "xgrammar", "llguidance", "none")
@@ -213,10 +213,11 @@ def current_stats(snapshot: ExecutorStats | None, taken_at: float, num_in_flight
     return snapshot
 
 
-def stats_from_iteration(stats: dict) -> ExecutorStats:
+def stats_from_iteration(stats: dict, spec: SpecCounts | None = None) -> ExecutorStats:
     """ExecutorStats from one iteration's stats in TensorRT-LLM's JSON names
-    (`IterationStats.to_json_str()`, and what `LLM.get_stats_async` yields)."""
+    (`IterationStats.to_json_str()`, and what `LLM.get_stats_async` yields), with the speculation counts so far."""
     kv = stats.get("kvCacheStats") or {}
+    spec = spec or SpecCounts()
     return ExecutorStats(
         num_running=int(stats.get("numActiveRequests", 0)),
         num_waiting=int(stats.get("numQueuedRequests", 0)),
@@ -225,4 +226,16 @@ def stats_from_iteration(stats: dict) -> ExecutorStats:
         tokens_per_block=int(kv.get("tokensPerBlock", 0)),
         step_latency_s=float(stats.get("iterLatencyMS", 0.0)) / 1000.0,
         num_steps=int(stats.get("iter", 0)),
+        spec_num_drafts=spec.num_drafts,
+        spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
     )
+
+
+def infer_finish(token_ids: list[int], request: ValidRequest, aborted: bool) -> tuple[FinishReason, int | None]:
+    """Why a sequence ended when the LLM API did not say."""
+    if aborted:
+        return FinishReason.CANCELLED, None
+    if len(token_ids) >= request.stopping.max_new_tokens:
+        return FinishReason.LENGTH, None
+    return stop_reason(token_ids[-1] if token_ids else None, request)

@@ -48,7 +48,7 @@ from .common import (
     wants_logprobs,
 )
 from .lora import TrtllmLoras
-from .speculative import executor_decoding_config
+from .speculative import SpecCounts, draft_counts, executor_decoding_config
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -86,6 +86,7 @@ class TrtllmExecutor(TrtllmLoras):
         self._stats_at = 0.0
         self._stats_lock = threading.Lock()
         self._stats_due = 0.0
+        self._spec = SpecCounts()  # specDecodingStats summed over every iteration read
         self._max_tokens_arg = self._probe(tle.Request, {"input_token_ids": [1]}, "max_tokens", "max_new_tokens", 1)
         self._seed_arg = self._probe(tle.SamplingConfig, {"beam_width": 1}, "seed", "random_seed", 0)
         self._guided_backend = guided_backend(config, "executor")
@@ -198,13 +199,19 @@ class TrtllmExecutor(TrtllmLoras):
             **{self._max_tokens_arg: request.stopping.max_new_tokens},
             streaming=beams == 1,
             sampling_config=tle.SamplingConfig(beam_width=beams, **num_sequences, **sampling),
-            output_config=tle.OutputConfig(return_log_probs=wants_logprobs(request),
-                                           exclude_input_from_output=True),
+            output_config=tle.OutputConfig(return_log_probs=wants_logprobs(request), exclude_input_from_output=True,
+                                           **self._perf_metrics),
             end_id=end_id,
             pad_id=end_id if end_id >= 0 else (self._eos[0] if self._eos else 0),
             stop_words=[[t] for t in stop_ids] or None,
             **guided,
         )
+
+    @property
+    def _perf_metrics(self) -> dict:
+        """OutputConfig's return_perf_metrics when speculating: the request's drafted and accepted tokens come back
+        in `Result.request_perf_metrics` (not asked otherwise: 0.1x bindings lack the keyword)."""
+        return {"return_perf_metrics": True} if self._config.speculative != "off" else {}
 
     def _guide(self, request: ValidRequest):
         """GuidedDecodingParams for a `structured` request (ValueError when the executor has no guided decoding)."""
@@ -224,7 +231,7 @@ class TrtllmExecutor(TrtllmLoras):
         steps: list[Step] = []
         for response in responses:
             steps += self._steps(response)
-        self._refresh_stats()
+        self._refresh_stats(force=bool(responses) and not self._tracked)  # the last request ended: read it all now
         self._pump_kv_events()
         return steps
 
@@ -289,6 +296,9 @@ class TrtllmExecutor(TrtllmLoras):
     def _step(self, request_id: int, tracked: _Tracked, result, seq: int, beam: int) -> Step:
         tokens = list(result.output_token_ids[beam])
         step = Step(request_id, seq, tokens, logprobs=self._logprobs(tracked, result, beam, len(tokens)))
+        counts = draft_counts(getattr(result, "request_perf_metrics", None))
+        if counts is not None:  # speculation: the request's drafted and accepted tokens so far (usage)
+            step.num_draft_tokens, step.num_accepted_draft_tokens = counts
         if tokens:
             tracked.last_token[seq] = tokens[-1]
         if not (getattr(result, "is_sequence_final", False) or result.is_final) or seq not in tracked.open_seqs:
@@ -314,10 +324,10 @@ class TrtllmExecutor(TrtllmLoras):
         tail = every[len(every) - num_tokens:] if num_tokens <= len(every) else every
         return [float("nan")] * (num_tokens - len(tail)) + [float(lp) for lp in tail]
 
-    def _refresh_stats(self) -> None:
-        """Every half second, keep the latest iteration's stats for `stats()`."""
+    def _refresh_stats(self, force: bool = False) -> None:
+        """Every half second (and when the executor falls idle), keep the latest iteration's stats for `stats()`."""
         now = time.monotonic()
-        if now < self._stats_due:
+        if now < self._stats_due and not force:
             return
         self._stats_due = now + _STATS_INTERVAL_S
         try:
@@ -326,6 +336,9 @@ class TrtllmExecutor(TrtllmLoras):
             log.debug("get_latest_iteration_stats failed", exc_info=True)
             return
         if iterations:
-            snapshot = stats_from_iteration(json.loads(iterations[-1].to_json_str()))
+            parsed = [json.loads(it.to_json_str()) for it in iterations]
+            for iteration in parsed:  # every iteration since the last read: the speculation counts add up
+                self._spec.add(iteration)
+            snapshot = stats_from_iteration(parsed[-1], self._spec)
             with self._stats_lock:
                 self._stats, self._stats_at = snapshot, now

@@ -49,13 +49,14 @@ from .common import (
     end_and_stop_ids,
     guide_for,
     guided_backend,
+    infer_finish,
     sampling_kwargs,
     stats_from_iteration,
     stop_reason,
     wants_logprobs,
 )
 from .lora import TrtllmLoras
-from .speculative import llm_speculative_config
+from .speculative import SpecCounts, draft_counts, llm_speculative_config
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -91,6 +92,7 @@ class TrtllmLlmApi(TrtllmLoras):
         self._stats: ExecutorStats | None = None
         self._stats_at = 0.0
         self._stats_lock = threading.Lock()
+        self._spec = SpecCounts()  # specDecodingStats summed over every iteration (loop thread)
         self._stats_task: asyncio.Task | None = None
         # TensorRT-LLM's KV-cache events (KvCacheConfig.event_buffer_max_size), passed on to SubscribeKvEvents
         self.kv_events = KvEventHub() if config.kv_events_enabled else None
@@ -170,6 +172,7 @@ class TrtllmLlmApi(TrtllmLoras):
                 max_tokens=request.stopping.max_new_tokens, n=request.n,
                 end_id=end_id if end_id >= 0 else default_end, pad_id=default_end,
                 ignore_eos=request.stopping.ignore_eos, stop_token_ids=stop_ids or None,
+                **({"return_perf_metrics": True} if self._config.speculative != "off" else {}),  # drafted/accepted
                 include_stop_str_in_output=True,  # keep stop tokens, as the C++ executor does
                 logprobs=(top or 1) if wants_logprobs(request) else None,
                 detokenize=False, **kwargs)
@@ -322,6 +325,9 @@ class TrtllmLlmApi(TrtllmLoras):
             if not tokens and not output.finished:
                 continue
             step = Step(request_id, seq, tokens, logprobs=logprobs, top_logprobs=tops, is_final=output.finished)
+            counts = draft_counts(getattr(completion, "request_perf_metrics", None))  # speculation (usage)
+            if counts is not None:
+                step.num_draft_tokens, step.num_accepted_draft_tokens = counts
             if output.finished:
                 self._finish(step, completion, request, request_id in self._aborted)
             steps.append(step)
@@ -337,7 +343,7 @@ class TrtllmLlmApi(TrtllmLoras):
         elif reason in _FINISH:
             step.finish_reason = _FINISH[reason]
         elif reason is None:  # the LLM API sets it only for the sequence in the last response
-            step.finish_reason, step.matched_stop_token = _infer_finish(completion.token_ids, request, aborted)
+            step.finish_reason, step.matched_stop_token = infer_finish(completion.token_ids, request, aborted)
         else:
             step.error = f"TensorRT-LLM finished sequence {step.seq_index} with an unknown reason {reason!r}"
 
@@ -359,7 +365,9 @@ class TrtllmLlmApi(TrtllmLoras):
         while True:
             try:
                 async for stats in self._llm.get_stats_async(timeout=_STATS_TIMEOUT_S):
-                    snapshot = stats_from_iteration(json.loads(stats) if isinstance(stats, str) else stats)
+                    iteration = json.loads(stats) if isinstance(stats, str) else stats
+                    self._spec.add(iteration)
+                    snapshot = stats_from_iteration(iteration, self._spec)
                     with self._stats_lock:
                         self._stats, self._stats_at = snapshot, time.monotonic()
             except asyncio.CancelledError:
@@ -367,15 +375,6 @@ class TrtllmLlmApi(TrtllmLoras):
             except Exception:
                 log.debug("get_stats_async failed", exc_info=True)
             await asyncio.sleep(_STATS_TIMEOUT_S)
-
-
-def _infer_finish(token_ids: list[int], request: ValidRequest, aborted: bool) -> tuple[FinishReason, int | None]:
-    """Why a sequence ended when the LLM API did not say."""
-    if aborted:
-        return FinishReason.CANCELLED, None
-    if len(token_ids) >= request.stopping.max_new_tokens:
-        return FinishReason.LENGTH, None
-    return stop_reason(token_ids[-1] if token_ids else None, request)
 
 
 def _logprobs(completion, start: int, count: int, request: ValidRequest):

@@ -12,12 +12,26 @@ Written against NVIDIA/TensorRT-LLM:
       ExecutorConfig(decoding_config=...)), and the bindings' LookaheadDecodingConfig(max_window_size,
       max_ngram_size, max_verification_set_size) and DecodingMode.Lookahead().
 
+What TensorRT-LLM reports back (`SpecCounts`, `draft_counts`), written against:
+  cpp/include/tensorrt_llm/executor/types.h @ a98a9061d72f6fd39f5d055ebdd2c6878a100e2c (SpecDecodingStats:
+      numDraftTokens, numAcceptedTokens, numRequestsWithDraftTokens, acceptanceLength, per iteration, in
+      `IterationStats.to_json_str()` and `LLM.get_stats_async` as `specDecodingStats`;
+      RequestPerfMetrics::SpeculativeDecodingMetrics: acceptanceRate, totalAcceptedDraftTokens, totalDraftTokens)
+  cpp/tensorrt_llm/nanobind/executor/request.cpp @ ac456dcad7e63b0ee6387ebb2ee2ef330d142ebe (OutputConfig(...,
+      return_perf_metrics=None); Result.request_perf_metrics, RequestPerfMetrics.speculative_decoding with
+      acceptance_rate, total_accepted_draft_tokens, total_draft_tokens; Result.decoding_iter)
+  tensorrt_llm/executor/result.py @ a678b91aafbeff265cd0b764abb59d7def624ac2 (CompletionOutput.request_perf_metrics,
+      copied from each response's Result when set) and tensorrt_llm/sampling_params.py (SamplingParams
+      .return_perf_metrics, "in sync with tllme.OutputConfig").
+
 The C++ executor runs the speculation its TensorRT engine was built with (`trtllm-build --speculative_decoding_mode
 ...`); of the run-time settings it takes lookahead's window, n-gram and verification-set sizes. The LLM API
 (PyTorch backend) drafts by n-gram, by lookahead or with a draft model.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 TRTLLM_SPECULATIVE_MODES = ("off", "ngram", "lookahead", "draft_target")
 DEFAULT_DRAFT_LEN = 4  # max_draft_len when --num-speculative-tokens is not given (the embedded engine's default K)
@@ -87,3 +101,29 @@ def describe(config) -> str:
     extra = f", draft model {config.speculative_model}" if config.speculative == "draft_target" else ""
     return (f"speculative decoding {config.speculative} (up to {config.num_speculative_tokens or DEFAULT_DRAFT_LEN} "
             f"tokens{extra})")
+
+
+@dataclass(slots=True)
+class SpecCounts:
+    """TensorRT-LLM's per-iteration `specDecodingStats` summed since start: the engine's spec_decode counters
+    (verifications of a draft, drafted tokens, accepted drafted tokens), as GetLoad and /metrics report them."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, iteration: dict) -> None:
+        """Count one iteration's stats (the JSON names of `IterationStats.to_json_str()`)."""
+        spec = iteration.get("specDecodingStats") or {}
+        self.num_drafts += int(spec.get("numRequestsWithDraftTokens", 0))
+        self.num_draft_tokens += int(spec.get("numDraftTokens", 0))
+        self.num_accepted_tokens += int(spec.get("numAcceptedTokens", 0))
+
+
+def draft_counts(perf_metrics) -> tuple[int, int] | None:
+    """(drafted, accepted) tokens of a request so far, from a `RequestPerfMetrics` (`Result.request_perf_metrics`
+    on the executor, `CompletionOutput.request_perf_metrics` on the LLM API); None when it carries none."""
+    spec = getattr(perf_metrics, "speculative_decoding", None)
+    if spec is None:
+        return None
+    return int(spec.total_draft_tokens), int(spec.total_accepted_draft_tokens)

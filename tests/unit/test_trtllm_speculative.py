@@ -4,14 +4,17 @@ DecodingConfig; what TensorRT-LLM cannot run is refused at start-up naming the f
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.fakes import scenarios
 from tests.fakes.fixtures import fake_trtllm, make_engine_dir
+from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.service.cli import build_parser, config_from_args
 from tokenloop.service.config import parse_lookahead_flag
 from tokenloop.trtllm import TrtllmConfig, create_trtllm_executor
-from tokenloop.trtllm.speculative import describe
+from tokenloop.trtllm.speculative import SpecCounts, describe, draft_counts
 
 
 @pytest.fixture
@@ -122,3 +125,74 @@ def test_start_up_log_words():
     assert describe(TrtllmConfig(speculative="ngram")) == "speculative decoding ngram (up to 4 tokens)"
     assert describe(TrtllmConfig(speculative="lookahead", lookahead_config=(4, 3, 2))) == \
         "speculative decoding lookahead (W,N,G 4,3,2)"
+
+
+# -- what TensorRT-LLM reports back: drafted and accepted tokens (trtllm/speculative.py SpecCounts, draft_counts) --
+
+# The fake verifies K drafted tokens per sequence per iteration and accepts 2, 0, 3, 1 of them in turn (capped at K),
+# so each iteration yields 3, 1, 4, 2 tokens: 20 tokens take 8 iterations, 12 accepted drafts.
+NUM_NEW, ITERATIONS, ACCEPTED = 20, 8, 12
+
+
+def spec_executor(api: str, tmp_path, tokenizer_dir, speculative: str):
+    """An adapter on the fake: the LLM API drafting 4 tokens by n-gram, or the C++ executor running lookahead (the
+    fake's lookahead drafts 3)."""
+    if api == "llm":
+        options = {"speculative": "ngram", "num_speculative_tokens": 4} if speculative != "off" else {}
+        return create_trtllm_executor(str(tokenizer_dir), trtllm_api="llm", **options), 4
+    engine_dir = make_engine_dir(tmp_path / "engine", tokenizer_dir)
+    options = {"speculative": "lookahead", "lookahead_config": (4, 3, 2)} if speculative != "off" else {}
+    return create_trtllm_executor(str(engine_dir), **options), 3
+
+
+@pytest.mark.parametrize("api", ["llm", "executor"])
+def test_drafted_and_accepted_tokens_reach_usage_and_the_stats(fake, tmp_path, tokenizer_dir, api):
+    """With speculation on, each request asks for its perf metrics (`SamplingParams.return_perf_metrics`,
+    `OutputConfig.return_perf_metrics`) and its Complete carries RequestPerfMetrics.speculative_decoding's totals;
+    the executor's stats sum every iteration's specDecodingStats; the tokens are those of speculation off."""
+    from tests.conftest import run
+
+    async def one(looper, tok, deaths):
+        events = await scenarios.collect(looper.submit(scenarios.request(max_new=NUM_NEW)))
+        outcome["done"] = events[-1]
+        for _ in range(300):  # the stats are read every half second
+            if looper.executor.stats().spec_num_drafts == ITERATIONS or speculative == "off":
+                break
+            await asyncio.sleep(0.01)
+        outcome["stats"] = looper.executor.stats()
+
+    results = {}
+    for speculative in ("off", "on"):
+        outcome: dict = {}
+        executor, k = spec_executor(api, tmp_path / speculative, tokenizer_dir, speculative)
+        run(scenarios.drive(executor, Tokenizer.from_dir(tokenizer_dir), one))
+        results[speculative] = (outcome["done"], outcome["stats"], k)
+    off, on = results["off"][0], results["on"][0]
+    assert on.token_ids == off.token_ids == scenarios.expected(20, NUM_NEW)
+    assert (off.draft_tokens, off.accepted_draft_tokens) == (0, 0)
+    done, stats, k = results["on"]
+    assert (done.draft_tokens, done.accepted_draft_tokens) == (ITERATIONS * k, ACCEPTED)
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == \
+        (ITERATIONS, ITERATIONS * k, ACCEPTED)
+    assert stats.spec_tokens_per_step == 1 + ACCEPTED / ITERATIONS and stats.spec_acceptance_rate == ACCEPTED / (
+        ITERATIONS * k)
+    assert results["off"][1].spec_num_drafts == 0
+    if api == "llm":
+        submitted = [params.return_perf_metrics for _, params, _ in fake.LLM.instances[-1].submits]
+    else:
+        submitted = [r.output_config.return_perf_metrics for r in fake.bindings.executor.Executor.instances[-1]
+                     .requests.values()]
+    assert submitted == [True]
+
+
+def test_draft_counts_read_the_documented_fields(fake):
+    metrics = fake.bindings.executor.RequestPerfMetrics()
+    metrics.speculative_decoding.total_draft_tokens, metrics.speculative_decoding.total_accepted_draft_tokens = 9, 4
+    assert draft_counts(metrics) == (9, 4)
+    assert draft_counts(None) is None  # a result without perf metrics (speculation off, or not asked)
+    counts = SpecCounts()
+    counts.add({"iter": 1})  # an iteration without specDecodingStats
+    counts.add({"specDecodingStats": {"numDraftTokens": 8, "numAcceptedTokens": 5, "numRequestsWithDraftTokens": 2,
+                                      "acceptanceLength": 3.5, "iterLatencyMS": 0.4, "draftOverhead": 0.1}})
+    assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (2, 8, 5)
+

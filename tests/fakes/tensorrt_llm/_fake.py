@@ -57,3 +57,72 @@ def kw_init(obj, cls_name: str, args: tuple, kwargs: dict, spec: dict, required:
         raise TypeError(f"{cls_name}.__init__(): missing required argument(s) {missing}")
     for name, default in spec.items():
         setattr(obj, name, kwargs.get(name, default))
+
+
+class Drafting:
+    """The fake's speculative decoding, per sequence: each iteration drafts `draft_len` tokens and accepts
+    `accepted(iteration)` of them (a fixed, varying pattern), so the iteration emits 1 + accepted tokens of the same
+    scripted sequence (speculation never changes the tokens). Totals feed `RequestPerfMetrics.speculative_decoding`;
+    `take_iteration` gives and resets what this iteration adds to the engine's `specDecodingStats`."""
+
+    PATTERN = (2, 0, 3, 1)  # accepted drafts per iteration, cycled (capped at draft_len)
+
+    def __init__(self, draft_len: int):
+        self.draft_len = draft_len
+        self.iterations = 0
+        self.total_draft_tokens = self.total_accepted_draft_tokens = 0
+
+    def tokens_this_iteration(self) -> int:
+        """Count one verification: its drafted and accepted tokens; the tokens it yields."""
+        accepted = min(self.PATTERN[self.iterations % len(self.PATTERN)], self.draft_len)
+        self.iterations += 1
+        self.total_draft_tokens += self.draft_len
+        self.total_accepted_draft_tokens += accepted
+        return 1 + accepted
+
+
+class SpecIteration:
+    """One engine iteration's specDecodingStats (cpp/include/tensorrt_llm/executor/types.h's SpecDecodingStats)."""
+
+    def __init__(self):
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_requests_with_draft_tokens = 0
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.num_requests_with_draft_tokens += 1
+
+    def to_json(self) -> dict:
+        n = self.num_requests_with_draft_tokens
+        return {"numDraftTokens": self.num_draft_tokens, "numAcceptedTokens": self.num_accepted_tokens,
+                "numRequestsWithDraftTokens": n, "acceptanceLength": 1.0 + self.num_accepted_tokens / n if n else 0.0,
+                "iterLatencyMS": 0.5, "draftOverhead": 0.2}
+
+
+def draft_step(drafting: Drafting | None, iteration: SpecIteration | None, advance, finished) -> list[int]:
+    """One iteration of a sequence: `advance()` (its next token, or [] at END_ID) 1 + accepted times with
+    speculation, once without; stops early once `finished()` (the sequence ended)."""
+    if drafting is None:
+        return advance()
+    drafted, accepted = drafting.total_draft_tokens, drafting.total_accepted_draft_tokens
+    out: list[int] = []
+    for _ in range(drafting.tokens_this_iteration()):
+        out += advance()
+        if finished():
+            break
+    if iteration is not None:
+        iteration.count(drafting.total_draft_tokens - drafted, drafting.total_accepted_draft_tokens - accepted)
+    return out
+
+
+def perf_metrics(drafting: Drafting):
+    """A RequestPerfMetrics with its speculative_decoding filled from `drafting` (request.cpp's binding names)."""
+    from .bindings.executor import RequestPerfMetrics
+
+    metrics = RequestPerfMetrics()
+    spec = metrics.speculative_decoding
+    spec.total_draft_tokens, spec.total_accepted_draft_tokens = (drafting.total_draft_tokens,
+                                                                 drafting.total_accepted_draft_tokens)
+    spec.acceptance_rate = (drafting.total_accepted_draft_tokens / drafting.total_draft_tokens
+                            if drafting.total_draft_tokens else 0.0)
+    return metrics

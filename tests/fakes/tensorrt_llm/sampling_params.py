@@ -47,6 +47,7 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     guided_decoding: GuidedDecodingParams | None = None
+    return_perf_metrics: bool = False  # CompletionOutput.request_perf_metrics (speculative_decoding's counts)
 
     def __post_init__(self):
         if self.guided_decoding is not None:

@@ -35,7 +35,7 @@ _ITERATION_S = 0.001
 class _Req:
     """One enqueued request: generated tokens and log probs per sequence."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, draft_len: int = 0):
         sc = request.sampling_config
         self.request = request
         self.beams = sc.beam_width
@@ -45,6 +45,7 @@ class _Req:
         self.reasons: list = [None] * self.n
         self.cancelled = False
         self.stop = {tuple(w) for w in (request.stop_words or [])}
+        self.drafting = [_fake.Drafting(draft_len) for _ in range(self.n)] if draft_len else None
 
     def advance(self, seq: int) -> list[int]:
         """One token of one sequence; returns the tokens to report (none on END_ID)."""
@@ -75,7 +76,14 @@ class _Req:
         res.sequence_index = seq_index
         res.is_sequence_final = all(self.reasons[s] is not None for s in seqs)
         res.is_final = all(reason is not None for reason in self.reasons)
+        if self.drafting is not None and self.request.output_config.return_perf_metrics:
+            res.request_perf_metrics = _fake.perf_metrics(self.drafting[seqs[0]])
         return res
+
+    def step(self, seq: int, iteration: _fake.SpecIteration | None) -> list[int]:
+        """One iteration of one sequence (1 + accepted drafts tokens when the engine speculates)."""
+        return _fake.draft_step(self.drafting[seq] if self.drafting else None, iteration,
+                                lambda: self.advance(seq), lambda: self.reasons[seq] is not None)
 
 
 class Executor:
@@ -97,6 +105,11 @@ class Executor:
         self._iter = 0
         self._dead: str | None = None
         self.is_shutdown = False
+        # lookahead decoding (DecodingConfig(decoding_mode=DecodingMode.Lookahead())): each iteration verifies drafts
+        decoding = executor_config.decoding_config
+        mode = getattr(getattr(decoding, "decoding_mode", None), "name", None)
+        self.draft_len = 3 if mode == "Lookahead" else 0
+        self._spec_iteration: _fake.SpecIteration | None = None
         kv = executor_config.kv_cache_config
         size = getattr(kv, "event_buffer_max_size", 0) if kv is not None else 0
         reuse = getattr(kv, "enable_block_reuse", True) if kv is not None else True
@@ -126,7 +139,7 @@ class Executor:
         with self._cv:
             request_id, self._next_id = self._next_id, self._next_id + 1
             self.requests[request_id] = request
-            self._active[request_id] = _Req(request)
+            self._active[request_id] = _Req(request, self.draft_len)
             if self.kv_cache is not None:
                 self.kv_cache.on_prompt(list(ids))
             self._cv.notify_all()
@@ -187,6 +200,7 @@ class Executor:
         out: list[Response] = []
         if not self._active:
             return out
+        self._spec_iteration = _fake.SpecIteration() if self.draft_len else None
         for request_id, req in list(self._active.items()):
             if _fake.DIE_TOKEN in req.request.input_token_ids:
                 self._dead = "[TensorRT-LLM][ERROR] CUDA runtime error in cudaMemcpyAsync: an illegal memory access"
@@ -222,7 +236,7 @@ class Executor:
         out = []
         for seq in range(req.n):
             if req.reasons[seq] is None:
-                delta = req.advance(seq)
+                delta = req.step(seq, self._spec_iteration)
                 out.append(Response(request_id=request_id, result=req.result([seq], [delta], seq)))
         return out
 
@@ -236,4 +250,5 @@ class Executor:
         kv.used_num_blocks = sum(math.ceil((len(r.request.input_token_ids) + len(t)) / _TOKENS_PER_BLOCK)
                                  for r in self._active.values() for t in r.tokens)
         kv.free_num_blocks = kv.max_num_blocks - kv.used_num_blocks
+        stats.spec_decoding_stats = self._spec_iteration
         self._stats.append(stats)

@@ -228,6 +228,23 @@ class Result:
         self.sequence_index = 0
         self.is_sequence_final = False
         self.decoding_iter = 0
+        self.request_perf_metrics: RequestPerfMetrics | None = None  # set when OutputConfig.return_perf_metrics
+
+
+class SpeculativeDecodingMetrics:
+    """request.cpp: RequestPerfMetrics.SpeculativeDecodingMetrics (acceptance_rate, total_accepted_draft_tokens,
+    total_draft_tokens)."""
+
+    def __init__(self):
+        self.acceptance_rate = 0.0
+        self.total_accepted_draft_tokens = self.total_draft_tokens = 0
+
+
+class RequestPerfMetrics:
+    """request.cpp: RequestPerfMetrics; only `speculative_decoding` is modelled."""
+
+    def __init__(self):
+        self.speculative_decoding = SpeculativeDecodingMetrics()
 
 
 class Response:
@@ -265,6 +282,7 @@ class IterationStats:
         self.iter_latency_ms = 0.0
         self.num_active_requests = self.num_queued_requests = 0
         self.kv_cache_stats: KvCacheStats | None = None
+        self.spec_decoding_stats = None  # _fake.SpecIteration when the engine speculates
 
     def to_json_str(self) -> str:
         out = {"iter": self.iter, "iterLatencyMS": self.iter_latency_ms, "numActiveRequests": self.num_active_requests,
@@ -273,6 +291,8 @@ class IterationStats:
             kv = self.kv_cache_stats
             out["kvCacheStats"] = {"maxNumBlocks": kv.max_num_blocks, "freeNumBlocks": kv.free_num_blocks,
                                    "usedNumBlocks": kv.used_num_blocks, "tokensPerBlock": kv.tokens_per_block}
+        if self.spec_decoding_stats is not None:
+            out["specDecodingStats"] = self.spec_decoding_stats.to_json()
         return json.dumps(out)
 
 
@@ -298,8 +318,10 @@ __all__ = [
     "OutputConfig",
     "ParallelConfig",
     "Request",
+    "RequestPerfMetrics",
     "Response",
     "Result",
     "SamplingConfig",
     "SchedulerConfig",
+    "SpeculativeDecodingMetrics",
 ]

@@ -56,6 +56,7 @@ class CompletionOutput:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    request_perf_metrics: object | None = None  # RequestPerfMetrics, when SamplingParams.return_perf_metrics
     _last_token_ids_len: int = 0
     _last_logprobs_len: int = 0
 
@@ -78,6 +79,7 @@ class _Response:
     finish_reasons: list
     is_final: bool
     error: str | None = None
+    request_perf_metrics: object | None = None
 
 
 class RequestOutput:
@@ -143,6 +145,8 @@ class RequestOutput:
 
     def _handle_sequence(self, response: _Response, seq: int, src: int) -> None:
         out, reason = self._outputs[seq], response.finish_reasons[src]
+        if response.request_perf_metrics is not None:  # result.py @ a678b91a: copied from each response that has it
+            out.request_perf_metrics = response.request_perf_metrics
         out._last_token_ids_len = len(out.token_ids)
         if self.sampling_params.use_beam_search:
             out.token_ids = list(response.output_token_ids[src])
@@ -177,7 +181,7 @@ class RequestOutput:
 class _Gen:
     """Engine-side state of one request."""
 
-    def __init__(self, result: RequestOutput, streaming: bool):
+    def __init__(self, result: RequestOutput, streaming: bool, draft_len: int = 0):
         sp = result.sampling_params
         self.result, self.streaming, self.params = result, streaming, sp
         self.end_id = -1 if sp.ignore_eos else sp.end_id
@@ -186,6 +190,7 @@ class _Gen:
         self.logprobs = [[] for _ in range(sp.best_of)]
         self.reasons: list = [None] * sp.best_of
         self.cancelled = False
+        self.drafting = [_fake.Drafting(draft_len) for _ in range(sp.best_of)] if draft_len else None
 
     def advance(self, seq: int) -> list[int]:
         prompt = self.result.prompt_token_ids
@@ -206,20 +211,28 @@ class _Gen:
                 self.reasons[seq] = FinishReason.LENGTH
         return [tok]
 
+    def decode(self, seq: int, iteration: _fake.SpecIteration | None) -> list[int]:
+        """One iteration of one sequence (1 + accepted drafts tokens when the LLM speculates)."""
+        return _fake.draft_step(self.drafting[seq] if self.drafting else None, iteration,
+                                lambda: self.advance(seq), lambda: self.reasons[seq] is not None)
+
     def response(self, seqs: list[int], deltas: list[list[int]]) -> _Response:
         lps = [list(self.logprobs[s]) for s in seqs] if self.params.logprobs else None
+        perf = (_fake.perf_metrics(self.drafting[seqs[0]])
+                if self.drafting is not None and self.params.return_perf_metrics else None)
         return _Response(seqs[0], deltas, lps, [self.reasons[s] or FinishReason.NOT_FINISHED for s in seqs],
-                         all(r is not None for r in self.reasons))
+                         all(r is not None for r in self.reasons), request_perf_metrics=perf)
 
-    def step(self) -> list[_Response]:
-        """One iteration: a token per open sequence (streaming), or everything (not streaming)."""
+    def step(self, iteration: _fake.SpecIteration | None = None) -> list[_Response]:
+        """One iteration: a token per open sequence (1 + accepted drafts with speculation; streaming), or everything
+        (not streaming)."""
         open_seqs = [s for s, r in enumerate(self.reasons) if r is None]
         if self.cancelled:
             for s in open_seqs:
                 self.reasons[s] = FinishReason.CANCELLED
             return [self.response([s], [[]]) for s in open_seqs]
         if self.streaming:
-            return [self.response([s], [self.advance(s)]) for s in open_seqs]
+            return [self.response([s], [self.decode(s, iteration)]) for s in open_seqs]
         for s in open_seqs:
             while self.reasons[s] is None:
                 self.advance(s)
@@ -254,6 +267,8 @@ class LLM:
         size = getattr(kv, "event_buffer_max_size", 0) if kv is not None else 0
         reuse = getattr(kv, "enable_block_reuse", True) if kv is not None else True
         self.kv_cache = kv_cache.FakeKvCache(64, size) if size and reuse else None
+        spec = kwargs.get("speculative_config")  # each iteration verifies this many drafted tokens per sequence
+        self.draft_len = 0 if spec is None else (getattr(spec, "max_draft_len", None) or 3)
         self._error_queue: queue.Queue = queue.Queue()  # the engine's fatal errors, as GenerationExecutor keeps them
         if _fake.LLM_CHECK_HEALTH:
             self._check_health = lambda: not self._shut_down
@@ -285,7 +300,7 @@ class LLM:
         self.generate_threads.add(threading.current_thread().name)
         result = RequestOutput(next(self._ids), list(ids), params, self)
         with self._cv:
-            self._active[result.request_id] = _Gen(result, streaming)
+            self._active[result.request_id] = _Gen(result, streaming, self.draft_len)
             self._cv.notify_all()
         return result
 
@@ -334,12 +349,13 @@ class LLM:
         if any(_fake.DIE_TOKEN in gen.result.prompt_token_ids for gen in self._active.values()):
             self._die()
             return
+        iteration = _fake.SpecIteration() if self.draft_len else None
         for request_id, gen in list(self._active.items()):
             if _fake.ERROR_TOKEN in gen.result.prompt_token_ids:
                 gen.result._post(_Response(0, [], None, [], True, error="[TensorRT-LLM][ERROR] fake request failure"))
                 del self._active[request_id]
                 continue
-            for response in gen.step():
+            for response in gen.step(iteration):
                 gen.result._post(response)
             if all(r is not None for r in gen.reasons):
                 del self._active[request_id]
@@ -348,6 +364,8 @@ class LLM:
             self._stats.append({"iter": self._iter, "iterLatencyMS": 2.5, "numActiveRequests": len(self._active),
                                 "numQueuedRequests": 0, "kvCacheStats": {"maxNumBlocks": 500, "usedNumBlocks":
                                 len(self._active), "freeNumBlocks": 500 - len(self._active), "tokensPerBlock": 64}})
+            if iteration is not None:
+                self._stats[-1]["specDecodingStats"] = iteration.to_json()
 
 
     def _die(self) -> None:
