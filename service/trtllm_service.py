@@ -19,8 +19,10 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
+from tokenloop.core.gguf_file import is_gguf
 from tokenloop.core.kv_events import ResumeOutOfRange
 from tokenloop.core.request import OutputParams, StoppingParams, ValidRequest
+from tokenloop.core.tokenizer import Tokenizer
 
 from .errors import (
     DataLoss,
@@ -133,14 +135,24 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
 
 
 def tokenizer_bundle(model_dir: str | Path) -> bytes:
-    """A zip of the model directory's tokenizer files (fixed timestamps, so the same files give the same bytes)."""
+    """A zip of the model directory's tokenizer files (fixed timestamps, so the same files give the same bytes). For
+    a GGUF file, the tokenizer its metadata holds (core/gguf_tokenizer.py), written as tokenizer.json,
+    tokenizer_config.json (BOS / EOS tokens, whether BOS is added, the chat template) and chat_template.jinja: what a
+    router that takes the worker's tokenizer (smg with a --model-path that does not exist) loads."""
+    if is_gguf(model_dir):
+        tok = Tokenizer.from_dir(model_dir)
+        config = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
+                  "chat_template": tok.chat_template}
+        files = {"tokenizer.json": tok.to_json().encode(), "tokenizer_config.json": json.dumps(config).encode()}
+        if tok.chat_template:  # also as its own file, where transformers 4.43+ writes it and routers look for it
+            files["chat_template.jinja"] = tok.chat_template.encode()
+    else:
+        files = {name: (Path(model_dir) / name).read_bytes() for name in TOKENIZER_FILES
+                 if (Path(model_dir) / name).is_file()}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name in TOKENIZER_FILES:
-            path = Path(model_dir) / name
-            if path.is_file():
-                zf.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), path.read_bytes(),
-                            compress_type=zipfile.ZIP_DEFLATED)
+        for name, data in files.items():
+            zf.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), data, compress_type=zipfile.ZIP_DEFLATED)
     return buf.getvalue()
 
 
