@@ -48,7 +48,7 @@ from .common import (
     wants_logprobs,
 )
 from .lora import TrtllmLoras
-from .speculative import SpecCounts, draft_counts, executor_decoding_config
+from .speculative import SpecCounts, draft_counts, executor_decoding_config, perf_metrics_kwargs
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -87,6 +87,7 @@ class TrtllmExecutor(TrtllmLoras):
         self._stats_lock = threading.Lock()
         self._stats_due = 0.0
         self._spec = SpecCounts()  # specDecodingStats summed over every iteration read
+        self._perf_metrics = perf_metrics_kwargs(config.speculative, tle.OutputConfig)  # drafted/accepted per request
         self._max_tokens_arg = self._probe(tle.Request, {"input_token_ids": [1]}, "max_tokens", "max_new_tokens", 1)
         self._seed_arg = self._probe(tle.SamplingConfig, {"beam_width": 1}, "seed", "random_seed", 0)
         self._guided_backend = guided_backend(config, "executor")
@@ -206,12 +207,6 @@ class TrtllmExecutor(TrtllmLoras):
             stop_words=[[t] for t in stop_ids] or None,
             **guided,
         )
-
-    @property
-    def _perf_metrics(self) -> dict:
-        """OutputConfig's return_perf_metrics when speculating: the request's drafted and accepted tokens come back
-        in `Result.request_perf_metrics` (not asked otherwise: 0.1x bindings lack the keyword)."""
-        return {"return_perf_metrics": True} if self._config.speculative != "off" else {}
 
     def _guide(self, request: ValidRequest):
         """GuidedDecodingParams for a `structured` request (ValueError when the executor has no guided decoding)."""

@@ -56,7 +56,7 @@ from .common import (
     wants_logprobs,
 )
 from .lora import TrtllmLoras
-from .speculative import SpecCounts, draft_counts, llm_speculative_config
+from .speculative import SpecCounts, draft_counts, llm_speculative_config, perf_metrics_kwargs
 
 log = logging.getLogger("tokenloop.trtllm")
 
@@ -89,10 +89,10 @@ class TrtllmLlmApi(TrtllmLoras):
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # Steps, and _WAKE
         self._results: dict[int, object] = {}  # id -> RequestOutput (loop thread only)
         self._aborted: set[int] = set()  # (loop thread only)
-        self._stats: ExecutorStats | None = None
-        self._stats_at = 0.0
+        self._stats, self._stats_at = None, 0.0  # ExecutorStats | None, and when it was taken
         self._stats_lock = threading.Lock()
         self._spec = SpecCounts()  # specDecodingStats summed over every iteration (loop thread)
+        self._perf_metrics = perf_metrics_kwargs(config.speculative, tensorrt_llm.SamplingParams)  # drafted/accepted
         self._stats_task: asyncio.Task | None = None
         # TensorRT-LLM's KV-cache events (KvCacheConfig.event_buffer_max_size), passed on to SubscribeKvEvents
         self.kv_events = KvEventHub() if config.kv_events_enabled else None
@@ -172,7 +172,7 @@ class TrtllmLlmApi(TrtllmLoras):
                 max_tokens=request.stopping.max_new_tokens, n=request.n,
                 end_id=end_id if end_id >= 0 else default_end, pad_id=default_end,
                 ignore_eos=request.stopping.ignore_eos, stop_token_ids=stop_ids or None,
-                **({"return_perf_metrics": True} if self._config.speculative != "off" else {}),  # drafted/accepted
+                **self._perf_metrics,
                 include_stop_str_in_output=True,  # keep stop tokens, as the C++ executor does
                 logprobs=(top or 1) if wants_logprobs(request) else None,
                 detokenize=False, **kwargs)

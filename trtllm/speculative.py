@@ -120,6 +120,19 @@ class SpecCounts:
         self.num_accepted_tokens += int(spec.get("numAcceptedTokens", 0))
 
 
+def perf_metrics_kwargs(mode: str, factory) -> dict:
+    """The keyword that asks a request's perf metrics (its drafted and accepted tokens) of `factory`
+    (`SamplingParams` on the LLM API, `OutputConfig` on the executor) when speculating and when this TensorRT-LLM
+    release takes it; {} otherwise (an older release then reports no counts rather than refusing every request)."""
+    if mode == "off":
+        return {}
+    try:
+        factory(return_perf_metrics=True)
+    except TypeError:
+        return {}
+    return {"return_perf_metrics": True}
+
+
 def draft_counts(perf_metrics) -> tuple[int, int] | None:
     """(drafted, accepted) tokens of a request so far, from a `RequestPerfMetrics` (`Result.request_perf_metrics`
     on the executor, `CompletionOutput.request_perf_metrics` on the LLM API); None when it carries none."""

@@ -196,3 +196,15 @@ def test_draft_counts_read_the_documented_fields(fake):
                                       "acceptanceLength": 3.5, "iterLatencyMS": 0.4, "draftOverhead": 0.1}})
     assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (2, 8, 5)
 
+
+
+def test_perf_metrics_are_asked_only_when_speculating_and_where_the_release_takes_the_keyword(fake):
+    from tokenloop.trtllm.speculative import perf_metrics_kwargs
+
+    def older(**kwargs):  # a release whose SamplingParams / OutputConfig has no return_perf_metrics
+        if kwargs:
+            raise TypeError(f"__init__() got an unexpected keyword argument {next(iter(kwargs))!r}")
+    assert perf_metrics_kwargs("ngram", fake.SamplingParams) == {"return_perf_metrics": True}
+    assert perf_metrics_kwargs("lookahead", fake.bindings.executor.OutputConfig) == {"return_perf_metrics": True}
+    assert perf_metrics_kwargs("off", fake.SamplingParams) == {}
+    assert perf_metrics_kwargs("ngram", older) == {}  # no counts, but requests still go
