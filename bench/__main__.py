@@ -93,7 +93,7 @@ BENCHMARKS = {
     "grammar_libs": Benchmark("grammar_libs", "xgrammar against llguidance: compile, mask per token",
                               "results-grammar-libs.json", ("--walks", "1")),
 }
-SUPPORT = ("harness", "llama_server", "null_executor", "structured_cases", "spec_cases")  # modules that are not benchmarks
+SUPPORT = ("harness", "llama_server", "null_executor", "structured_cases", "spec_cases", "shape_gguf")  # not benchmarks
 
 
 def listing() -> str:

@@ -286,4 +286,5 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
         if config.qk_norm:
             out[f"layers.{i}.q_norm"] = norm(_take(raw, a + "q_norm.weight"))
             out[f"layers.{i}.k_norm"] = norm(_take(raw, a + "k_norm.weight"))
+        hugepages.release_free_memory()  # the layer's checkpoint tensors, freed on the C heap
     return hugepages.move_weights(out)

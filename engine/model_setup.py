@@ -3,6 +3,7 @@ calibrated, the native kernels chosen, the KV cache sized."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernels
+from . import hugepages, kernels
 from .config import EngineConfig
 from .layer_kernels import PagedAttention
 from .loader import ModelConfig, load_weights
@@ -34,13 +35,33 @@ def build_model(model_dir: str | Path, config: EngineConfig, model_config: Model
     started = time.perf_counter()
     weights = load_weights(model_dir, model_config, dtype, config.weights)
     log.info("engine: weights %s loaded in %.1f s", weights_name, time.perf_counter() - started)
+    hugepages.release_free_memory()  # before the KV cache is touched: what the load freed leaves the peak
     kv_dtype = config.kv_torch_dtype
     num_blocks = config.num_kv_blocks(Model.kv_bytes_per_token(model_config, kv_dtype))
     gate_ups = [weights[f"layers.{i}.gate_up"] for i in range(model_config.num_layers)]
     paged = paged_attention(config, dtype)
-    return Model(model_config, weights, dtype, num_blocks, config.block_size, matmul_policy(config, gate_ups), paged,
-                 split_attention=(os.cpu_count() or 1) >= 2, ops=kernels.load_ops() if paged is not None else None,
-                 kv_dtype=kv_dtype)
+    model = Model(model_config, weights, dtype, num_blocks, config.block_size, matmul_policy(config, gate_ups), paged,
+                  split_attention=(os.cpu_count() or 1) >= 2, ops=kernels.load_ops() if paged is not None else None,
+                  kv_dtype=kv_dtype)
+    hugepages.release_free_memory()  # the calibration's buffers
+    kv = 2 * model.k_cache.numel() * model.k_cache.element_size()
+    size = weight_bytes(weights)
+    log.info("engine: weights %.2f GiB (%d bytes), KV cache %.2f GiB (%d bytes, %s)", size / 2**30, size, kv / 2**30,
+             kv, str(kv_dtype).removeprefix("torch."))
+    return model
+
+
+def weight_bytes(weights: dict) -> int:
+    """Bytes of the loaded weights (loader.load_weights' values: tensors, QWeight, Q4Weight), each tensor once (a tied
+    lm_head is the embedding)."""
+    seen: dict[int, int] = {}
+    for value in weights.values():
+        tensors = [value] if isinstance(value, torch.Tensor) else [getattr(value, f.name) for f in
+                                                                  dataclasses.fields(value)]
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def paged_attention(config: EngineConfig, dtype: torch.dtype) -> PagedAttention | None:
