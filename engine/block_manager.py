@@ -14,7 +14,8 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 
-from ..core.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent, StoredBlock
+from tokenloop.core.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent, StoredBlock
+
 from .sequence import Sequence
 
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.request import POOLINGS
+from tokenloop.core.request import POOLINGS
+
 from .quant import WEIGHT_MODES
 from .speculation import SpeculativeConfig
 

@@ -23,7 +23,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from ..core.gguf_file import ARCHITECTURES, GGUFError, GGUFFile, TensorInfo, check_servable
+from tokenloop.core.gguf_file import ARCHITECTURES, GGUFError, GGUFFile, TensorInfo, check_servable
+
 from . import hugepages
 from .quant import Q4Weight, QWeight, pack4, pack8, quantize, quantize4
 

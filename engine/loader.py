@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..core.gguf_file import check_servable, is_gguf
+from tokenloop.core.gguf_file import check_servable, is_gguf
+
 from . import hugepages
 from .quant import Q4Weight, QWeight, qweight, qweight4
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.executor import Step
+from tokenloop.core.executor import Step
+
 from .postprocess import steps_for_samples
 from .sampler import RowFailure, sample_batch
 from .scheduler import Scheduler

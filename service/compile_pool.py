@@ -21,7 +21,7 @@ import queue
 import sys
 import threading
 
-from tokenloop.service.compile_worker import FRAME, NICENESS
+from .compile_worker import FRAME, NICENESS
 
 log = logging.getLogger("tokenloop.service")
 WORKER_COMMAND = (sys.executable, "-m", "tokenloop.service.compile_worker")

@@ -133,3 +133,36 @@ def test_the_sharing_checks_see_what_they_refuse(tmp_path):
     probe.write_text("from . import _own\nfrom .other import _helper\nfrom tokenloop.x import public, _y\n")
     assert private_imports(probe, tmp_path) == ["probe.py:2 imports _helper from .other",
                                                 "probe.py:3 imports _y from tokenloop.x"]
+
+
+def import_style(path: Path, package: str, root: Path = ROOT) -> list[str]:
+    """Imports of `path` (a module of `package`) that break the one import style: another tokenloop package by its
+    full name (`from tokenloop.core.request import ...`), a module of the own package relatively (`from .sequence
+    import ...`); so never `from ..core` and never `from tokenloop.<own package>`."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level > 1:
+            bad.append(f"{path.relative_to(root)}:{node.lineno} imports {'.' * node.level}{node.module or ''}")
+        own = f"tokenloop.{package}"
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        bad += [f"{path.relative_to(root)}:{node.lineno} imports {n}" for n in names if n == own or
+                n.startswith(own + ".")]
+    return bad
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_one_import_style(package):
+    """CONTRIBUTING.md, "Layers": another package as `tokenloop.<package>`, the own package relatively."""
+    bad = [line for path in modules(package) if "_gen" not in path.parts for line in import_style(path, package)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_import_style_check_sees_both_styles(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from ..core.request import POOLINGS\nfrom tokenloop.engine.sequence import Sequence\n"
+                     "import tokenloop.engine\nfrom tokenloop.core.request import ValidRequest\n"
+                     "from .sequence import Sequence\n")
+    assert import_style(probe, "engine", tmp_path) == ["probe.py:1 imports ..core.request",
+                                                       "probe.py:2 imports tokenloop.engine.sequence",
+                                                       "probe.py:3 imports tokenloop.engine"]
