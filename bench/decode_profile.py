@@ -92,8 +92,7 @@ def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: En
             engine.enqueue(ValidRequest(request_id="p", prompt_token_ids=tuple(p),
                                         sampling=SamplingParams(temperature=0.0),
                                         stopping=StoppingParams(max_new_tokens=new, ignore_eos=True)))
-        engine._admit(engine._new)
-        engine._new = []
+        engine.apply()
         running = engine.scheduler.running
         # the prefill steps: until every sequence is admitted (max_num_tokens admits a few per step) and prefilled
         while engine.scheduler.waiting or not running or any(s.num_computed_tokens < prompt for s in running):
@@ -110,7 +109,7 @@ def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: En
             by_mode["fused" if model.fuse_decode else "layer by layer"].append(took)
             steps += 1
         timer.active = False
-        engine._outputs.clear()
+        engine.await_responses(0)  # the steps, not looked at
     finally:
         runner.prepare, engine_module.sample_batch = prepare, sample
         engine.shutdown()

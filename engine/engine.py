@@ -7,7 +7,6 @@ The looper thread calls enqueue / cancel / await_responses; the engine thread ru
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import threading
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tokenloop.core.executor import EngineDeadError, ErrorKind, ExecutorStats, Step, merge_steps
+from tokenloop.core.executor import EngineDeadError, ErrorKind, ExecutorStats, Step
 from tokenloop.core.kv_events import CacheCleared, KvEventHub
 from tokenloop.core.lora import LoraRegistry
 from tokenloop.core.request import EmbedParams, ValidRequest
@@ -32,6 +31,7 @@ from .isolation import StepRun, run_isolated
 from .load_stats import update_stats
 from .loader import ModelConfig
 from .lora import LoraWeights, read_adapter
+from .mailbox import SHUTTING_DOWN, Commands, Mailbox
 from .matmul import set_blas_threads
 from .model_setup import build_model, default_num_threads
 from .pooling import embed_defaults, pool_rows
@@ -73,21 +73,10 @@ class Engine:
         self.lora_enabled, self.lora_disabled_reason = True, ""  # core.capabilities.RunsLoras
         self._requests: dict[int, list[Sequence]] = {}  # engine thread only
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._has_input = threading.Condition(self._lock)
-        self._has_output = threading.Condition(self._lock)
-        self._new: list[tuple[int, ValidRequest, LoraWeights | None]] = []
-        self._cancels: list[int] = []
-        self._pauses: list[tuple[int, bool]] = []  # (request id, pause?) in call order: pause() / resume()
-        self._flushes: list[Future] = []  # flush_cache() calls waiting for the engine thread
-        self._outputs: list[Step] = []
-        self._stopping = False
-        self._woken = False  # wake() was called: the next (or current) await_responses returns at once
-        self._dead: str | None = None
-        self._on_death: Callable[[str], None] | None = None  # set_death_callback
+        # the looper thread's commands in, steps out, the death (mailbox.py)
+        self.mailbox = Mailbox(ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size))
         self.num_failed_steps = 0  # steps in a row that failed for a fault of the engine (StepRun.fault)
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
-        self._stats = ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size)
         self.speculative = self.config.speculative_config  # engine/speculation.py; off unless --speculative ngram
         self.spec_stats = SpecStats()
         # --route-retiming: quantized routes re-timed on real steps (route_timing.py); only where the calibration chose
@@ -123,13 +112,12 @@ class Engine:
                       self.block_manager.num_blocks * self.block_manager.block_size)
         lora = self.loras.acquire(request.lora) if request.lora else None  # LoraError (ValueError) when unknown
         request_id = next(self._ids)
-        with self._lock:
-            if self._dead or self._stopping:
-                if lora is not None:
-                    self.loras.release(lora)
-                raise EngineDeadError(self._dead or "the engine is shutting down")
-            self._new.append((request_id, request, lora))
-            self._has_input.notify()
+        try:
+            self.mailbox.post_request(request_id, request, lora)
+        except EngineDeadError:
+            if lora is not None:
+                self.loras.release(lora)
+            raise
         return request_id
 
     # --- LoRA adapters (any thread) ---
@@ -148,69 +136,54 @@ class Engine:
 
     def await_responses(self, timeout: float) -> list[Step]:
         """Block up to `timeout` s for steps (releases the GIL); raises EngineDeadError once dead and drained."""
-        with self._lock:
-            if not self._outputs and not self._dead and not self._woken:
-                self._has_output.wait(timeout)
-            self._woken = False
-            if self._dead and not self._outputs:
-                raise EngineDeadError(self._dead)
-            outputs, self._outputs = self._outputs, []
-        return merge_steps(outputs)
+        return self.mailbox.await_steps(timeout)
 
     def wake(self) -> None:
         """Make a blocked (or the next) `await_responses` return now (the looper has a new command)."""
-        with self._lock:
-            self._woken = True
-            self._has_output.notify_all()
+        self.mailbox.wake()
 
     def cancel(self, request_id: int) -> None:
         """Idempotent; the request's unfinished sequences end with CANCELLED at the next step."""
-        with self._lock:
-            self._cancels.append(request_id)
-            self._has_input.notify()
+        self.mailbox.post_cancel(request_id)
 
     def pause(self, request_id: int) -> None:
         """Stop generating for a request and free its KV blocks (it keeps its tokens); idempotent, unknown or
         finished ids are ignored. Steps already made still arrive."""
-        with self._lock:
-            self._pauses.append((request_id, True))
-            self._has_input.notify()
+        self.mailbox.post_pause(request_id, True)
 
     def resume(self, request_id: int) -> None:
         """Generate again for a paused request: it waits for a batch slot and recomputes its K/V (greedy output is
         the same as never paused; a seeded one too: each sequence keeps its RNG). Idempotent."""
-        with self._lock:
-            self._pauses.append((request_id, False))
-            self._has_input.notify()
+        self.mailbox.post_pause(request_id, False)
 
     def flush_cache(self) -> int:
         """Drop the prefix cache's unused blocks (core.capabilities.FlushesCache): the engine thread does it between
         steps, emitting their KV "removed" events; blocks that running requests hold stay. Blocks until done (call
         it off the event loop); returns how many were dropped. EngineDeadError once the engine is dead."""
         done: Future = Future()
-        with self._lock:
-            if self._dead or self._stopping:
-                raise EngineDeadError(self._dead or "the engine is shutting down")
-            self._flushes.append(done)
-            self._has_input.notify()
+        self.mailbox.post_flush(done)
         return done.result()
 
     def stats(self) -> ExecutorStats:
         """Thread-safe snapshot."""
-        with self._lock:
-            return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + len(self._new))
+        return self.mailbox.snapshot()
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine died (its requests failed, new ones are refused), or None while it serves."""
+        return self.mailbox.dead
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the engine: admitted and not yet finished, cancelled or failed (engine thread's view)."""
+        return len(self._requests)
 
     def shutdown(self) -> None:
         """Stop the engine thread; pending requests get no more steps."""
-        with self._lock:
-            self._stopping = True
-            self._has_input.notify()
+        self.mailbox.stop()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
-        with self._lock:
-            flushes, self._flushes = self._flushes, []
-        for done in flushes:
-            done.set_exception(EngineDeadError("the engine is shutting down"))
+        self.mailbox.fail_flushes(SHUTTING_DOWN)
 
     # --- the engine thread ---
 
@@ -218,26 +191,25 @@ class Engine:
         kernels.name_this_thread("tokenloop-eng")
         torch.set_num_threads(self.num_threads)
         try:
-            while True:
-                with self._lock:
-                    while not (self._stopping or self._new or self._cancels or self._pauses or self._flushes
-                               or self.scheduler.has_work()):
-                        self._has_input.wait()
-                    if self._stopping:
-                        return
-                    new, self._new = self._new, []
-                    cancels, self._cancels = self._cancels, []
-                    pauses, self._pauses = self._pauses, []
-                    flushes, self._flushes = self._flushes, []
-                self._admit(new)
-                self._pause(pauses)
-                self._cancel(cancels)
-                self._flush(flushes)
+            while (commands := self.mailbox.take(self.scheduler.has_work)) is not None:  # blocks while idle
+                self.apply(commands)
                 if self.scheduler.has_work():
                     self.step()
         except BaseException as exc:  # noqa: BLE001 - anything here leaves the engine unusable
             log.exception("engine thread died")
-            self._die(f"the engine failed: {type(exc).__name__}: {exc}")
+            self.mailbox.die(f"the engine failed: {type(exc).__name__}: {exc}")
+
+    def apply(self, commands: Commands | None = None) -> None:
+        """Carry out the looper's commands (default: those posted so far): admit the new requests, then pause /
+        resume, cancel, flush. The engine thread does it before each step; a test or benchmark that drives an
+        engine built with `start=False` calls it, then `step()`, itself."""
+        commands = self.mailbox.take(self.scheduler.has_work, wait=False) if commands is None else commands
+        if commands is None:
+            return
+        self._admit(commands.new)
+        self._pause(commands.pauses)
+        self._cancel(commands.cancels)
+        self._flush(commands.flushes)
 
     def _admit(self, new: list[tuple[int, ValidRequest, LoraWeights | None]]) -> None:
         for request_id, request, lora in new:
@@ -382,29 +354,11 @@ class Engine:
 
     def _publish(self, steps: list[Step]) -> None:
         """Hand `steps` to await_responses, with the engine's load as it is now; then the prefix cache's events."""
-        with self._lock:
-            self._outputs.extend(steps)
-            update_stats(self._stats, self.scheduler, self.block_manager, self._latencies, self.spec_stats)
-            if steps:
-                self._has_output.notify_all()
+        self.mailbox.publish(steps, lambda stats: update_stats(stats, self.scheduler, self.block_manager,
+                                                               self._latencies, self.spec_stats))
         self.kv_events.publish(self.block_manager.take_events())  # after the stats: a batch's load record is current
 
     def set_death_callback(self, callback: Callable[[str], None]) -> None:
         """`callback(reason)` is called once, from the engine thread, when the engine dies (the looper uses it to
         notice a death while it waits for commands, with no request in flight)."""
-        with self._lock:
-            self._on_death = callback
-            dead = self._dead
-        if dead is not None:
-            callback(dead)
-
-    def _die(self, message: str) -> None:
-        with self._lock:
-            self._dead = message
-            self._has_output.notify_all()
-            callback = self._on_death
-            flushes, self._flushes = self._flushes, []
-        for done in flushes:
-            done.set_exception(EngineDeadError(message))
-        if callback is not None:
-            callback(message)
+        self.mailbox.set_death_callback(callback)

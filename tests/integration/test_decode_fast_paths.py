@@ -42,7 +42,7 @@ def run(tmp_path, fast: bool) -> tuple[list[Step], object, list[str]]:
         patch.setenv(ROUTE_ENV, f"int4-{kernels.load_int4().isa}")  # an exact C route, without timing the routes
         engine = Engine(checkpoint, EngineConfig(weights="int4", kv_cache_tokens=1024, block_size=8,
                                                  max_num_tokens=32), start=False)
-    fast_calls = []
+    fast_calls, steps = [], []
     with pytest.MonkeyPatch.context() as patch:
         if fast:
             real, fused = runner.prepare, engine.model.ops.decode_step
@@ -61,13 +61,12 @@ def run(tmp_path, fast: bool) -> tuple[list[Step], object, list[str]]:
         for wave in range(2):
             for request in requests(wave):
                 engine.enqueue(request)
-            engine._admit(engine._new)
-            engine._new = []
+            engine.apply()
             for _ in range(12 if wave == 0 else 1000):
                 if not engine.scheduler.has_work():
                     break
                 engine.step()
-    steps, engine._outputs = engine._outputs, []
+                steps += engine.await_responses(0)  # this step's: one per sequence, so none merged
     stats = dataclasses.replace(engine.stats(), step_latency_s=0.0)
     engine.shutdown()
     return steps, stats, fast_calls

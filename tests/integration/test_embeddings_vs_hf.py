@@ -125,7 +125,7 @@ def test_preempted_embedding_pools_again_from_its_recompute(checkpoint):
                                                  block_size=8), start=False)
         try:
             request_id = engine.enqueue(embed_request(prompt, pooling, True))
-            engine._admit(engine._new)
+            engine.apply()
             engine.step()  # the first 32 tokens
             (seq,) = engine.scheduler.running
             assert seq.num_computed_tokens == 32 and (seq.pooled is not None) == (pooling == "mean")

@@ -112,7 +112,7 @@ def test_v1_bad_requests_fail_alone_beside_16_streams_that_get_their_tokens(chec
             for (code, details), (_, want_code, want) in zip(together[16:-1], bad):
                 assert code is want_code and want in details, (code, details)
             assert together[-1] == alone[0]
-            assert engine.num_failed_steps == 0 and engine._dead is None
+            assert engine.num_failed_steps == 0 and engine.dead is None
             assert await health(health_stub) == health_pb2.HealthCheckResponse.SERVING
 
     run(body())
@@ -132,7 +132,7 @@ def test_the_server_keeps_serving_after_many_bad_requests_in_a_row(checkpoint, c
                 request, code, want = runtime_bad[k % 3]
                 got_code, details = await outcome(stub.Generate(request))
                 assert got_code is code and want in details, (k, got_code, details)
-            assert engine.num_failed_steps == 0 and engine._dead is None and not server.app.dead.is_set()
+            assert engine.num_failed_steps == 0 and engine.dead is None and not server.app.dead.is_set()
             assert await health(health_stub) == health_pb2.HealthCheckResponse.SERVING
             assert await outcome(stub.Generate(v1_good(3))) == first
 
@@ -195,7 +195,7 @@ def test_trtllm_bad_requests_fail_alone_beside_8_streams(checkpoint):
             assert together[:8] == alone, "a router stream's tokens changed beside the bad requests"
             for (code, details), (_, want_code, want) in zip(together[8:], bad):
                 assert code is want_code and want in details, (code, details)
-            assert engine.num_failed_steps == 0 and engine._dead is None
+            assert engine.num_failed_steps == 0 and engine.dead is None
             assert await health(health_stub) == health_pb2.HealthCheckResponse.SERVING
 
     run(body())
@@ -218,7 +218,7 @@ def test_an_idle_engine_death_turns_health_not_serving_at_once(checkpoint):
                 assert time.monotonic() - ended < 5.0, "health still SERVING 5 s after the engine died idle"
                 await asyncio.sleep(0.01)
             assert await health(health_stub) == health_pb2.HealthCheckResponse.NOT_SERVING
-            assert server.app.dead.is_set() and engine._dead is not None and not server.app.looper.alive
+            assert server.app.dead.is_set() and engine.dead is not None and not server.app.looper.alive
             code, details = await outcome(stub.Generate(v1_good(1)))
             assert code is grpc.StatusCode.UNAVAILABLE
 

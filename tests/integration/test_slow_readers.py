@@ -284,6 +284,6 @@ def test_a_paused_stream_that_ends_leaves_nothing_behind(checkpoint, end):
             assert await wait_for(lambda: app.admission.num_active == 0 and app.admission.num_waiting == 0
                                   and app.looper.num_open == 0)
             if end != "shutdown":
-                assert await wait_for(lambda: eng.stats().kv_blocks_used == 0 and not eng._requests)
+                assert await wait_for(lambda: eng.stats().kv_blocks_used == 0 and eng.num_requests == 0)
         eng.shutdown()
     run(body())

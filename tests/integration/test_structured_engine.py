@@ -155,7 +155,7 @@ def test_cancel_mid_structure_and_keep_serving(engine, compiler, tokenizer):
     engine.cancel(rid)
     steps = collect(engine, {rid: 2})
     assert {final(s).finish_reason for s in steps.values()} == {FinishReason.CANCELLED}
-    assert not engine._requests  # the sequences, and their matchers, are gone
+    assert engine.num_requests == 0  # the sequences, and their matchers, are gone
     (text, reason), = outputs(engine, tokenizer, [constrained(compiler, "regex", REGEXES["phone"], PROMPT)])
     check_regex(text, REGEXES["phone"])
 

@@ -104,7 +104,7 @@ def test_abort_of_a_structured_request(checkpoint):
                 if msg.HasField("complete"):
                     reasons.add(msg.complete.finish_reason)
             assert pb.CANCELLED in reasons and reasons <= {pb.CANCELLED, pb.STRUCTURE_COMPLETE}
-            assert not server.app.executor._requests  # the engine dropped the sequences and their matchers
+            assert server.app.executor.num_requests == 0  # the engine dropped the sequences and their matchers
     run(body())
 
 

@@ -166,3 +166,19 @@ def test_the_import_style_check_sees_both_styles(tmp_path):
     assert import_style(probe, "engine", tmp_path) == ["probe.py:1 imports ..core.request",
                                                        "probe.py:2 imports tokenloop.engine.sequence",
                                                        "probe.py:3 imports tokenloop.engine"]
+
+
+MAX_LINES = 400  # CONTRIBUTING.md, "Layers": a longer module is split by responsibility
+
+
+def long_modules(root: Path = ROOT) -> list[str]:
+    return [f"{path.relative_to(root)} has {n} lines" for package in PACKAGES
+            for path in sorted((root / package).rglob("*.py")) if "_gen" not in path.parts
+            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+
+
+def test_no_module_of_the_packages_is_over_400_lines(tmp_path):
+    assert not long_modules(), "\n".join(long_modules())
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert long_modules(tmp_path) == ["engine/long.py has 401 lines"]
