@@ -191,7 +191,7 @@ def test_context_end_finishes_with_length(checkpoint):
 
 
 @pytest.mark.parametrize("prompt, max_new, match", [
-    ([], 5, "empty"), ([3, 99999], 5, "token ids"), (PROMPT, 5000, "exceeds the KV cache")])
+    ([], 5, "empty"), ([3, 99999], 5, "`prompt_token_ids` must be in"), (PROMPT, 5000, "must fit the KV cache")])
 def test_enqueue_rejects_requests_it_cannot_serve(checkpoint, prompt, max_new, match):
     eng = Engine(checkpoint, EngineConfig(kv_cache_tokens=512), start=False)
     with pytest.raises(ValueError, match=match):
