@@ -9,9 +9,12 @@ handlers` when the compile processes start). `CoreLogRelay` puts a pipe in place
 a failed handshake (an INFO line) becomes one warning with its reason, then at most one line per interval with the
 count (`HandshakeLog`); gRPC's other INFO, WARNING and DEBUG lines are dropped unless GRPC_VERBOSITY asks for them
 (DEBUG or INFO) or GRPC_TRACE is set; every other line (gRPC's errors, anything else) is written to the real stderr
-unchanged. Python's own logging is pointed at the real stderr directly, so it never passes through the relay, and
-so is `faulthandler` (on while the relay runs): a crash kills the relay's thread with the process, and the fatal
-signal's traceback would otherwise be lost in the pipe.
+unchanged (`CoreLines`). Python's own logging is pointed at the real stderr directly, so it never passes through the
+relay, and so is `faulthandler` (on while the relay runs): a crash kills the relay's thread with the process, and the
+fatal signal's traceback would otherwise be lost in the pipe. What the pipe still holds when the process dies (gRPC
+core's `F` line, an `abort()`'s message, written just before the end) is passed on by a small child process, the
+pipe's last reader (`LAST_READER`): it waits on a pipe only the server holds, and when that ends it copies what is
+left to the real stderr. A line that never ends (no newline) is passed on in pieces of `MAX_LINE_BYTES`.
 (GRPC_VERBOSITY=ERROR itself would silence the handshake lines too, which the relay needs.)
 """
 
@@ -22,6 +25,7 @@ import logging
 import os
 import re
 import select
+import subprocess
 import sys
 import threading
 import time
@@ -31,6 +35,7 @@ log = logging.getLogger("tokenloop.security")
 
 INTERVAL_ENV = "TOKENLOOP_HANDSHAKE_LOG_INTERVAL_S"
 DEFAULT_INTERVAL_S = 60.0
+MAX_LINE_BYTES = 65536  # the relay holds at most this much of a line that has not ended: then it passes it on
 _MARK = b"Handshake failed"
 _CORE_BELOW_ERROR = re.compile(rb"^[IWD]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] ")  # absl's prefix: I1206 23:10:33.708895 6684 file.cc:71]
 _REASON = re.compile(r"SSL routines:(?:[^:]*:)?([A-Z][A-Z0-9_]+)(?::|$)")
@@ -91,15 +96,63 @@ class HandshakeLog:
             self.window_start = None  # quiet: the next failure is logged at once
 
 
+class CoreLines:
+    """The relay's filter over the bytes read off the pipe (`feed`, then `end`): whole lines to `line`, a line that
+    does not end within MAX_LINE_BYTES passed on in pieces of that size (so the relay holds at most that much)."""
+
+    def __init__(self, handshakes: HandshakeLog, keep_info: bool, write: Callable[[bytes], object]):
+        self.handshakes, self.keep_info, self.write = handshakes, keep_info, write
+        self.pending = b""
+
+    def feed(self, chunk: bytes) -> None:
+        *lines, self.pending = (self.pending + chunk).split(b"\n")
+        for line in lines:
+            self.line(line + b"\n")
+        while len(self.pending) > MAX_LINE_BYTES:
+            piece, self.pending = self.pending[:MAX_LINE_BYTES], self.pending[MAX_LINE_BYTES:]
+            self.line(piece)
+
+    def end(self) -> None:
+        """The pipe is closed: what is left of an unended line goes out."""
+        if self.pending:
+            self.line(self.pending)
+            self.pending = b""
+
+    def line(self, line: bytes) -> None:
+        """A failed handshake to HandshakeLog; gRPC core's lines below ERROR dropped unless asked; the rest written."""
+        if _MARK in line:
+            self.handshakes.failed(line.decode(errors="replace"))
+        elif self.keep_info or not _CORE_BELOW_ERROR.match(line):
+            self.write(line)
+
+
+# The pipe's last reader: `python -c LAST_READER PIPE LIFELINE`. Blocks until LIFELINE ends (the server closed it at
+# stop, or died), then copies what the pipe still holds to its stderr (the real one) until the pipe is empty for
+# 0.5 s or closed (a compile process the server started may still hold its write end).
+LAST_READER = """
+import os, select, sys
+pipe, lifeline = int(sys.argv[1]), int(sys.argv[2])
+while os.read(lifeline, 4096):
+    pass
+while select.select([pipe], [], [], 0.5)[0]:
+    chunk = os.read(pipe, 65536)
+    if not chunk:
+        break
+    os.write(2, chunk)
+"""
+
+
 class CoreLogRelay:
-    """Replaces fd 2 with a pipe read by a thread (`start` / `stop`)."""
+    """Replaces fd 2 with a pipe read by a thread (`start` / `stop`); its last reader is a child (module docstring)."""
 
     def __init__(self, interval: float | None = None):
         interval = float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL_S)) if interval is None else interval
         self.handshakes = HandshakeLog(interval)
         self.keep_info = core_info_asked()
+        self.last_reader: subprocess.Popen | None = None
         self._saved_fd: int | None = None
         self._read_fd: int | None = None
+        self._lifeline: int | None = None  # the write end of the last reader's lifeline: only this process holds it
         self._thread: threading.Thread | None = None
         self._restore: list = []  # (handler, stream) and sys.stderr as they were
         self._faulthandler_was = False
@@ -108,6 +161,12 @@ class CoreLogRelay:
         sys.stderr.flush()
         self._saved_fd = os.dup(2)
         self._read_fd, write_fd = os.pipe()
+        lifeline_read, self._lifeline = os.pipe()
+        self.last_reader = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", LAST_READER, str(self._read_fd), str(lifeline_read)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._saved_fd,
+            pass_fds=(self._read_fd, lifeline_read))
+        os.close(lifeline_read)
         os.dup2(write_fd, 2)
         os.close(write_fd)
         real = os.fdopen(os.dup(self._saved_fd), "w", buffering=1, errors="backslashreplace")
@@ -124,7 +183,7 @@ class CoreLogRelay:
         self._thread.start()
 
     def stop(self) -> None:
-        """Put the real stderr back on fd 2; the thread drains what is left and ends."""
+        """Put the real stderr back on fd 2; the thread drains what is left and ends, then the last reader."""
         if self._saved_fd is None:
             return
         os.dup2(self._saved_fd, 2)  # closes the pipe's last write end: the reader sees EOF
@@ -141,11 +200,18 @@ class CoreLogRelay:
                 faulthandler.enable(file=sys.stderr, all_threads=True)
             except (AttributeError, OSError, ValueError):
                 faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        os.close(self._lifeline)  # the last reader finds the pipe empty (or closed) and ends
+        if self.last_reader is not None:
+            try:
+                self.last_reader.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.last_reader.kill()
+                self.last_reader.wait()
         os.close(self._saved_fd)
         self._saved_fd = None
 
     def _run(self) -> None:
-        pending = b""
+        lines = CoreLines(self.handshakes, self.keep_info, self._write)
         tick = max(self.handshakes.interval / 4, 0.05)
         while True:
             ready, _, _ = select.select([self._read_fd], [], [], tick)
@@ -155,15 +221,10 @@ class CoreLogRelay:
             chunk = os.read(self._read_fd, 65536)
             if not chunk:
                 break
-            *lines, pending = (pending + chunk).split(b"\n")
-            for line in lines:
-                self._line(line + b"\n")
-        if pending:
-            self._line(pending)
+            lines.feed(chunk)
+        lines.end()
         os.close(self._read_fd)
 
-    def _line(self, line: bytes) -> None:
-        if _MARK in line:
-            self.handshakes.failed(line.decode(errors="replace"))
-        elif self._saved_fd is not None and (self.keep_info or not _CORE_BELOW_ERROR.match(line)):
+    def _write(self, line: bytes) -> None:
+        if self._saved_fd is not None:  # None: stop() gave up waiting for this thread
             os.write(self._saved_fd, line)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 
-from tokenloop.service.corelog import CoreLogRelay, HandshakeLog, reason_of
+from tokenloop.service.corelog import MAX_LINE_BYTES, CoreLines, CoreLogRelay, HandshakeLog, reason_of
 
 LINE = ("I1204 15:43:18.104506   15420 ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL: "
         "error:100000f7:SSL routines:OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate verification context")
@@ -59,14 +61,12 @@ def test_core_lines_below_error_are_dropped_unless_asked(monkeypatch, env, kept)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     relay = CoreLogRelay(interval=60.0)
-    read_fd, relay._saved_fd = os.pipe()
-    failed = []
+    failed, written = [], []
     relay.handshakes.failed = failed.append
+    lines = CoreLines(relay.handshakes, relay.keep_info, written.append)
     for line in (INFO, ERROR, LINE.encode() + b"\n", OTHER):
-        relay._line(line)
-    os.close(relay._saved_fd)
-    with os.fdopen(read_fd, "rb") as f:
-        assert f.read().splitlines(keepends=True) == kept
+        lines.feed(line)
+    assert written == kept
     assert failed == [LINE + "\n"]
 
 
@@ -82,11 +82,43 @@ ctypes.string_at(0)  # SIGSEGV, as a native kernel's fault would be
 def test_a_crash_while_the_relay_runs_still_reaches_stderr():
     """The relay's thread dies with the process: a fatal signal's traceback (a kernel's SIGSEGV) was lost in the pipe
     (it went to fd 2, the pipe, even with PYTHONFAULTHANDLER set); it now goes to the real stderr."""
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "GRPC_VERBOSITY", "GRPC_TRACE")}
     run = subprocess.run([sys.executable, "-c", CRASH], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0
     assert "Fatal Python error: Segmentation fault" in run.stderr, run.stderr[-2000:]
     assert "ctypes" in run.stderr or "string_at" in run.stderr or "<string>" in run.stderr  # the Python stack
+
+
+def test_lines_are_passed_on_whole_and_an_unended_line_in_bounded_pieces():
+    written = []
+    lines = CoreLines(HandshakeLog(60.0), False, written.append)
+    lines.feed(b"first li")
+    lines.feed(b"ne\nsecond\nthi")
+    assert written == [b"first line\n", b"second\n"] and lines.pending == b"thi"
+    endless = b"x" * (3 * MAX_LINE_BYTES + 10)  # no newline comes: the relay must not hold it all
+    for i in range(0, len(endless), 4096):
+        lines.feed(endless[i:i + 4096])
+        assert len(lines.pending) <= MAX_LINE_BYTES
+    lines.feed(b"\n")
+    lines.end()
+    assert b"".join(written[2:]) == b"thi" + endless + b"\n"
+    assert all(len(piece) <= MAX_LINE_BYTES for piece in written[2:])
+
+
+ABORT = """
+import os
+from tokenloop.service.corelog import CoreLogRelay
+CoreLogRelay().start()
+os.write(2, b"F1207 02:00:00.000000 1 chttp2.cc:1] the last words before the abort\\n")
+os.abort()  # at once, holding the GIL: the relay's thread gets no chance to read the line
+"""
+
+
+def test_a_line_written_just_before_an_abort_reaches_stderr():
+    """The pipe's last reader (a child process) copies what the pipe holds when the server dies; the relay's thread
+    dies with the process and lost that line (gRPC core's F line before its abort)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "GRPC_VERBOSITY", "GRPC_TRACE")}
+    run = subprocess.run([sys.executable, "-c", ABORT], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode != 0
+    assert "the last words before the abort" in run.stderr, run.stderr[-2000:]
+    assert "Fatal Python error: Aborted" in run.stderr, run.stderr[-2000:]
