@@ -28,7 +28,7 @@ log = logging.getLogger("tokenloop.requests")
 _record: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tokenloop_rpc", default=None)
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 MAX_FIELD_CHARS = 256  # a field of a log line (a client's request id, peer, ...): longer is cut, and says so
-MAX_MESSAGE_CHARS = 4096  # a log line's message (a traceback after it is the server's own text, not cut)
+MAX_MESSAGE_CHARS = 4096  # a log line's message, and each line of a traceback after it
 
 
 def _cut(text: str, limit: int = MAX_FIELD_CHARS) -> str:
@@ -36,16 +36,23 @@ def _cut(text: str, limit: int = MAX_FIELD_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}...[cut: {len(text)} characters]"
 
 
-def _format_exception(formatter: logging.Formatter, exc_info) -> str:
-    """A traceback with each line bounded (an exception's text can carry what a client sent)."""
+def _cut_exception(formatter: logging.Formatter, exc_info) -> str:
+    """A traceback with each line cut (an exception's text can carry what a client sent); JSON escapes it itself."""
     text = logging.Formatter.formatException(formatter, exc_info)
     return "\n".join(_cut(line, MAX_MESSAGE_CHARS) for line in text.split("\n"))
+
+
+def _bound_exception(formatter: logging.Formatter, exc_info) -> str:
+    """A traceback with each line bounded (`bounded`: escaped and cut) like any client value: an exception's text
+    can carry what a client sent, and an ESC or a carriage return in it would reach the terminal or the log as is."""
+    text = logging.Formatter.formatException(formatter, exc_info)
+    return "\n".join(bounded(line, MAX_MESSAGE_CHARS) for line in text.split("\n"))
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, and any `extra=` fields."""
 
-    formatException = _format_exception
+    formatException = _cut_exception
 
     def format(self, record: logging.LogRecord) -> str:
         out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -84,9 +91,9 @@ def _value(value) -> str:
 
 class TextFormatter(logging.Formatter):
     """`time LEVEL logger: message key=value ...` (the `extra=` fields appended); the message and the values with
-    control characters escaped (a traceback that follows keeps its lines: it is the server's own text)."""
+    control characters escaped (a traceback that follows keeps its lines, each escaped and cut the same way)."""
 
-    formatException = _format_exception
+    formatException = _bound_exception
 
     def __init__(self):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")

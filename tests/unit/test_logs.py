@@ -64,6 +64,22 @@ def test_a_traceback_keeps_its_lines_each_bounded():
     assert "Traceback" in text and len(text) < 6000 and text.endswith("...[cut: 100029 characters]")
 
 
+def test_a_tracebacks_lines_are_escaped_like_client_values():
+    """A client's text in an exception (an ESC that recolours the terminal, a carriage return that hides the line,
+    a U+2028) is escaped in the text format, each line of the traceback kept; JSON escapes it itself."""
+    import sys
+    try:
+        raise ValueError("unknown adapter 'x\x1b[2J\rINFO forged\u2028y'")
+    except ValueError:
+        record = logging.LogRecord("tokenloop.service", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    text = TextFormatter().format(record)
+    assert text.splitlines()[-1] == "ValueError: unknown adapter 'x\\x1b[2J\\rINFO forged\\u2028y'"
+    assert "\x1b" not in text and "\r" not in text and "\u2028" not in text and "Traceback" in text
+    record.exc_text = None  # the formatter caches the traceback's text on the record
+    line = json.loads(JsonFormatter().format(record))
+    assert line["exception"].endswith("ValueError: unknown adapter 'x\x1b[2J\rINFO forged\u2028y'")
+
+
 def test_failed_request_lines_share_a_budget():
     now = [0.0]
     budget = LineBudget(rate=5.0, burst=50.0, clock=lambda: now[0])
