@@ -149,15 +149,15 @@ def _install_trace(ex) -> None:
 
     def traced_fan_out(self):
         now = time.monotonic()
-        for stream, entry in list(self._outbox.items()):
-            note("fan-out", stream.request.request_id, entry.events, now)
+        for stream, events in list(self._outbox.events.items()):
+            note("fan-out", stream.request.request_id, events, now)
         return fan_out(self)
 
     def traced_deliver(self):
         count["hand-offs"] += 1
         now = time.monotonic()
-        for stream, entry in list(self._handoff.items()):
-            note("hand-off", stream.request.request_id, entry.events, now)
+        for stream, events in list(self._handoff.events.items()):
+            note("hand-off", stream.request.request_id, events, now)
         return deliver(self)
 
     def traced_encode(self, batch):

@@ -22,7 +22,7 @@ from tokenloop.core.threads import name_this_thread
 
 from .commands import Cancel, Command, ExecutorDied, FailAll, Pause, Stop, Submit
 from .detokenizer import Decoder
-from .outputs import RequestState, StreamUpdate
+from .outputs import Outbox, RequestState
 from .stream import ErrorKind, Event, RequestFailed, RequestStream
 
 log = logging.getLogger("tokenloop.looper")
@@ -47,11 +47,13 @@ class Looper:
         self.can_pause = abilities.pause
         self._death_callback = abilities.death_callback
         self._in_flight: dict[int, RequestState] = {}  # executor id -> state (looper thread only)
-        self._outbox: dict[RequestStream, StreamUpdate] = {}  # stream -> what its next hand-off pushes (looper thread)
-        self._handoff: dict[RequestStream, StreamUpdate] = {}  # the same, awaiting the event loop (_handoff_lock)
+        self._outbox = Outbox()  # what the next hand-off pushes (looper thread)
+        self._handoff = Outbox()  # the hand-off awaiting the event loop (_handoff_lock)
         self._handoff_lock = threading.Lock()
         self._handoff_scheduled = False  # a _deliver is queued on the event loop
-        self._delivered = threading.Event()  # set when the event loop has taken the last hand-off
+        # held from the moment a hand-off is scheduled until the event loop takes it (released by _deliver): the
+        # looper waits on it, GIL released, when the event loop is behind (a plain lock: no Python per wait)
+        self._handoff_pending = threading.Lock()
         self._streams: dict[str, RequestStream] = {}  # request id -> open stream (event loop only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -78,7 +80,7 @@ class Looper:
         """Queue a validated request; returns its stream (already failed if the looper is dead)."""
         stream = RequestStream(request, self._request_cancel, self._request_pause if self.can_pause else None)
         if not self.alive:
-            stream.push([], True, self._dead_error())
+            stream.end(self._dead_error())
             return stream
         self._streams[request.request_id] = stream
         self._command(Submit(stream, arrival if arrival is not None else time.monotonic()))
@@ -135,13 +137,12 @@ class Looper:
     def _deliver(self) -> None:
         """One hand-off per poll (or fewer, when the event loop is behind): push every stream's events."""
         with self._handoff_lock:
-            items, self._handoff = self._handoff, {}
+            outbox, self._handoff = self._handoff, Outbox()
             self._handoff_scheduled = False
-            self._delivered.set()
-        for stream, update in items.items():
-            done, error = update.done, update.error
-            stream.push(update.events, done, error)
-            if (done or error is not None) and self._streams.get(stream.request.request_id) is stream:
+            self._handoff_pending.release()
+        outbox.deliver()
+        for stream in outbox.ends:  # ended for the client: the id is free again
+            if self._streams.get(stream.request.request_id) is stream:
                 del self._streams[stream.request.request_id]
 
     def _dead_error(self) -> RequestFailed:
@@ -154,8 +155,8 @@ class Looper:
         try:
             while self._drain_channel():  # 1) new requests, cancels
                 if self._in_flight:
-                    if self._handoff_scheduled:  # the event loop is behind: let it run (GIL released)
-                        self._delivered.wait(self._poll_timeout)
+                    if self._handoff_scheduled and self._handoff_pending.acquire(timeout=self._poll_timeout):
+                        self._handoff_pending.release()  # the event loop was behind: it took the hand-off
                     self._pull_steps()  # 2+3) executor steps -> events
                     self._expire_deadlines()
                 self._fan_out()  # 4) one hand-off to the event loop
@@ -168,12 +169,10 @@ class Looper:
 
     def _drain_channel(self) -> bool:
         """Block for a command when idle, else take what is there. False on stop."""
+        channel = self._channel
         idle = not self._in_flight and not self._outbox
-        while True:
-            try:
-                cmd = self._channel.get() if idle else self._channel.get_nowait()
-            except queue.Empty:
-                return True
+        while idle or not channel.empty():  # only this thread takes: a queue not empty has a command now
+            cmd = channel.get()
             idle = False
             match cmd:
                 case Submit(stream, arrival):
@@ -188,6 +187,7 @@ class Looper:
                     raise EngineDeadError(reason)
                 case Stop():
                     return False
+        return True
 
     def _submit(self, stream: RequestStream, arrival: float) -> None:
         state = RequestState(stream, self._tokenizer, arrival)
@@ -267,31 +267,25 @@ class Looper:
 
     def _send(self, state: RequestState, events: list[Event], error: RequestFailed | None = None) -> None:
         """Queue events for the next hand-off; marks the request closed when it ends for the client."""
-        update = self._outbox.get(state.stream)
-        if update is None:
-            update = self._outbox[state.stream] = StreamUpdate(events)
-        else:
-            update.events += events
-        if error is not None:
-            update.error = error
-        if error is not None or state.num_open == 0:
-            update.done = True
+        end = error is not None or state.num_open == 0
+        self._outbox.add(state.stream, events, end, error)
+        if end:
             state.closed = True
 
     def _fan_out(self) -> None:
         """Hand this poll's events to the event loop; merged into the pending hand-off if it has not run yet."""
         if not self._outbox:
             return
-        outbox, self._outbox = self._outbox, {}
+        outbox, self._outbox = self._outbox, Outbox()
         with self._handoff_lock:
             if self._handoff:
-                _merge_outbox(self._handoff, outbox)
+                self._handoff.merge(outbox)
             else:
                 self._handoff = outbox
             if self._handoff_scheduled:
                 return
             self._handoff_scheduled = True
-            self._delivered.clear()
+            self._handoff_pending.acquire(blocking=False)  # free: the last hand-off was taken
         try:
             self._loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -330,16 +324,4 @@ class Looper:
                 case Submit(stream, arrival):
                     self._send(RequestState(stream, self._tokenizer, arrival), [], error)
                     self._fan_out()
-
-
-def _merge_outbox(into: dict[RequestStream, StreamUpdate], more: dict[RequestStream, StreamUpdate]) -> None:
-    for stream, update in more.items():
-        old = into.get(stream)
-        if old is None:
-            into[stream] = update
-            continue
-        old.events += update.events
-        old.done = old.done or update.done
-        if old.error is None:
-            old.error = update.error
 

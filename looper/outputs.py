@@ -14,14 +14,46 @@ from .detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
 from .stream import Chunk, Complete, Event, RequestFailed, RequestStream, Timing, TokenLogprob
 
 
-class StreamUpdate:
-    """What one stream's next hand-off pushes (`RequestStream.push`; an entry of the looper's outbox): events,
-    whether the request ended for the client, and the error that ended it."""
+class Outbox:
+    """What one hand-off to the event loop pushes (`Looper._fan_out`, then `deliver` on the event loop): each
+    stream's new events, in order, and the streams that end for the client, with the error that ended one (None:
+    it finished)."""
 
-    __slots__ = ("events", "done", "error")
+    __slots__ = ("events", "ends")
 
-    def __init__(self, events: list[Event], done: bool = False, error: RequestFailed | None = None):
-        self.events, self.done, self.error = events, done, error
+    def __init__(self) -> None:
+        self.events: dict[RequestStream, list[Event]] = {}
+        self.ends: dict[RequestStream, RequestFailed | None] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.ends)
+
+    def add(self, stream: RequestStream, events: list[Event], end: bool = False,
+            error: RequestFailed | None = None) -> None:
+        """Queue `events` (the list is the outbox's from now on) and, with `end`, the stream's end."""
+        if events:
+            queued = self.events.get(stream)
+            if queued is None:
+                self.events[stream] = events
+            else:
+                queued += events
+        if end and self.ends.get(stream) is None:
+            self.ends[stream] = error
+
+    def merge(self, later: Outbox) -> None:
+        """Add a later poll's outbox (the event loop has not taken this one yet): events appended, a first error
+        kept."""
+        for stream, events in later.events.items():
+            self.add(stream, events)
+        for stream, error in later.ends.items():
+            self.add(stream, [], True, error)
+
+    def deliver(self) -> None:
+        """On the event loop: push every stream's events, then the ends."""
+        for stream, events in self.events.items():
+            stream.push(events)
+        for stream, error in self.ends.items():
+            stream.end(error)
 
 
 class SequenceState:
@@ -59,13 +91,6 @@ class SequenceState:
     def flush(self) -> str:
         return self.stops.push(self.detok.flush())[0] + self.stops.flush()
 
-    def count(self, step: Step) -> None:
-        """Take the executor's counts that a step carries (each only when it changed)."""
-        if step.num_cached_prompt_tokens is not None:
-            self.cached_prompt_tokens = step.num_cached_prompt_tokens
-        if step.num_draft_tokens is not None:
-            self.draft_tokens, self.accepted_draft_tokens = step.num_draft_tokens, step.num_accepted_draft_tokens
-
 
 class RequestState:
     """Everything the looper tracks for one submitted request."""
@@ -97,7 +122,10 @@ class RequestState:
         seq = self.seqs[step.seq_index]
         if seq.finished:
             return []  # e.g. tokens after a stop string, or the executor's CANCELLED echo
-        seq.count(step)
+        if step.num_cached_prompt_tokens is not None:  # the executor's counts, each only when it changed
+            seq.cached_prompt_tokens = step.num_cached_prompt_tokens
+        if step.num_draft_tokens is not None:
+            seq.draft_tokens, seq.accepted_draft_tokens = step.num_draft_tokens, step.num_accepted_draft_tokens
         ids = step.token_ids
         if ids and not self.t_first:
             self.t_first = now

@@ -9,7 +9,6 @@ arrived since the last read, so a slow reader naturally gets coalesced batches.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -91,7 +90,7 @@ class RequestStream:
     def __init__(self, request: ValidRequest, on_cancel: Callable[[RequestStream], None],
                  on_pause: Callable[[RequestStream, bool], None] | None = None):
         self.request = request
-        self._events: deque[Event] = deque()
+        self._events: list[Event] = []  # pushed, not yet read
         self._waiter: asyncio.Future | None = None
         self._done = False
         self._error: RequestFailed | None = None
@@ -101,12 +100,22 @@ class RequestStream:
         self.executor_id: int | None = None  # written by the looper thread only
 
     # -- event-loop side, called by the looper's batched hand-off --------------------------
-    def push(self, events: list[Event], done: bool, error: RequestFailed | None) -> None:
-        """Append events (and possibly the end) and wake the reader."""
-        self._events.extend(events)
+    def push(self, events: list[Event]) -> None:
+        """Append events (the list is the stream's from now on) and wake the reader."""
+        if self._events:
+            self._events += events
+        else:
+            self._events = events
+        self._wake()
+
+    def end(self, error: RequestFailed | None = None) -> None:
+        """No more events will come: the request finished, or failed with `error`; wake the reader."""
         if error is not None and self._error is None:
             self._error = error
-        self._done = self._done or done or error is not None
+        self._done = True
+        self._wake()
+
+    def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -130,8 +139,7 @@ class RequestStream:
         RequestFailed on error. A plain coroutine: cheaper per read than the `batches()` generator."""
         while True:
             if self._events:
-                batch = list(self._events)
-                self._events.clear()
+                batch, self._events = self._events, []
                 return batch
             if self._error is not None:
                 raise self._error

@@ -12,7 +12,8 @@ from tests.scripted_executor import ScriptedExecutor
 from tokenloop.core.executor import ErrorKind
 from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.looper import Looper
-from tokenloop.looper.stream import Chunk, Complete, RequestFailed
+from tokenloop.looper.outputs import Outbox
+from tokenloop.looper.stream import Chunk, Complete, RequestFailed, RequestStream
 
 
 def make_request(tok, rid="r", text="Hello world", max_new=8, n=1, stream=True, **stopping):
@@ -230,3 +231,28 @@ def test_idle_looper_blocks_instead_of_spinning(tokenizer):
         assert ex.num_steps == polls_before
         assert looper.num_in_flight == 0
     run(with_looper(tokenizer, body))
+
+
+def test_outbox_merges_later_polls_in_order_and_keeps_the_first_error():
+    """A hand-off the event loop has not taken yet absorbs the next poll's: a stream's events stay in order, a stream
+    that ended keeps the error that ended it first, and the events are read before the end."""
+    ok, failed = (RequestStream(ValidRequest(request_id=rid, prompt_token_ids=(1,)), lambda s: None)
+                  for rid in ("ok", "failed"))
+    first, error = RequestFailed(ErrorKind.INTERNAL, "first"), RequestFailed(ErrorKind.UNAVAILABLE, "second")
+    one, two, three = (Chunk(0, text, [i]) for i, text in enumerate("abc"))
+    pending, later, last = Outbox(), Outbox(), Outbox()
+    pending.add(ok, [one])
+    later.add(ok, [two, three], end=True)
+    later.add(failed, [], True, first)
+    last.add(failed, [], True, error)
+    pending.merge(later)
+    pending.merge(last)
+    assert pending.events == {ok: [one, two, three]} and pending.ends == {ok: None, failed: first}
+    pending.deliver()
+
+    async def read(stream):
+        return [batch async for batch in stream.batches()]
+    assert asyncio.run(read(ok)) == [[one, two, three]] and ok.finished
+    with pytest.raises(RequestFailed) as err:
+        asyncio.run(read(failed))
+    assert err.value is first
