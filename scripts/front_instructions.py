@@ -5,6 +5,7 @@ this compares two commits, or the front against bare grpc, on a loaded machine w
 
     .venv/bin/python scripts/front_instructions.py                     # both servers, 64 streams x 64 tokens
     .venv/bin/python scripts/front_instructions.py --mode full --streams 256 --tokens 32 --profile out.cg
+    .venv/bin/python scripts/front_instructions.py --threads         # and each thread's share (1: the event loop)
 
 Each server runs under `valgrind --tool=callgrind --instr-atstart=no` (the `serve` sub-command of this file); this
 process is the client (grpc.aio, one channel; both on uvloop). After a warm-up load (one stream per stream slot, a few tokens),
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import signal
 import subprocess
@@ -100,8 +100,8 @@ def run(coroutine):
 def count(mode: str, args) -> dict:
     """Run one server under callgrind; instructions per message of the measured load."""
     out = args.profile or tempfile.mktemp(suffix=".cg")
-    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-           sys.executable, __file__, "serve", mode, "--model", str(args.model)]
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--separate-threads={'yes' if args.threads else 'no'}",
+           f"--callgrind-out-file={out}", sys.executable, __file__, "serve", mode, "--model", str(args.model)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     try:
         line = proc.stdout.readline()
@@ -117,12 +117,19 @@ def count(mode: str, args) -> dict:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(300)
-    text = Path(out).read_text(errors="replace")
+    files = sorted(Path(out).parent.glob(Path(out).name + "-*")) if args.threads else [Path(out)]
+    per_thread = {}  # callgrind's thread number (1: the main thread, the event loop) -> instructions
+    for f in files:
+        text = f.read_text(errors="replace")
+        per_thread[int(f.name.rpartition("-")[2]) if args.threads else 1] = sum(
+            int(m) for m in re.findall(r"^totals: (\d+)", text, re.M))
+        if not args.profile:
+            f.unlink()
     if not args.profile:
-        os.unlink(out)
-    total = sum(int(m) for m in re.findall(r"^totals: (\d+)", text, re.M))
+        Path(out).unlink(missing_ok=True)  # with --threads, callgrind leaves an empty file under the plain name
+    total = sum(per_thread.values())
     return {"mode": mode, "messages": num_msgs, "instructions": total, "per_message": total / num_msgs,
-            "wall_s": wall}
+            "per_thread": per_thread, "wall_s": wall}
 
 
 def main() -> None:
@@ -136,6 +143,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--profile", help="keep callgrind's output in this file (one mode only)")
+    parser.add_argument("--threads", action="store_true",
+                        help="also count each thread apart (callgrind --separate-threads; 1 is the event loop)")
     args = parser.parse_args()
     if args.command == "serve":
         run(serve(args.mode, args.model))
@@ -144,6 +153,9 @@ def main() -> None:
     print(f"{'server':<6} {'messages':>9} {'instructions':>14} {'per message':>12}")
     for r in rows:
         print(f"{r['mode']:<6} {r['messages']:>9} {r['instructions']:>14,} {r['per_message']:>12,.0f}")
+        if args.threads:  # the busiest threads: the event loop (1), the looper, gRPC's poller
+            top = sorted(r["per_thread"].items(), key=lambda kv: -kv[1])[:4]
+            print("       per message by thread: " + ", ".join(f"{n}: {v / r['messages']:,.0f}" for n, v in top))
     if len(rows) == 2:
         print(f"full / bare: {rows[1]['per_message'] / rows[0]['per_message']:.2f}x the instructions per message")
 
