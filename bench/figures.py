@@ -221,7 +221,7 @@ def _plain(text: str) -> str:
     return text.replace("*", "").rstrip()
 
 
-def _git_has(commit: str) -> bool | None:
+def git_has(commit: str) -> bool | None:
     """Whether the repository holds `commit`; None where git cannot tell (no git, a shallow clone)."""
     try:
         shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
@@ -263,7 +263,7 @@ def problems(path: Path, root: Path = ROOT) -> list[str]:
             date, commit = m.groups()
             if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date) or not re.fullmatch(r"[0-9a-f]{7,40}", commit):
                 out.append(f"{name}:{i}: a history marker is <!-- history YYYY-MM-DD COMMIT -->; got {m.group(0)}")
-            elif _git_has(commit) is False:
+            elif git_has(commit) is False:
                 out.append(f"{name}:{i}: history commit {commit} is not in this repository")
     if table:
         out.append(f"{name}:{start}: the {table} table has no {TABLE_END}")

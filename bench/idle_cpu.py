@@ -44,7 +44,7 @@ async def measure(model: str, kind: str, seconds: float) -> dict:
             req = pb.GenerateRequest(text="Hello", stopping=pb.StoppingCriteria(max_new_tokens=8))
             await asyncio.gather(*(stub.Generate(req).read() for _ in range(4)))
         await asyncio.sleep(1.0)  # let the last hand-offs settle
-        tid = server.app.looper._thread.native_id
+        tid = server.app.looper.thread_id
         task = f"/proc/self/task/{tid}"
         p0, l0, n0, t0 = stat_cpu_s("/proc/self/stat"), stat_cpu_s(f"{task}/stat"), threads_cpu_s(), time.monotonic()
         await asyncio.sleep(seconds)

@@ -88,7 +88,8 @@ class LlamaClient:
         parts = urlsplit(url if "//" in url else f"http://{url}")
         self.host, self.port, self.timeout = parts.hostname or "127.0.0.1", parts.port or 8080, timeout
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> http.client.HTTPResponse:
+    def call(self, method: str, path: str, body: dict | None = None) -> http.client.HTTPResponse:
+        """One JSON request to the server; LlamaError naming the call for a status other than 200."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         conn.request(method, path, body=json.dumps(body) if body is not None else None,
                      headers={"Content-Type": "application/json"})
@@ -99,13 +100,13 @@ class LlamaClient:
 
     def healthy(self) -> bool:
         try:
-            self._call("GET", "/health").read()
+            self.call("GET", "/health").read()
             return True
         except (OSError, LlamaError):
             return False
 
     def tokenize(self, text: str) -> list[int]:
-        return json.loads(self._call("POST", "/tokenize", {"content": text, "add_special": False}).read())["tokens"]
+        return json.loads(self.call("POST", "/tokenize", {"content": text, "add_special": False}).read())["tokens"]
 
     async def complete(self, prompt: list[int], num_new: int) -> Completion:
         sent = time.perf_counter()

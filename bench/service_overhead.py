@@ -198,7 +198,7 @@ async def _serve_full(args) -> tuple[object, object]:
         _install_trace(ex)
     server = Server(ServerConfig(**fields), executor_factory=lambda cfg: ex)
     port = await server.start()
-    print(f"LOOPER {server.app.looper._thread.native_id}", flush=True)
+    print(f"LOOPER {server.app.looper.thread_id}", flush=True)
 
     async def stop():
         Path(args.record).write_text(json.dumps(ex.emitted))

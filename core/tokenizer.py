@@ -117,7 +117,7 @@ class Tokenizer:
     """tokenizer.json plus the chat template and special tokens of tokenizer_config.json."""
 
     def __init__(self, tokenizer: HFTokenizer, config: dict, chat_template: str | None):
-        self._tok = tokenizer
+        self.hf = tokenizer  # the `tokenizers` Tokenizer of tokenizer.json
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.chat_template = chat_template
@@ -158,13 +158,13 @@ class Tokenizer:
     @functools.cached_property
     def _text_tok(self) -> HFTokenizer:
         """A second instance that encodes special-token text as text (made on the first chat that needs it)."""
-        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok = HFTokenizer.from_str(self.hf.to_str())
         tok.encode_special_tokens = True
         return tok
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The ids of `text`. Up to `RELEASE_GIL_OVER` characters through `tokenizers`' `encode`, which holds the GIL:
@@ -174,23 +174,23 @@ class Tokenizer:
         ~25 % faster, with the GIL released, so that while a tokenizer thread works on one (`App.tokenizing`) the
         event loop and the looper run (`encode` holds the GIL for its whole run: ~20 ms for 7,000 tokens)."""
         if len(text) <= RELEASE_GIL_OVER:
-            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_with_tokens(self, text: str, add_special_tokens: bool = False) -> tuple[list[int], list[str]]:
         """The ids of `text` and each one's vocabulary string (Tokenize); the GIL released past `RELEASE_GIL_OVER`."""
         if len(text) <= RELEASE_GIL_OVER:
-            encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+            encoding = self.hf.encode(text, add_special_tokens=add_special_tokens)
         else:
-            encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            encoding = self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         return encoding.ids, encoding.tokens
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """The text of `ids`; the GIL released (the batch entry point) past `RELEASE_GIL_OVER` ids."""
         ids = list(ids)
         if len(ids) <= RELEASE_GIL_OVER:
-            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
-        return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     @functools.cached_property
     def max_chars_per_token(self) -> int | None:
@@ -199,7 +199,7 @@ class Tokenizer:
         its content) while a character is at least one byte. None otherwise: an unknown-token id or a normalizer
         that drops characters can make one token of any length. Lets validation refuse a text that cannot fit
         the prompt limit without tokenizing it."""
-        tok = self._tok
+        tok = self.hf
         if (tok.normalizer is not None or type(tok.model).__name__ != "BPE"
                 or type(tok.decoder).__name__ != "ByteLevel" or "ByteLevel" not in repr(tok.pre_tokenizer)):
             return None
@@ -207,18 +207,18 @@ class Tokenizer:
 
     def to_json(self) -> str:
         """tokenizer.json as text (what llguidance and TensorRT-LLM's guided decoding take)."""
-        return self._tok.to_str()
+        return self.hf.to_str()
 
     def encoded_vocab(self) -> list[str]:
         """Every token's vocabulary string, in id order."""
-        vocab = self._tok.get_vocab(with_added_tokens=True)
+        vocab = self.hf.get_vocab(with_added_tokens=True)
         return [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
+        return self.hf.id_to_token(token_id)
 
     def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
+        return self.hf.token_to_id(token)
 
     def render_chat(self, messages: list[dict[str, str]], allow_special_tokens: bool = False) -> ChatPrompt:
         """Render a conversation so that special-token text in a message's content stays text (unless
@@ -267,9 +267,9 @@ class Tokenizer:
             return self.encode_with_tokens(prompt.text, add_special_tokens)
         texts = [p for p, special in prompt.pieces if not special]
         encoded = iter(self._text_tok.encode_batch(texts, add_special_tokens=False))
-        parts = [self._tok.encode(p, add_special_tokens=False) if special else next(encoded)
+        parts = [self.hf.encode(p, add_special_tokens=False) if special else next(encoded)
                  for p, special in prompt.pieces]
-        encoding = self._tok.post_process(Encoding.merge(parts), add_special_tokens=add_special_tokens)
+        encoding = self.hf.post_process(Encoding.merge(parts), add_special_tokens=add_special_tokens)
         return encoding.ids, encoding.tokens
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:

@@ -35,7 +35,7 @@ def is_byte_level(tokenizer: Decoder) -> bool:
         return _BYTE_LEVEL[tokenizer]
     except (KeyError, TypeError):
         pass
-    decoder = getattr(getattr(tokenizer, "_tok", None), "decoder", None)
+    decoder = getattr(getattr(tokenizer, "hf", None), "decoder", None)
     result = type(decoder).__name__ == "ByteLevel"
     try:
         _BYTE_LEVEL[tokenizer] = result
@@ -66,16 +66,18 @@ class IncrementalDetokenizer:
     __slots__ = ("_tok", "_skip", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_fast", "_raw",
                  "_texts")
 
-    def __init__(self, tokenizer: Decoder, prompt_ids, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Decoder, prompt_ids, skip_special_tokens: bool = True, fast: bool = True):
+        """`fast=False`: the offset algorithm for every push, no byte-level shortcut (what the fast paths must
+        match)."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
-        self._fast = is_byte_level(tokenizer)
+        self._fast = fast and is_byte_level(tokenizer)
         # the `tokenizers` object itself when wrapped by core.tokenizer.Tokenizer: one call less per push
-        raw = getattr(tokenizer, "_tok", None)
+        raw = getattr(tokenizer, "hf", None)
         self._raw = raw.decode if self._fast and hasattr(raw, "decode") else None
         self._texts = token_texts(tokenizer, skip_special_tokens) if self._fast else None
 

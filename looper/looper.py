@@ -62,10 +62,16 @@ class Looper:
         self._next_deadline_check = 0.0
 
     # -- event-loop side -------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the looper thread; events are delivered on `loop` (default: the running loop)."""
+    def open(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Take requests from now on (they wait in the channel until `start`); events are delivered on `loop`
+        (default: the running loop)."""
         self._loop = loop or asyncio.get_running_loop()
         self.alive = True
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the looper thread (`open` first, unless it was); events are delivered on `loop`."""
+        if loop is not None or not self.alive:
+            self.open(loop)
         if self._death_callback is not None:  # a death while idle wakes the channel wait (see ReportsDeath)
             self._death_callback(lambda reason: self._channel.put(ExecutorDied(reason)))
         self._thread = threading.Thread(target=self._run, name="tokenloop-looper", daemon=True)

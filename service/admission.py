@@ -86,6 +86,11 @@ class Admission:
     def num_waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def num_pending(self) -> int:
+        """Requests that claimed their id (`slot`) and are not yet with the looper (`submitted`) nor gone."""
+        return len(self._pending)
+
     def close(self, reason: str) -> None:
         """Refuse every new request (draining); requests already admitted carry on."""
         self.closed_reason = reason

@@ -188,6 +188,11 @@ class App:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool(), fn, *args)
 
+    @property
+    def num_tokenize_threads(self) -> int:
+        """The tokenizer threads running: none until the first long input (`tokenize_pool`)."""
+        return TOKENIZE_THREADS if self._tokenize_pool is not None else 0
+
     def tokenize_pool(self) -> ThreadPoolExecutor:
         """The tokenizer threads (long inputs only: never a compile), started on first use, all at once, with
         TOKENIZE_THREAD_STACK stacks (`threading.stack_size` applies to threads started while it is set)."""

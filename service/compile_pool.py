@@ -114,6 +114,11 @@ class CompilePool:
         self._starting: set[asyncio.Task] = set()
         self._closed = False
 
+    @property
+    def workers(self) -> frozenset[Worker]:
+        """The compile processes alive now (one killed at a timeout is replaced; none once closed)."""
+        return frozenset(self._workers)
+
     async def start(self) -> None:
         """Start every process (each builds the tokenizer: ~0.5 s, in parallel)."""
         workers = await asyncio.gather(*(Worker.start(self._command, self._init) for _ in range(self.num_workers)))

@@ -42,7 +42,9 @@ def _type_name(deserializer) -> str:
     return getattr(descriptor, "full_name", "") or "request message"
 
 
-def _decoder(deserializer):
+def decoder(deserializer):
+    """`deserializer` that returns an `Undecodable` (naming the message type and the parser's reason) in place of
+    raising on bytes that are not a valid message."""
     name = _type_name(deserializer)
 
     def decode(data: bytes):
@@ -83,7 +85,7 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
         fn = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
         if not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
             return handler  # a synchronous handler (none of ours): left as grpc runs it
-        de, ser = _decoder(handler.request_deserializer), handler.response_serializer
+        de, ser = decoder(handler.request_deserializer), handler.response_serializer
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method), de, ser)
         if handler.unary_stream:

@@ -46,7 +46,8 @@ def load_api_keys(path: str = "", env: str | None = None) -> list[bytes]:
     return [k.encode() for k in keys]
 
 
-def _bearer(metadata) -> bytes:
+def bearer_token(metadata) -> bytes:
+    """The token of the call's `authorization: Bearer <token>` metadata; b"" without one (or another scheme)."""
     for key, value in metadata or ():
         if key == "authorization":
             value = value.decode(errors="replace") if isinstance(value, bytes) else value
@@ -122,7 +123,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(EXEMPT_PREFIXES):
             return handler
-        refusal = self.decide(details.method, _bearer(details.invocation_metadata))
+        refusal = self.decide(details.method, bearer_token(details.invocation_metadata))
         if refusal is None:
             return handler
         self.num_refused += 1

@@ -23,8 +23,8 @@ _SEQUENCE_INDEX_KEY = field_key(tpb.GenerateStreamChunk, "sequence_index", 0)
 _PROMPT_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "prompt_tokens", 0)
 _COMPLETION_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "completion_tokens", 0)
 _CACHED_TOKENS_KEY = field_key(tpb.GenerateStreamChunk, "cached_tokens", 0)
-_MAX_TOKEN_ID_FIELDS = 1 << 18  # token ids whose packed one-id field is kept (a vocabulary is usually smaller)
-_TOKEN_ID_FIELDS: dict[int, bytes] = {}  # token id -> the serialized `token_ids` field holding only it
+MAX_TOKEN_ID_FIELDS = 1 << 18  # token ids whose packed one-id field is kept (a vocabulary is usually smaller)
+TOKEN_ID_FIELDS: dict[int, bytes] = {}  # token id -> the serialized `token_ids` field holding only it
 
 
 def _logprobs(items) -> list[tpb.TokenLogprob]:
@@ -68,12 +68,12 @@ class TrtllmWriter(SequenceWriter):
             middle = self._middle[index] = ((_SEQUENCE_INDEX_KEY + varint(index) if index else b"")
                                             + (_PROMPT_TOKENS_KEY + varint(prompt) if prompt else b""))
         token_id = chunk.token_ids[0]
-        ids = _TOKEN_ID_FIELDS.get(token_id)
+        ids = TOKEN_ID_FIELDS.get(token_id)
         if ids is None:
             packed = varint(token_id)
             ids = _TOKEN_IDS_KEY + varint(len(packed)) + packed
-            if len(_TOKEN_ID_FIELDS) < _MAX_TOKEN_ID_FIELDS:
-                _TOKEN_ID_FIELDS[token_id] = ids
+            if len(TOKEN_ID_FIELDS) < MAX_TOKEN_ID_FIELDS:
+                TOKEN_ID_FIELDS[token_id] = ids
         body = ids + middle + _COMPLETION_TOKENS_KEY + varint(sent)
         if chunk.cached_prompt_tokens:  # 0 is left out, as proto3 does
             body += _CACHED_TOKENS_KEY + varint(chunk.cached_prompt_tokens)

@@ -61,7 +61,7 @@ def refuse(field: str, why: str) -> None:
     check(False, "unsupported_field", f"`{field}` cannot be honoured: {why}")
 
 
-def _check_supported(request) -> None:
+def check_supported(request) -> None:
     """Refuse every field the executor cannot honour (INVALID_ARGUMENT naming the field)."""
     for name, why in UNSUPPORTED_REQUEST.items():
         if request.HasField(name):
@@ -117,7 +117,7 @@ def lora_name(request, catalog) -> str:
 def to_valid_request(validator, request, request_id: str, deadline: float | None,
                      lora_catalog=None) -> ValidRequest:
     """Validate a trtllm `GenerateRequest` with the server's limits; errors name THEIR proto's fields."""
-    _check_supported(request)
+    check_supported(request)
     lim = validator.limits
     n = request.sampling_config.num_return_sequences or 1
     check(n <= lim.max_n, "n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")

@@ -320,7 +320,7 @@ class TrtllmLlmApi(TrtllmLoras):
         steps = []
         for seq, completion in enumerate(output.outputs[:request.n]):
             tokens = list(completion.token_ids[sent[seq]:])
-            logprobs, tops = _logprobs(completion, sent[seq], len(tokens), request)
+            logprobs, tops = completion_logprobs(completion, sent[seq], len(tokens), request)
             sent[seq] += len(tokens)
             if not tokens and not output.finished:
                 continue
@@ -329,12 +329,12 @@ class TrtllmLlmApi(TrtllmLoras):
             if counts is not None:
                 step.num_draft_tokens, step.num_accepted_draft_tokens = counts
             if output.finished:
-                self._finish(step, completion, request, request_id in self._aborted)
+                self.finish_step(step, completion, request, request_id in self._aborted)
             steps.append(step)
         return steps
 
     @staticmethod
-    def _finish(step: Step, completion, request: ValidRequest, aborted: bool) -> None:
+    def finish_step(step: Step, completion, request: ValidRequest, aborted: bool) -> None:
         """Map `finish_reason` stop|length|timeout|cancelled (and `stop_reason`) to ours."""
         reason = completion.finish_reason
         if reason == "stop":
@@ -377,7 +377,7 @@ class TrtllmLlmApi(TrtllmLoras):
             await asyncio.sleep(_STATS_TIMEOUT_S)
 
 
-def _logprobs(completion, start: int, count: int, request: ValidRequest):
+def completion_logprobs(completion, start: int, count: int, request: ValidRequest):
     """(logprobs, top alternatives) of `count` tokens from `start`. Entries are floats in older
     releases and `{token_id: Logprob(logprob, rank)}` dicts in newer ones."""
     if not wants_logprobs(request) or completion.logprobs is None:

@@ -53,7 +53,7 @@ class FlakyServicer(pb_grpc.TextGenerationServicer):
         return pb.Load(num_running=7)
 
 
-def _fake_server(servicer, credentials=None) -> tuple[grpc.Server, str]:
+def fake_server(servicer, credentials=None) -> tuple[grpc.Server, str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_TextGenerationServicer_to_server(servicer, server)
     if credentials is None:

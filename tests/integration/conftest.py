@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.client_fakes import _fake_server
+from tests.integration.client_fakes import fake_server
 
 
 @pytest.fixture
@@ -12,7 +12,7 @@ def fake():
     servers = []
 
     def start(servicer, credentials=None):
-        server, addr = _fake_server(servicer, credentials)
+        server, addr = fake_server(servicer, credentials)
         servers.append(server)
         return addr
 

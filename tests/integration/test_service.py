@@ -309,7 +309,7 @@ def test_long_tokenize_and_detokenize_match_inline_results(tokenizer_dir, tokeni
             assert list(resp.token_ids) == ids and list(resp.tokens) == [tokenizer.id_to_token(i) for i in ids]
             back = await stub.Detokenize(pb.DetokenizeRequest(token_ids=ids * 2))
             assert back.text == text * 2
-            assert server.app._tokenize_pool is not None  # the long ones went to the tokenizer threads
+            assert server.app.num_tokenize_threads > 0  # the long ones went to the tokenizer threads
     run(body())
 
 

@@ -49,7 +49,7 @@ def output_ids(msgs) -> list[int]:
 def quiet(app) -> bool:
     """Every slot back, nobody waiting, nothing open, no KV in use."""
     return (app.admission.num_active == 0 and app.admission.num_waiting == 0 and app.looper.num_open == 0
-            and app.executor.stats().kv_blocks_used == 0 and not app.admission._pending)
+            and app.executor.stats().kv_blocks_used == 0 and app.admission.num_pending == 0)
 
 
 def test_a_paused_and_resumed_greedy_stream_gives_the_same_tokens(checkpoint):
@@ -143,7 +143,7 @@ def test_a_wait_past_max_queue_wait_is_refused_and_a_shorter_deadline_still_wins
                 await read_all(stub.Generate(gen(), timeout=0.1))  # its deadline comes before the wait bound
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             holder.cancel()
-            assert await wait_for(lambda: server.app.admission.num_active == 0 and not server.app.admission._pending)
+            assert await wait_for(lambda: server.app.admission.num_active == 0 and server.app.admission.num_pending == 0)
             assert len(ex.enqueued) == 1  # neither refused request reached the executor
     run(body())
 

@@ -302,11 +302,11 @@ def test_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
                     wire = b.encode(batch)
                     assert all(type(m) is bytes for m in wire)
                     assert wire == a.encode(batch), (rid, kw, keep)
-    monkeypatch.setattr(trtllm_convert, "_MAX_TOKEN_ID_FIELDS", len(trtllm_convert._TOKEN_ID_FIELDS))
+    monkeypatch.setattr(trtllm_convert, "MAX_TOKEN_ID_FIELDS", len(trtllm_convert.TOKEN_ID_FIELDS))
     a, b = (cls(ValidRequest(request_id="w", prompt_token_ids=(5,), stream=True), False, False, 0.0)
             for cls in (ProtobufWriter, _Writer))
     assert b.encode([Chunk(0, "z", [777777])]) == a.encode([Chunk(0, "z", [777777])])
-    assert 777777 not in trtllm_convert._TOKEN_ID_FIELDS
+    assert 777777 not in trtllm_convert.TOKEN_ID_FIELDS
 
 
 def test_stalled_reader_is_aborted_and_freed(tokenizer_dir, ids):

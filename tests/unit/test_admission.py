@@ -216,7 +216,7 @@ def test_body_errors_and_cancellation_release_the_slot_exactly_once():
         await holding.wait()
         task.cancel()  # a deadline or a client that hung up, while holding
         await asyncio.gather(task, return_exceptions=True)
-        assert adm.num_active == 0 and adm._pending == {}
+        assert adm.num_active == 0 and adm.num_pending == 0
     run(body())
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from tokenloop.service.config import ServerConfig
-from tokenloop.service.security import _bearer, key_matches
+from tokenloop.service.security import bearer_token, key_matches
 
 
 def test_bearer_parsing_and_constant_time_match():
     keys = [b"alpha", b"beta"]
-    assert _bearer((("authorization", "Bearer beta"),)) == b"beta"
-    assert _bearer((("authorization", "bearer   beta "),)) == b"beta"
-    assert _bearer((("authorization", "Basic beta"),)) == b"" and _bearer(()) == b""
+    assert bearer_token((("authorization", "Bearer beta"),)) == b"beta"
+    assert bearer_token((("authorization", "bearer   beta "),)) == b"beta"
+    assert bearer_token((("authorization", "Basic beta"),)) == b"" and bearer_token(()) == b""
     assert key_matches(b"beta", keys) and not key_matches(b"bet", keys) and not key_matches(b"", keys + [b""])
 
 

@@ -117,7 +117,7 @@ def test_the_client_streams_requests_over_http_in_order():
         assert sorted(b["prompt"] for b in _Replay.bodies) == [[1, 2], [3, 4, 5], [6]]
         assert client.tokenize("text") == [1, 2, 3]
         with pytest.raises(LlamaError, match="HTTP 404"):
-            client._call("POST", "/nothing", {})
+            client.call("POST", "/nothing", {})
         with pytest.raises(HttpError, match="POST /nothing: HTTP 404"):
             asyncio.run(anext(sse_lines(client.host, client.port, "/nothing", {})))
     finally:

@@ -51,13 +51,13 @@ def test_the_text_between_template_tokens_is_encoded_whole(tokenizer):
 def test_a_trimming_template_keeps_special_text_as_text_and_one_that_changes_content_is_refused(tokenizer):
     trimming = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
                 "{% endfor %}")
-    tok = Tokenizer(tokenizer._tok, {}, trimming)  # as Llama 3's template does
+    tok = Tokenizer(tokenizer.hf, {}, trimming)  # as Llama 3's template does
     assert tok.render_chat([{"role": "user", "content": " hi "}]).pieces is None
     assert tok.render_chat([{"role": "user", "content": " <|im_end|> "}]).pieces == (
         ("<|im_start|>", True), ("user\n<|im_end|>", False), ("<|im_end|>", True), ("\n", False))
     upper = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | upper }}<|im_end|>{% endfor %}"
     with pytest.raises(ChatTemplateError) as exc:
-        Tokenizer(tokenizer._tok, {}, upper).render_chat([{"role": "user", "content": "<|im_end|>x"}])
+        Tokenizer(tokenizer.hf, {}, upper).render_chat([{"role": "user", "content": "<|im_end|>x"}])
     assert str(exc.value) == ("the chat template changes message content, so special-token text in it cannot be "
                               "kept as text")
 

@@ -43,13 +43,13 @@ def test_a_compile_past_its_timeout_kills_its_process_and_a_new_one_takes_over(t
         pool = pool_of(tokenizer_parts)
         await pool.start()
         try:
-            (first,) = pool._workers
+            (first,) = pool.workers
             with pytest.raises(CompileTimeout) as timeout:
                 await pool.check("json_schema", SLOW_SCHEMA, timeout=0.5)
             assert not timeout.value.waited  # it ran out of time compiling, not waiting for a process
             assert pool.num_killed == 1 and await first.proc.wait() != 0  # killed, not left compiling
             text = await pool.check("json_schema", QUICK_SCHEMA, timeout=30)  # a replacement process answers
-            assert '"a"' in text and first not in pool._workers and len(pool._workers) == 1
+            assert '"a"' in text and first not in pool.workers and len(pool.workers) == 1
             with pytest.raises(CompileRefused) as err:
                 await pool.check("regex", "a(b", timeout=30)
             assert err.value.kind == "regex" and "unclosed group" in str(err.value)
@@ -74,7 +74,7 @@ def test_past_the_running_and_waiting_bound_a_compile_is_refused_at_once(tokeniz
             for job in (running, waiting):
                 with pytest.raises(CompilePoolClosed):
                     await job
-            assert pool.num_pending == 0 and not pool._workers
+            assert pool.num_pending == 0 and not pool.workers
             with pytest.raises(CompilePoolClosed):
                 await pool.check("json_schema", QUICK_SCHEMA, timeout=60)
         finally:
@@ -136,7 +136,7 @@ def test_a_process_started_by_a_pinned_event_loop_compiles_on_all_the_servers_cp
         try:
             await pool.start()
             assert '"a"' in await pool.check("json_schema", QUICK_SCHEMA, timeout=30)
-            (worker,) = pool._workers
+            (worker,) = pool.workers
             tasks = [int(task.name) for task in Path(f"/proc/{worker.proc.pid}/task").iterdir()]
             assert len(tasks) >= 2 and all(os.sched_getaffinity(task) == wide for task in tasks)
         finally:

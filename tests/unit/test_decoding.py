@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloop.service.decoding import Undecodable, _decoder
+from tokenloop.service.decoding import Undecodable, decoder
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 
@@ -13,7 +13,7 @@ from tokenloop.v1 import tokenloop_pb2 as pb
     (b"\x0a\x05abc", "Wire format was corrupt"), (b"\xff" * 8, "Wire format was corrupt"),
     (b"\x0a\x02\xff\xfe", "String field had bad UTF-8")])
 def test_an_undecodable_payload_becomes_a_marker_naming_the_type(payload, detail):
-    decode = _decoder(pb.GenerateRequest.FromString)
+    decode = decoder(pb.GenerateRequest.FromString)
     assert decode(pb.GenerateRequest(text="ok").SerializeToString()).text == "ok"
     marker = decode(payload)
     assert type(marker) is Undecodable

@@ -119,8 +119,7 @@ def test_byte_level_fast_path_matches_the_offset_algorithm(tokenizer, metaspace_
     assert not is_byte_level(Tokenizer.from_dir(metaspace_dir))
     ids = sample_token_ids(tokenizer)
     fast = IncrementalDetokenizer(tokenizer, [1, 2])
-    slow = IncrementalDetokenizer(tokenizer, [1, 2])
-    slow._fast = False
+    slow = IncrementalDetokenizer(tokenizer, [1, 2], fast=False)
     for i in range(0, len(ids), 2):
         assert fast.push(ids[i:i + 2]) == slow.push(ids[i:i + 2])
     assert fast.flush() == slow.flush()
@@ -130,8 +129,7 @@ def test_token_table_fast_path_matches_the_offset_algorithm(tokenizer):
     """One token per push (the common step) is served from the per-tokenizer table of whole-character tokens;
     emoji and CJK split across byte-level tokens still go through decoding and match the offset algorithm."""
     ids = sample_token_ids(tokenizer)
-    slow = IncrementalDetokenizer(tokenizer, [1, 2])
-    slow._fast, slow._texts = False, None
+    slow = IncrementalDetokenizer(tokenizer, [1, 2], fast=False)
     expected = [slow.push([t]) for t in ids] + [slow.flush()]
     table = token_texts(tokenizer, True)
     for _ in range(2):  # the first pass fills the table, the second reads it

@@ -81,7 +81,7 @@ def test_a_measured_number_needs_a_figure_or_a_history_marker(repo):
 
 
 def test_a_history_marker_names_a_commit_of_this_repository(repo):
-    if figures._git_has("HEAD") is None:
+    if figures.git_has("HEAD") is None:
         pytest.skip("git cannot tell here (no git, or a shallow clone)")
     assert "history commit 0000000 is not in this repository" in _readme(repo, "<!-- history 2026-12-02 0000000 -->")[0]
 

@@ -110,6 +110,13 @@ def test_no_private_name_is_imported_from_another_module():
     assert not bad, "\n".join(bad)
 
 
+def test_tests_import_no_private_name_of_tokenloop_or_of_another_test_module():
+    """The fake tensorrt_llm's own private modules and names (`tensorrt_llm._fake`) are that package's business."""
+    bad = [line for path in sorted((ROOT / "tests").rglob("*.py")) if "fakes" not in path.parts
+           for line in private_imports(path) if " from tokenloop." in line or " from tests." in line]
+    assert not bad, "\n".join(bad)
+
+
 FOLDERS = {"core", "looper", "engine", "trtllm", "service", "bench"}  # folders that are packages only under tokenloop.*
 
 
@@ -182,3 +189,56 @@ def test_no_module_of_the_packages_is_over_400_lines(tmp_path):
     (tmp_path / "engine").mkdir()
     (tmp_path / "engine" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     assert long_modules(tmp_path) == ["engine/long.py has 401 lines"]
+
+
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}  # public API despite the underscore
+# (file, name) pairs left this session, in modules other engineers own (issue 42): each to publish, then drop here
+KNOWN_PRIVATE_USES = {
+    ("tests/integration/test_fused_decode.py", "_plan_for"), ("tests/integration/test_hugepages_model.py", "_plan_for"),
+    ("tests/integration/test_hugepages_model.py", "_keep"), ("tests/unit/test_paged_attention.py", "_paged_decode"),
+    ("bench/decode_profile.py", "_attention"),  # engine/model*.py
+    ("tests/unit/test_quantized.py", "_run"),  # engine/kernels*
+    ("tests/unit/test_convert.py", "_CHUNK_FIELDS"), ("tests/unit/test_convert.py", "_msg"),  # service/convert.py
+    ("tests/unit/test_trtllm_llmapi.py", "_thread"),  # trtllm/llmapi.py
+    ("bench/service_overhead.py", "_deliver"), ("bench/service_overhead.py", "_fan_out"),  # BENCH_TRACE wraps the
+    ("bench/service_overhead.py", "_pull_steps"),  # looper's steps
+}
+
+
+def private_names(paths) -> set[str]:
+    """The `_private` names `paths` define: functions, classes, attributes and variables they assign."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = (node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    else node.attr if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    else node.id if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) else "")
+            if name.startswith("_") and not name.startswith("__"):
+                names.add(name)
+    return names
+
+
+def private_uses(path: Path, tokenloop_private: set[str], root: Path = ROOT) -> list[tuple[str, str, int]]:
+    """(file, name, line) of each `x._name` in `path` (not `self.` / `cls.`) where tokenloop defines `_name`."""
+    rel = str(path.relative_to(root))
+    return [(rel, node.attr, node.lineno) for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Attribute) and node.attr in tokenloop_private - NAMEDTUPLE_API
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+
+
+def test_tests_and_bench_use_no_private_name_of_tokenloop():
+    """CONTRIBUTING.md, "Layers": tests and benchmarks reach tokenloop through public names (`engine.apply()`, not
+    `engine._admit(engine._new)`). The fake tensorrt_llm (tests/fakes) mirrors that package's own private names."""
+    ours = private_names(path for package in PACKAGES for path in modules(package) if "_gen" not in path.parts)
+    found = [use for folder in ("tests", "bench") for path in sorted((ROOT / folder).rglob("*.py"))
+             if "fakes" not in path.parts for use in private_uses(path, ours)]
+    bad = [f"{file}:{line} uses {name}" for file, name, line in found if (file, name) not in KNOWN_PRIVATE_USES]
+    assert not bad, "\n".join(bad)
+    assert {(file, name) for file, name, _ in found} == KNOWN_PRIVATE_USES  # one published: drop it from the list
+
+
+def test_the_private_use_check_sees_attribute_access(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("engine._admit(engine._new)\nself._new = 1\nengine.apply()\nrow._replace(a=1)\n")
+    assert private_uses(probe, {"_admit", "_new", "_replace"}, tmp_path) == [
+        ("probe.py", "_admit", 1), ("probe.py", "_new", 1)]

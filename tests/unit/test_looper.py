@@ -122,7 +122,7 @@ def test_cancel_before_submission_never_reaches_executor(tokenizer):
         ex = ScriptedExecutor()
         looper = Looper(ex, tokenizer)
         # submit and cancel before the thread runs, so the request is still in the channel
-        looper._loop, looper.alive = asyncio.get_running_loop(), True
+        looper.open()
         stream = looper.submit(make_request(tokenizer, rid="early"))
         stream.cancel()
         looper.start()

@@ -18,7 +18,7 @@ from tests.fakes.fixtures import fake_trtllm
 from tokenloop.core.executor import EngineDeadError, Step
 from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.trtllm import create_trtllm_executor
-from tokenloop.trtllm.llmapi import TrtllmLlmApi, _logprobs
+from tokenloop.trtllm.llmapi import TrtllmLlmApi, completion_logprobs
 
 THREAD = "tokenloop-trtllm-llmapi"
 
@@ -138,11 +138,11 @@ def test_logprobs_and_top_alternatives(fake, adapter):
 def test_logprob_entries_as_floats_or_dicts():
     request = ValidRequest("t", (1,), output=OutputParams(logprobs=True, top_logprobs=1))
     old = SimpleNamespace(token_ids=[5, 6], logprobs=[-0.5, -0.25])
-    assert _logprobs(old, 0, 2, request) == ([-0.5, -0.25], [[], []])
+    assert completion_logprobs(old, 0, 2, request) == ([-0.5, -0.25], [[], []])
     lp = lambda v, r: SimpleNamespace(logprob=v, rank=r)
     new = SimpleNamespace(token_ids=[5, 6], logprobs=[{9: lp(-0.1, 1), 5: lp(-0.7, 2)}, {6: lp(-0.2, 1)}])
-    assert _logprobs(new, 1, 1, request) == ([-0.2], [[(6, -0.2)]])
-    assert _logprobs(new, 0, 1, request) == ([-0.7], [[(9, -0.1)]])
+    assert completion_logprobs(new, 1, 1, request) == ([-0.2], [[(6, -0.2)]])
+    assert completion_logprobs(new, 0, 1, request) == ([-0.7], [[(9, -0.1)]])
 
 
 @pytest.mark.parametrize("reason, stop_reason, tokens, aborted, expected", [
@@ -159,14 +159,14 @@ def test_logprob_entries_as_floats_or_dicts():
 def test_finish_reasons_map_to_ours(reason, stop_reason, tokens, aborted, expected):
     request = ValidRequest("t", (1,), stopping=StoppingParams(max_new_tokens=3, stop_token_ids=(13,)))
     step = Step(1, 0, [], is_final=True)
-    TrtllmLlmApi._finish(step, SimpleNamespace(finish_reason=reason, stop_reason=stop_reason, token_ids=tokens),
+    TrtllmLlmApi.finish_step(step, SimpleNamespace(finish_reason=reason, stop_reason=stop_reason, token_ids=tokens),
                          request, aborted)
     assert (step.finish_reason, step.matched_stop_token) == expected and step.error is None
 
 
 def test_unknown_finish_reason_is_an_error():
     step = Step(1, 0, [], is_final=True)
-    TrtllmLlmApi._finish(step, SimpleNamespace(finish_reason="eaten", stop_reason=None, token_ids=[1]),
+    TrtllmLlmApi.finish_step(step, SimpleNamespace(finish_reason="eaten", stop_reason=None, token_ids=[1]),
                          ValidRequest("t", (1,)), False)
     assert step.error == "TensorRT-LLM finished sequence 0 with an unknown reason 'eaten'"
 

@@ -127,7 +127,7 @@ def test_tokenizer_entry_points_match_the_plain_ones(kind, tokenizer_dir, metasp
     both give what the plain calls give."""
     tok = Tokenizer.from_dir(tokenizer_dir if kind == "byte_level" else metaspace_dir)
     assert max(map(len, TEXTS)) > RELEASE_GIL_OVER
-    hf = tok._tok
+    hf = tok.hf
     for text in TEXTS:
         for special in (False, True):
             ids = hf.encode(text, add_special_tokens=special).ids
@@ -143,7 +143,7 @@ def test_max_chars_per_token_bounds_every_text(tokenizer_dir, metaspace_dir, def
     for model_dir in filter(None, (tokenizer_dir, default_model_or_none)):
         tok = Tokenizer.from_dir(model_dir)
         bound = tok.max_chars_per_token
-        assert bound == max(len(t) for t in tok._tok.get_vocab(with_added_tokens=True))
+        assert bound == max(len(t) for t in tok.hf.get_vocab(with_added_tokens=True))
         for text in TEXTS + ["".join(chr(c) for c in range(32, 2000)), "<|endoftext|>" * 20]:
             assert len(text) <= len(tok.encode(text)) * bound, text[:40]
 

@@ -9,7 +9,7 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 
 from tokenloop.core.tokenizer import ModelCard, Tokenizer
 from tokenloop.service.errors import ValidationError
-from tokenloop.service.trtllm_service import _check_supported
+from tokenloop.service.trtllm_service import check_supported
 from tokenloop.service.validation import Limits, Validator
 from tokenloop.v1 import tokenloop_pb2 as pb
 
@@ -48,7 +48,7 @@ def test_detokenize_ids_default_to_the_context_length_and_are_counted_before_loo
 
 def test_beam_width_below_zero_is_refused_on_the_router_api():
     for width in (0, 1):  # 0: unset
-        _check_supported(tpb.GenerateRequest(sampling_config=tpb.SamplingConfig(beam_width=width)))
+        check_supported(tpb.GenerateRequest(sampling_config=tpb.SamplingConfig(beam_width=width)))
     request = tpb.GenerateRequest(sampling_config=tpb.SamplingConfig(beam_width=-7))
-    assert rule_of(_check_supported, request) == (
+    assert rule_of(check_supported, request) == (
         "beam_width", "`sampling_config.beam_width` must be >= 1 (0, unset, means 1); got -7")
