@@ -9,9 +9,12 @@ In Markdown (README.md, docs/*.md):
 - `<!-- history DATE COMMIT -->`: the paragraph or list item it opens (or ends) quotes figures that no results file
   holds any more, measured on DATE and recorded by COMMIT.
 
-In the README's Measured and Features sections, in any `## Measured` section and in a paragraph that opens with
-"Measured", every number with a unit of measure (x, %, s, ms, µs, tok/s, GB/s) must be one of the first or inside
-the last two. `problems()` is what tests/docs_check.py runs.
+Every number with a unit of measure (x, %, s, ms, µs, tok/s, GB/s) that states a measurement must be one of the
+first or inside the last two (`unmarked`): a ratio or a rate anywhere, any such number in a paragraph, list item or
+table that says it measured (took, ran, median, p99, faster, a machine: MEASURING), and every one in the README's
+Measured and Features sections, a `## Measured` section or a paragraph that opens with "Measured". A number in
+`code` is a literal (a default, a log line, an error message), not a figure. `problems()` is what
+tests/docs_check.py runs.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ TABLE = re.compile(r"^<!-- figures table (\S+) -->$")
 TABLE_END = "<!-- figures end -->"
 HISTORY = re.compile(r"<!-- history (\S+) (\S+) -->")
 # a number with a unit of measure: 3.14x, 72 %, 0.23 s, 1.5 ms, 211.6 tok/s, 32.7 GB/s, 0.76-0.95x
-MEASURE = re.compile(r"(?<![\w.+-])[~+]?\d[\d,]*(?:\.\d+)?(?:[–-]\d[\d,]*(?:\.\d+)?)?\s?(?:x|%|ms|µs|s|tok/s|GB/s)"
-                     r"(?![\w/])")
+MEASURE = re.compile(r"(?<![\w.+-])[~+]?\d[\d,]*(?:\.\d+)?(?:[–-]\d[\d,]*(?:\.\d+)?)?(?:x|\s?(?:%|ms|µs|s|tok/s|GB/s))"
+                     r"(?![\w/])")  # a ratio's x is attached (`6 x 32` is a product)
 CHECKED_SECTIONS = {"README.md": ("## Measured", "## Features")}  # where every measured number must be tied
 MEASURED = re.compile(r"^(- )?(\*\*)?Measured\b")  # a paragraph that opens so states measurements
 
@@ -221,17 +224,25 @@ def _plain(text: str) -> str:
     return text.replace("*", "").rstrip()
 
 
-def git_has(commit: str) -> bool | None:
-    """Whether the repository holds `commit`; None where git cannot tell (no git, a shallow clone)."""
+@functools.cache
+def _commits() -> frozenset[str] | None:
+    """Every commit of the repository (full hashes, read once); None where git cannot tell."""
     try:
         shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
                                  text=True, timeout=30)
         if shallow.returncode != 0 or shallow.stdout.strip() == "true":
             return None
-        return subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True,
-                              timeout=30).returncode == 0
+        listed = subprocess.run(["git", "rev-list", "--all"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return frozenset(listed.stdout.split()) if listed.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def git_has(commit: str) -> bool | None:
+    """Whether the repository holds `commit` (a hash or its prefix); None where git cannot tell (no git, a shallow
+    clone)."""
+    commits = _commits()
+    return None if commits is None else any(full.startswith(commit) for full in commits)
 
 
 def problems(path: Path, root: Path = ROOT) -> list[str]:
@@ -270,28 +281,64 @@ def problems(path: Path, root: Path = ROOT) -> list[str]:
     return out + unmarked(path, root)
 
 
-def unmarked(path: Path, root: Path = ROOT) -> list[str]:
-    """Numbers with a unit that state a measurement (in CHECKED_SECTIONS, in any `## Measured` section, or in a
-    paragraph that opens with "Measured") and are neither a marked figure, in a rendered table, nor history."""
-    name = str(path.relative_to(root))
-    out, checked, paragraph, history, in_table, prev = [], False, False, False, False, ""
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+CODE_SPAN = re.compile(r"``.*?``|`[^`]*`")  # a literal (a log line, a flag's default, an error message): not a figure
+# words that say a block reports a measurement: then each number with a unit in it is one
+MEASURING = re.compile(r"\b(?:measured|measures|took|ran|runs? at|median|p50|p90|p99|faster|slower|speed-?up|"
+                       r"costs?|reached|under load|at load|vCPU|VM|AVX|Xeon|EPYC)\b", re.IGNORECASE)
+ALWAYS = re.compile(r"(?:x|tok/s|GB/s)$")  # a ratio or a rate is a measurement wherever it stands
+
+
+def doc_blocks(lines: list[str]):
+    """(first line number, lines) of each paragraph, list item or table of a Markdown file, outside fenced code;
+    a heading is a block of its own. A blank line or a top-level `- ` item starts a new block."""
+    block, start, fenced = [], 0, False
+    for i, line in enumerate(lines, 1):
         text = line.strip()
-        if line.startswith("## "):
-            checked = text in CHECKED_SECTIONS.get(name, ()) or text == "## Measured"
-        if not text or line.startswith("- "):
-            history = paragraph = False  # a history marker covers its paragraph or list item
-        if text and (not prev.strip() or HISTORY.fullmatch(prev.strip())) and MEASURED.match(text):
-            paragraph = True
-        history = history or bool(HISTORY.search(line))
-        in_table = (in_table or bool(TABLE.match(text))) and text != TABLE_END
-        prev = line
-        if not (checked or paragraph) or history or in_table:
+        if text.startswith(("```", "~~~")):
+            fenced = not fenced
+        if fenced or text.startswith(("```", "~~~")) or not text or line.startswith(("- ", "#")):
+            if block:
+                yield start, block
+            block = []
+            if fenced or not text or text.startswith(("```", "~~~")):
+                continue
+        if not block:
+            start = i
+        block.append(line)
+        if line.startswith("#"):
+            yield start, block
+            block = []
+    if block:
+        yield start, block
+
+
+def unmarked(path: Path, root: Path = ROOT) -> list[str]:
+    """Numbers with a unit that state a measurement and are neither a marked figure, in a rendered table, nor
+    history (a `<!-- history DATE COMMIT -->` in their paragraph, list item or table). A number states a measurement
+    when it is a ratio or a rate (x, tok/s, GB/s), when its block says it measured (MEASURING: took, ran, median,
+    p99, faster, a machine...), or wherever in CHECKED_SECTIONS, a `## Measured` section or a paragraph that opens
+    with "Measured". A number inside `code` (a log line, a default, an error message) is a literal, not a figure."""
+    name = str(path.relative_to(root))
+    out, checked, in_table = [], False, False
+    for start, block in doc_blocks(path.read_text().splitlines()):
+        first = block[0].strip()
+        if block[0].startswith("## "):
+            checked = first in CHECKED_SECTIONS.get(name, ()) or first == "## Measured"
             continue
-        for m in MEASURE.finditer(line):
-            if not line[m.end():].lstrip("* ").startswith("<!-- figure "):
-                out.append(f"{name}:{i}: {m.group(0)!r} states a measurement with no <!-- figure NAME --> after it "
-                           "and no <!-- history DATE COMMIT --> over it")
+        opens = any(TABLE.match(line.strip()) for line in block)
+        rendered, in_table = in_table or opens, (in_table or opens) and TABLE_END not in (b.strip() for b in block)
+        if rendered or any(HISTORY.search(line) for line in block):
+            continue
+        plain = [CODE_SPAN.sub(lambda m: " " * len(m.group(0)), line) for line in block]
+        measured = checked or bool(MEASURED.match(first.removeprefix("<!-- "))) or \
+            any(MEASURING.search(line) for line in plain)
+        for i, line in enumerate(plain, start):
+            for m in MEASURE.finditer(line):
+                if not (measured or ALWAYS.search(m.group(0))):
+                    continue
+                if not line[m.end():].lstrip("* ").startswith("<!-- figure "):
+                    out.append(f"{name}:{i}: {m.group(0)!r} states a measurement with no <!-- figure NAME --> after "
+                               "it and no <!-- history DATE COMMIT --> in its paragraph, list item or table")
     return out
 
 

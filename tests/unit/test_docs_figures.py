@@ -74,7 +74,7 @@ def test_the_rendered_table_must_be_current(repo):
 def test_a_measured_number_needs_a_figure_or_a_history_marker(repo):
     assert _readme(repo, "it ran at 1.9x the old one") == [
         "README.md:5: '1.9x' states a measurement with no <!-- figure NAME --> after it and no "
-        "<!-- history DATE COMMIT --> over it"]
+        "<!-- history DATE COMMIT --> in its paragraph, list item or table"]
     assert _readme(repo, "<!-- history 2026-12-02 8a585e2 -->\nit ran at 1.9x the old one, and 72 % of it") == []
     assert _readme(repo, "a 64-token prompt, 128 new tokens, 2-vCPU, AVX-512, 4-bit, 1e-4") == []  # no unit: not one
     assert "a history marker is" in _readme(repo, "<!-- history 2026-12 8a585e2 -->\n1.9x")[0]
@@ -94,3 +94,26 @@ def test_a_measured_paragraph_or_section_in_the_docs_needs_its_provenance(repo):
     doc.write_text("# x\n\n<!-- history 2026-12-06 8a585e2 -->\n**Measured** 2026-12-06: 1.4x faster.\n\n"
                    "## Measured\n\n- <!-- history 2026-12-06 8a585e2 -->a bullet: 2.0x\n")
     assert figures.problems(doc, repo) == []
+
+
+def test_a_measured_number_anywhere_in_the_docs_needs_its_provenance(repo):
+    """Outside the Measured sections too: a ratio or a rate anywhere, a number with a unit in a block that says it
+    measured; a setting, a literal in `code` and a product (`6 x 32`) are not figures."""
+    doc = repo / "docs" / "x.md"
+    cases = {
+        "The new path runs 2.5x the old one.": ["'2.5x'"],
+        "It streams 180 tok/s on one core.": ["'180 tok/s'"],
+        "- a decode step took 12 ms here, 3 % of it in attention": ["'12 ms'", "'3 %'"],
+        "| case | p99 |\n| --- | --- |\n| one stream | 4.2 ms |": ["'4.2 ms'"],
+        "`--stall-timeout` defaults to 60 s; pings every 10 s.": [],
+        "An example refusal: `the mask took 303 ms of CPU (the limit is 50 ms)`.": [],
+        "``a `regex` took 303 ms``": [],
+        "Tiles of 6 x 32 floats, on TensorRT-LLM `0.1x`.": [],
+        "<!-- history 2026-12-06 8a585e2 -->\nThe new path runs 2.5x the old one; a step took 12 ms.": [],
+        "- <!-- history 2026-12-06 8a585e2 -->a decode step took 12 ms here": [],
+        "```text\nit took 12 ms\n```": [],
+    }
+    for text, flagged in cases.items():
+        doc.write_text(f"# x\n\n{text}\n")
+        got = [p.split(": ", 1)[1].split(" states")[0] for p in figures.problems(doc, repo)]
+        assert got == flagged, (text, got)
