@@ -154,3 +154,40 @@ def test_the_bandwidth_bench_out_carries_the_machine_record(tmp_path):
     assert figures["limit_bytes_per_s"] == max(figures["methods"].values()) > 0
     assert figures["weight_bytes_per_token"]["int4"] < figures["weight_bytes_per_token"]["int8"] \
         < figures["weight_bytes_per_token"]["fp32"]
+
+
+STAMP = ("date", "commit", "cpu", "command")  # what harness.write adds to every results file
+# Results files written before harness.write stamped every run (or put together by hand from several runs): each
+# needs a rerun on a quiet machine with this command, which writes it stamped; then it leaves this list.
+AWAITING_RERUN = {
+    "results-structured.json": "tokenloop-bench structured --out bench/results-structured.json",
+    "results-shared-prefix.json": "tokenloop-bench shared_prefix --out bench/results-shared-prefix.json",
+    "results-lora.json": "tokenloop-bench lora --out bench/results-lora.json",
+    "results-engine-gil.json": "tokenloop-bench engine_gil --streams 16 --out bench/results-engine-gil.json "
+                               "(the file held 16 and 32 streams: one run per file now)",
+    "results-prompt-stall.json": "tokenloop-bench prompt_stall --out bench/results-prompt-stall.json",
+    "results-quant-kernels.json": "tokenloop-bench quant_kernels --weights fp32,int8,int4 "
+                                  "--out bench/results-quant-kernels.json",
+    "results-grammar-libs.json": "tokenloop-bench grammar_libs --out bench/results-grammar-libs.json",
+    "results-overhead.json": "tokenloop-bench service_overhead --out bench/results-overhead.json (the file held six "
+                             "runs; README's overhead figures read that list)",
+    "results-clients.json": "tokenloop serve --port 50051 & tokenloop-cli bench --concurrency 1,4,16,32 --duration 60 "
+                            "--prompt-tokens 64 --max-new-tokens 128 --out bench/results-clients.json "
+                            "--plot bench/results-clients.png",
+}
+CLIENT_STAMP = ("date", "cpu")  # results-clients.json: `tokenloop-cli bench`, which knows no server commit
+
+
+def test_every_results_file_carries_the_date_commit_cpu_and_command():
+    """A figure's provenance is in its file (CONTRIBUTING.md, STYLE.md "Figures are data"); the files written before
+    the stamp wait for a quiet rerun (AWAITING_RERUN, listed with their commands), and one rerun leaves the list."""
+    for path in sorted((ROOT / "bench").glob("results-*.json")):
+        data = json.loads(path.read_text())
+        record = data[0] if isinstance(data, list) else data
+        need = CLIENT_STAMP if path.name == "results-clients.json" else STAMP
+        missing = [key for key in need if key not in record]
+        if path.name in AWAITING_RERUN:
+            assert missing, f"{path.name} is stamped now: drop it from AWAITING_RERUN"
+        else:
+            assert not missing, f"bench/{path.name} lacks {missing}: rerun it (harness.write stamps it)"
+    assert set(AWAITING_RERUN) <= {p.name for p in (ROOT / "bench").glob("results-*.json")}
