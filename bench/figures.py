@@ -205,7 +205,40 @@ FIGURES |= {
     **{f"spec.{sc}_{n}_vs_llama": Figure(SP, lambda d, sc=sc, n=n: _spec_ratio(d, sc, n, "llama"))
        for sc, n in (("grounded", 1), ("grounded", 8))},
 }
-TABLES = {"engine": (E, engine_table), "spec": (SP, spec_table)}
+SZ = "results-size.json"
+
+
+def _size_row(d: dict, model: str) -> dict:
+    for row in d["rows"]:
+        if row["model"] == model:
+            return row
+    raise KeyError(f"results-size.json has no {model} row")
+
+
+def size_table(d: dict) -> str:
+    """The size table: the fastest tokenloop mode against llama-server on the same files, 1 and 8 streams."""
+    intro = (f"One run, {_when(d)}, every row on the same {d['cpus']}-vCPU {describe(d)}, code at `{d['commit']}`: "
+             f"`{d['command']}`. 128 new tokens, EOS ignored; one stream the median of {d['single_repeats']}.")
+    lines = [textwrap.fill(intro, 118, break_on_hyphens=False, break_long_words=False), "",
+             "| model | one stream: tokenloop / llama-server tok/s | ratio | eight streams: tokenloop / llama-server "
+             "tok/s | ratio | int4 one stream: share of the bandwidth limit |", "| --- | --- | --- | --- | --- | --- |"]
+    for row in d["rows"]:
+        cells = []
+        for scenario in ("single", "eight"):
+            vs = row.get(scenario)
+            cells += [f"{vs['tok_s']:.1f} ({vs['system'].removeprefix('tokenloop ')}) / {vs['llama_tok_s']:.1f}",
+                      f"{vs['ratio']:.2f}x"] if vs else ["—", "—"]
+        share = row.get("int4_decode_bandwidth_share")
+        lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {f'{100 * share:.0f} %' if share else '—'} |")
+    return "\n".join(lines)
+
+
+FIGURES |= {
+    **{f"size.{m}_{sc}": Figure(SZ, lambda d, m=m, sc=sc: f"{_size_row(d, m)[sc]['ratio']:.2f}x")
+       for m in ("135M", "360M", "1.7B", "gemma3-270m") for sc in ("single", "eight")},
+    "size.1.7B_int4_share": Figure(SZ, lambda d: f"{100 * _size_row(d, '1.7B')['int4_decode_bandwidth_share']:.0f} %"),
+}
+TABLES = {"engine": (E, engine_table), "spec": (SP, spec_table), "size": (SZ, size_table)}
 
 
 def value(name: str) -> str:

@@ -61,9 +61,13 @@ def run_model(label: str, model: str, gguf: str, args) -> dict:
                "--scenarios", args.scenarios, "--reference", "none", "--single-repeats", str(args.single_repeats),
                "--out", out.name]
         cmd += ["--llama-cpp", args.llama_cpp, "--llama-gguf", gguf] if args.llama_cpp else []
-        cmd += ["--new-tokens", str(args.new_tokens), "--no-bandwidth"] if args.new_tokens else []
+        cmd += ["--new-tokens", str(args.new_tokens)] if args.new_tokens else []
+        if args.new_tokens or model.endswith(".gguf"):  # the bandwidth share is the checkpoint shapes' (issue 43)
+            cmd.append("--no-bandwidth")
         print(f"{label}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        done = subprocess.run(cmd, stdout=sys.stderr)
+        if done.returncode != 0:  # the other models still run; the row says what failed
+            return {"model": label, "path": model, "gguf": gguf, "error": f"engine_bench exited {done.returncode}"}
         record = json.loads(Path(out.name).read_text())
     shown = record["issue_32"]
     row = {"model": label, "path": model, "gguf": gguf, "commit": record["commit"]}
@@ -129,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 cells += ([f"{vs['system']} {vs['tok_s']} / {vs['llama_tok_s']}", f"{vs['ratio']:.2f}x"] if vs
                           else ["-", "-"])
             share = row.get("int4_decode_bandwidth_share")
-            lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {f'{share:.0%}' if share else '-'} |")
+            lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {f'{share:.0%}' if share else '-'} |"
+                         + (f" {row['error']}" if "error" in row else ""))
         return "\n".join(lines)
 
     return report(args, figures, table)
