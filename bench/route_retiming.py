@@ -93,7 +93,7 @@ def run_arm(name: str, args, prompt: list[int]) -> dict:
             server.stop()
         log.seek(0)
         text = log.read()
-    switches = [{"bucket": int(m[1]), "from": m[2], "to": m[3]} for m in SWITCH.findall(text)]
+    switches = [{"bucket": int(b), "from": old, "to": new} for b, old, new in SWITCH.findall(text)]
     chosen = [line.split("matmul: ", 1)[1] for line in text.splitlines() if "matmul: routes" in line][:1]
     return {"ready_s": round(ready_s, 1), "tok_s": per_window(arrivals, args.window, args.seconds),
             "switches": switches, "calibration": chosen[0] if chosen else None}
