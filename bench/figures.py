@@ -130,6 +130,8 @@ FIGURES = {
                                                              ("tokenloop fp32", "single"))),
     **{f"engine.int4_vs_llama_{s}": Figure(E, lambda d, s=s: _ratio(d, ("tokenloop int4", s), (LLAMA, s)))
        for s in ("single", "eight", "uniform")},
+    **{f"engine.int8_vs_llama_{s}": Figure(E, lambda d, s=s: _ratio(d, ("tokenloop int8", s), (LLAMA, s)))
+       for s in ("single", "eight", "uniform")},
     **{f"engine.fp32_vs_transformers_{s}": Figure(E, lambda d, s=s: _ratio(d, ("tokenloop fp32", s),
                                                                             ("transformers", s)))
        for s in ("uniform", "mixed")},
