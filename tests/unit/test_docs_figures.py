@@ -41,31 +41,42 @@ def _readme(repo, body: str) -> list[str]:
     return figures.problems(repo / "README.md", repo)
 
 
+def _int8_vs_fp32(data: dict) -> float:
+    rate = {r["system"]: r["tokens_per_s"] for r in data["results"] if r["scenario"] == "single"}
+    return rate["tokenloop int8"] / rate["tokenloop fp32"]
+
+
 def test_a_figure_that_disagrees_with_its_results_file_fails(repo):
-    assert _readme(repo, "int8 at 3.14x<!-- figure engine.int8_vs_fp32_single --> fp32") == []
-    bad = _readme(repo, "int8 at **3.7x**<!-- figure engine.int8_vs_fp32_single --> fp32")
-    assert bad == ["README.md:5: the text says '3.7x' where bench/results-engine.json gives '3.14x' "
+    now = f"{_int8_vs_fp32(json.loads((repo / 'bench' / 'results-engine.json').read_text())):.2f}x"
+    assert _readme(repo, f"int8 at {now}<!-- figure engine.int8_vs_fp32_single --> fp32") == []
+    bad = _readme(repo, "int8 at **0.7x**<!-- figure engine.int8_vs_fp32_single --> fp32")
+    assert bad == [f"README.md:5: the text says '0.7x' where bench/results-engine.json gives '{now}' "
                    "(figure engine.int8_vs_fp32_single)"]
     assert "no figure 'engine.nonesuch'" in _readme(repo, "1.0x<!-- figure engine.nonesuch -->")[0]
 
 
 def test_a_rerun_that_changes_the_results_file_fails_the_old_text(repo):
-    text = "int8 at 3.14x<!-- figure engine.int8_vs_fp32_single --> fp32"
     data = json.loads((repo / "bench" / "results-engine.json").read_text())
+    text = f"int8 at {_int8_vs_fp32(data):.2f}x<!-- figure engine.int8_vs_fp32_single --> fp32"
     for r in data["results"]:
         if r["system"] == "tokenloop int8" and r["scenario"] == "single":
             r["tokens_per_s"] *= 1.1
     (repo / "bench" / "results-engine.json").write_text(json.dumps(data))
     figures.load.cache_clear()
-    assert "gives '3.45x'" in _readme(repo, text)[0]
+    assert f"gives '{_int8_vs_fp32(data):.2f}x'" in _readme(repo, text)[0]
 
 
 def test_the_rendered_table_must_be_current(repo):
     table = figures.render("engine")
-    assert "| single: 1 request, 128 new tokens | 16.9, 0.26 s | 93.3, 0.23 s | 40.0, 0.10 s |" in table
-    assert "tokenloop int4 the median of 5" in table and "transformers one run, no warm-up" in table
+    data = json.loads((repo / "bench" / "results-engine.json").read_text())
+    single = {r["system"]: r for r in data["results"] if r["scenario"] == "single"}
+    row = " | ".join(f"{single[s]['tokens_per_s']:.1f}, {single[s]['ttft_p50_s']:.2f} s"
+                     for s in ("transformers", "llama-server Q4_1", "tokenloop fp32"))
+    assert f"| single: 1 request, 128 new tokens | {row} |" in table
+    assert "tokenloop int4 the median of 5" in table
     assert _readme(repo, f"<!-- figures table engine -->\n{table}\n<!-- figures end -->") == []
-    stale = table.replace("211.6", "200.0")
+    int4 = f"{single['tokenloop int4']['tokens_per_s']:.1f}, "
+    stale = table.replace(int4, "1.0, ")
     assert "the engine table is not what bench/results-engine.json renders" in \
         _readme(repo, f"<!-- figures table engine -->\n{stale}\n<!-- figures end -->")[0]
     assert figures.write_tables(repo / "README.md") and figures.problems(repo / "README.md", repo) == []
