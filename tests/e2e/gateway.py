@@ -35,18 +35,21 @@ def smg_binary() -> str:
 
 
 class Router:
-    """An `smg launch` child process in front of one gRPC worker."""
+    """An `smg launch` child process in front of one gRPC worker; smg loads the tokenizer from `model_path` (a path
+    that does not exist: smg takes the worker's, by GetTokenizer)."""
 
-    def __init__(self, worker: str, log_path: Path):
+    def __init__(self, worker: str, log_path: Path, model_path: Path = DEFAULT_MODEL):
         self.port = free_port()
         self.base = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", f"grpc://{worker}", "--model-path", str(DEFAULT_MODEL),
+             "--worker-urls", f"grpc://{worker}", "--model-path", str(model_path),
              "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-             "--health-success-threshold", "1", "--log-level", "info"],
+             "--health-success-threshold", "1", "--log-level", "info",
+             # its own metrics port: two routers at once (a test's two stacks) would both take smg's default 29000
+             "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1"],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
     def log_tail(self) -> str:
