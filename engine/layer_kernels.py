@@ -24,10 +24,10 @@ class PagedAttention(CodePaths):
         self.lib = lib = ctypes.CDLL(str(path))
         self._path_supported = bind_function(lib, "paged_path_supported", [ctypes.c_int])
         lib.paged_best_path.restype = ctypes.c_int
-        self._decode = lib.paged_decode_heads_path
+        self._decode = lib.paged_decode_window_path
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._decode.argtypes = [ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64,
-                                 i64, i64, ctypes.c_float, i64, i64]
+                                 i64, i64, ctypes.c_float, i64, i64, i64]
         self._decode.restype = ctypes.c_int
         if isa is None:
             isa = next(name for name, code in self.PATHS.items() if code == lib.paged_best_path())
@@ -39,18 +39,19 @@ class PagedAttention(CodePaths):
 
     def decode(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                tables: torch.Tensor, lens: torch.Tensor, begin: int, end: int, block_size: int,
-               scale: float, kv_heads: tuple[int, int] | None = None) -> None:
+               scale: float, kv_heads: tuple[int, int] | None = None, window: int = 0) -> None:
         """Attention of float32 decode queries q [B, H, E] over their cached context into out [B, H, E] (rows
         begin..end-1 only; with `kv_heads` (first, end), only those kv heads' query heads). k_cache, v_cache:
-        [slots, K, E] of one layer, float32 or float16 (the 16-bit KV cache); tables [B, NB], lens [B] int64. Releases the GIL while it runs (ctypes does), so
-        two threads can split one batch."""
+        [slots, K, E] of one layer, float32 or float16 (the 16-bit KV cache); tables [B, NB], lens [B] int64.
+        `window` > 0: only the last `window` keys of each context (a sliding-window layer). Releases the GIL while it
+        runs (ctypes does), so two threads can split one batch."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         first, last = kv_heads or (0, k_cache.shape[1])
         rc = self._decode(self.code, k_cache.dtype == torch.float16, q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           tables.data_ptr(), tables.shape[1], lens.data_ptr(), begin, end, num_heads,
-                          k_cache.shape[1], head_dim, block_size, scale, first, last)
+                          k_cache.shape[1], head_dim, block_size, scale, first, last, window)
         if rc != 0:
-            raise RuntimeError(f"paged_decode_heads_path ({self.isa}) failed (code {rc})")
+            raise RuntimeError(f"paged_decode_window_path ({self.isa}) failed (code {rc})")
 
 
 class LayerOps:

@@ -129,7 +129,10 @@ class ModelConfig:
 
     @property
     def max_context_length(self) -> int:
-        """Longest sequence served: the position limit, and the sliding window when there is one."""
+        """Longest sequence served: the position limit, and the sliding window where the engine does not run it (only
+        Gemma 3's local layers attend within theirs: model.layer_windows)."""
+        if self.local_layers is not None:
+            return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
 

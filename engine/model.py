@@ -45,6 +45,15 @@ class LayerWeights:
     post_ff_norm: torch.Tensor | None = None
 
 
+def layer_windows(config: ModelConfig) -> list[int]:
+    """Each layer's sliding window (attend to the last `window` positions, its own included; 0: every position):
+    Gemma 3's local layers. Other models with a window in their config.json (Mistral's, Qwen2's use_sliding_window)
+    are served no longer than it (ModelConfig.max_context_length), so every layer attends to all."""
+    if config.local_layers is None or not config.sliding_window:
+        return [0] * config.num_layers
+    return [config.sliding_window if local else 0 for local in config.local_layers]
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, segments: list, layer: int, proj: str) -> torch.Tensor:
     """Add each segment's low-rank update to the projection output, in place: y[s:e] += (x[s:e] A^T) B^T.
     x: [T, D_in], y: [T, D_out], A^T: [D_in, R], B^T: [R, D_out]; one pair of small products per adapter in the
@@ -104,11 +113,14 @@ class Model:
             self.local_rope = (emb.cos().to(dtype), emb.sin().to(dtype))
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        self.windows = layer_windows(c)  # per layer: attend to the last `window` positions only (0: all)
+        self._window_masks: dict[int, torch.Tensor] = {}  # a step's attention groups' masks under the window
         # every layer of a decode or prefill step in one C call (layer_ops.c, decode_step_f32): the per-weight pointers,
         # built once here; None where the weights are not all quantized or the native ops / attention are missing
         self._plan_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size)
         self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args) \
-            if self.ops is not None and self.paged is not None and not c.qk_norm else None  # the C step has no q/k norm
+            if self.ops is not None and self.paged is not None and not c.qk_norm and not any(self.windows) \
+            else None  # the C step has no q/k norm and no sliding window
         self._packed_plans: dict[int, object] = {}  # by id(Int4Linear.packings): the plan over that x22 packing
         if self.plan is not None:  # pack the int4 weights for an x22 route now, not in the first request
             for route, _ in set(matmul.qroutes.values()):
@@ -150,6 +162,7 @@ class Model:
                 if self.paged is not None and any(g.one_query for g in batch.groups) else None
             backend = self.matmul.backend(h.shape[0])
             delta = None  # each layer's output, added to h by the next layer's first norm
+            self._window_masks.clear()
             for i in range(len(self.layers)):
                 delta = self._layer(i, h, delta, x, batch, ops, backend, paged_q)
             h.add_(delta)
@@ -281,17 +294,19 @@ class Model:
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        window = self.windows[layer]
         for g in groups:
             if g.one_query and self.paged is not None:
                 self._paged_decode(layer, q if paged_q is None else paged_q, out, g)
                 continue
             if g.fresh:  # prefill from position 0: the chunk's own K/V, causal
-                self._fresh_prefill(q, k, v, out, g)
+                self._fresh_prefill(q, k, v, out, g, window)
                 continue
             qg = q[g.query_rows].view(g.num_seqs, g.max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, E]
             kg = self._gather(k_cache, g.kv_blocks).to(q.dtype)  # [B, K, C, E], widened from a 16-bit cache
             vg = self._gather(v_cache, g.kv_blocks).to(q.dtype)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True,
+            mask = self._window_mask(g, kg.shape[2], window) if window else g.mask
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, enable_gqa=True,
                                                 scale=self.sdpa_scale)  # [B, H, Q, E]
             og = og.transpose(1, 2).reshape(g.num_seqs * g.max_q, num_heads * head_dim)
             if g.valid is not None:
@@ -299,13 +314,27 @@ class Model:
             out[g.out_start:g.out_start + og.shape[0]] = og
         return out
 
+    def _window_mask(self, g: AttentionGroup, context: int, window: int) -> torch.Tensor:
+        """g's mask [B, 1, Q, C] under a sliding window: a query at position p attends to positions p - window + 1
+        .. p. The query's position is its causal mask's last True (all C keys when the group has no mask); built
+        once per step and group."""
+        mask = self._window_masks.get(id(g))
+        if mask is None:
+            pos = torch.arange(context)  # [C]
+            causal = g.mask if g.mask is not None else torch.ones(g.num_seqs, 1, g.max_q, context, dtype=torch.bool)
+            q_pos = causal.sum(-1, keepdim=True) - 1  # [B, 1, Q, 1]
+            mask = self._window_masks[id(g)] = causal & (pos > q_pos - window)
+        return mask
+
     def _fresh_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       g: AttentionGroup) -> None:
-        """Causal attention of a prompt chunk over itself. Long chunks split their queries over two threads:
-        rows [0, m) attend causally to keys [0, m), rows [m, n) to keys [0, n) with a lower-right causal mask;
-        m = n / sqrt(2) gives both parts the same work."""
+                       g: AttentionGroup, window: int = 0) -> None:
+        """Causal attention of a prompt chunk over itself (each query over the last `window` positions only, when
+        given and shorter than the chunk). Long chunks split their queries over two threads: rows [0, m) attend
+        causally to keys [0, m), rows [m, n) to keys [0, n) with a lower-right causal mask; m = n / sqrt(2) gives
+        both parts the same work."""
         n, num_heads, head_dim = g.max_q, q.shape[1], q.shape[2]
         start = g.out_start
+        windowed = 0 < window < n
         qg, kg, vg = (x[start:start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, n, E]
         if self.kv_dtype != q.dtype:  # K/V as the 16-bit cache holds them, as every later step reads them
             kg, vg = kg.to(self.kv_dtype).to(q.dtype), vg.to(self.kv_dtype).to(q.dtype)
@@ -313,9 +342,12 @@ class Model:
         def part(lo: int, hi: int):
             def run():
                 with torch.inference_mode():  # also on the helper thread: `out` is an inference tensor
-                    mask = None if lo == 0 else (torch.arange(hi)[None, :] <= torch.arange(lo, hi)[:, None])
+                    mask = None
+                    if lo > 0 or windowed:  # [hi - lo, hi]: key c for query p when p - window < c <= p
+                        keys, queries = torch.arange(hi)[None, :], torch.arange(lo, hi)[:, None]
+                        mask = (keys <= queries) & (keys > queries - window) if windowed else keys <= queries
                     og = F.scaled_dot_product_attention(qg[:, :, lo:hi], kg[:, :, :hi], vg[:, :, :hi],
-                                                        attn_mask=mask, is_causal=lo == 0, enable_gqa=True,
+                                                        attn_mask=mask, is_causal=mask is None, enable_gqa=True,
                                                         scale=self.sdpa_scale)
                     out[start + lo:start + hi] = og[0].transpose(0, 1).reshape(hi - lo, num_heads * head_dim)
             return run
@@ -334,9 +366,11 @@ class Model:
             qd = qd.contiguous()
         od = out[g.out_start:end].view(g.num_seqs, q.shape[1], q.shape[2])  # contiguous rows of `out`: in place
         args = (qd, od, self.k_cache[layer], self.v_cache[layer], g.kv_blocks, g.lens)
+        window = self.windows[layer]
         if self.split_attention and 0 < g.split < g.num_seqs:
-            self.matmul.helper().split(partial(self.paged.decode, *args, 0, g.split, self.block_size, self.scale),
+            self.matmul.helper().split(partial(self.paged.decode, *args, 0, g.split, self.block_size, self.scale,
+                                               window=window),
                                        partial(self.paged.decode, *args, g.split, g.num_seqs, self.block_size,
-                                               self.scale))
+                                               self.scale, window=window))
         else:
-            self.paged.decode(*args, 0, g.num_seqs, self.block_size, self.scale)
+            self.paged.decode(*args, 0, g.num_seqs, self.block_size, self.scale, window=window)

@@ -14,6 +14,9 @@
  *                        each row widened to float32 as it is loaded (F16C's vcvtph2ps on the x86 paths, exact)
  *   tables   [B, NB]     int64 block table of each sequence
  *   lens     [B]         int64 context length: keys 0 .. lens[b]-1 (the current token's K/V is written)
+ *   window               a sliding window (paged_decode_window_path): keys lens[b]-window .. lens[b]-1 only
+ *                        (Gemma 3's local layers); 0: every key. The blocks before the window's are skipped, the
+ *                        keys before it in its first block masked (their scores -FLT_MAX, so exp makes them 0).
  *
  * Only sequences b_begin .. b_end-1 are computed, so a caller can split one batch over threads; and
  * paged_decode_heads_f32_path computes only kv heads kv_begin .. kv_end-1 (with their query heads), so that one
@@ -119,13 +122,20 @@ static inline void chunk_rows(const void *cache, const int64_t *table, int64_t b
     for (int64_t j = n; j < W; j++) rows[j] = rows[0];
 }
 
-/* What one sequence needs: its query [H, E], output [H, E], block table, length. */
+/* What one sequence needs: its query [H, E], output [H, E], block table, length, and how many leading keys are masked
+ * (those before a sliding window's start in its first block; `windowed`). */
 typedef struct {
     const float *q;
     float *out;
     const int64_t *table;
-    int64_t len;
+    int64_t len, skip;
 } seq_args;
+
+/* scores [H, stride] of the `skip` masked keys -> -FLT_MAX (exp then gives 0) */
+static inline void mask_skipped(float *scores, int64_t H, int64_t stride, int64_t skip) {
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t c = 0; c < skip; c++) scores[h * stride + c] = -FLT_MAX;
+}
 
 /* k_cache / v_cache point at the first kv head computed; H and K count the query and kv heads computed, KE is a
  * cache row's stride (every kv head's) in elements, esz an element's bytes (4: float32, 2: float16) */
@@ -188,6 +198,7 @@ static inline void ahead(read_ahead *r, int64_t reading, int64_t max_rows) {
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
+        mask_skipped(scores, H, len, a->skip);                                                                     \
         for (int64_t h = 0; h < H; h++) {                                                                          \
             float *sh = scores + h * len;                                                                          \
             float m = sh[0]; /* len >= 1 (checked by the caller): the current token is always in the context */   \
@@ -338,6 +349,7 @@ AVX2_FN static inline __m256 lanes_below256(int64_t n) {
                 STOREU(scores + h * Lp + c0, n == W ? sc : BLEND(masked, sc, valid));                                \
             }                                                                                                      \
         }                                                                                                          \
+        mask_skipped(scores, H, Lp, a->skip);                                                                      \
         float inv[H];                                                                                              \
         for (int64_t h = 0; h < H; h++) {                                                                          \
             float *sh = scores + h * Lp;                                                                           \
@@ -450,13 +462,23 @@ static float *work_area(int64_t floats) {
 
 typedef void (*seq_fn)(const seq_args *, const shape_args *, read_ahead *, float *, float *);
 
+/* Sequence b's keys under a sliding window (0: none): its table from the window's first block, its length from that
+ * block's first key, and the keys before the window in that block masked. */
+static inline seq_args windowed(const float *q, float *out, const int64_t *table, int64_t len, int64_t window,
+                                int64_t bs) {
+    const int64_t start = window > 0 && len > window ? len - window : 0, first = start / bs * bs;
+    return (seq_args){q, out, table + start / bs, len - first, start - first};
+}
+
 /* Decode attention over kv heads kv_begin .. kv_end-1 only (their query heads' rows of `out` are written, the others
- * left alone): one sequence's attention split over two threads by heads. A head's result is the same bits whichever
- * heads come with it (every step is per head). kv16: the caches hold float16 (else float32). */
-int paged_decode_heads_path(int path, int kv16, const float *q, float *out, const void *k_cache, const void *v_cache,
-                            const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
-                            int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, int64_t kv_begin, int64_t kv_end) {
+ * left alone), under a sliding window of `window` keys (0: none): one sequence's attention split over two threads by
+ * heads. A head's result is the same bits whichever heads come with it (every step is per head). kv16: the caches
+ * hold float16 (else float32). */
+int paged_decode_window_path(int path, int kv16, const float *q, float *out, const void *k_cache, const void *v_cache,
+                             const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
+                             int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t block_size, float scale, int64_t kv_begin, int64_t kv_end, int64_t window) {
+    if (window < 0) return -1;
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || block_size < 1) return -1;
     if (kv_begin < 0 || kv_end > num_kv_heads || kv_begin >= kv_end) return -1;
     if (!paged_path_supported(path)) return -4;
@@ -482,11 +504,13 @@ int paged_decode_heads_path(int path, int kv16, const float *q, float *out, cons
     read_ahead r = {&s, NULL, NULL, 0, 0, 0, 0, 0};
     for (int64_t b = b_begin; b < b_end; b++) {
         const int next = b + 1 < b_end;
-        const seq_args a = {q + b * HE + first, out + b * HE + first, tables + b * max_blocks, lens[b]};
+        const seq_args a = windowed(q + b * HE + first, out + b * HE + first, tables + b * max_blocks, lens[b], window,
+                                    block_size);
         r.table = a.table;
         r.len = a.len;
-        r.next_table = next ? tables + (b + 1) * max_blocks : NULL;
-        r.next_len = next ? lens[b + 1] : 0;
+        const seq_args n = next ? windowed(q, out, tables + (b + 1) * max_blocks, lens[b + 1], window, block_size) : a;
+        r.next_table = next ? n.table : NULL;
+        r.next_len = next ? n.len : 0;
         run(&a, &s, &r, scores, scores + H * padded);
         if (r.at >= 2 * a.len) { /* what was read ahead of the next sequence: its block and offset carry over */
             r.at -= 2 * a.len;
@@ -495,6 +519,15 @@ int paged_decode_heads_path(int path, int kv16, const float *q, float *out, cons
         }
     }
     return 0;
+}
+
+/* paged_decode_window_path without a window (the fused step's, layer_ops.c) */
+int paged_decode_heads_path(int path, int kv16, const float *q, float *out, const void *k_cache, const void *v_cache,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
+                            int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, float scale, int64_t kv_begin, int64_t kv_end) {
+    return paged_decode_window_path(path, kv16, q, out, k_cache, v_cache, tables, max_blocks, lens, b_begin, b_end,
+                                    num_heads, num_kv_heads, head_dim, block_size, scale, kv_begin, kv_end, 0);
 }
 
 /* paged_decode_heads_path over a float32 cache */

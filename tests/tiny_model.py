@@ -47,7 +47,7 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def _config(arch: str, vocab_size: int, hidden: int, num_layers: int, num_heads: int, num_kv_heads: int,
-            tied: bool, max_positions: int, rope_scaling: dict | None) -> dict:
+            tied: bool, max_positions: int, rope_scaling: dict | None, sliding_window: int | None = None) -> dict:
     architecture, model_type = ARCHITECTURES[arch]
     config = {
         "architectures": [architecture], "model_type": model_type, "vocab_size": vocab_size,
@@ -65,7 +65,8 @@ def _config(arch: str, vocab_size: int, hidden: int, num_layers: int, num_heads:
         config["sliding_window"] = None
     if arch == "gemma3":  # local (sliding-window) layers 0, 2, ...; global 1, 3, ...; a query scalar other than E
         del config["hidden_act"]
-        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=max_positions,
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                      sliding_window=sliding_window or max_positions,
                       layer_types=["full_attention" if i % 2 else "sliding_attention"
                                    for i in range(num_layers)],
                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -110,9 +111,9 @@ def _weights(config: dict, seed: int, std: float) -> dict[str, torch.Tensor]:
 def make_tiny_model(model_dir: str | Path, arch: str = "llama", tied: bool = True, *, hidden: int = 64,
                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 384,
                     max_positions: int = 1024, rope_scaling: dict | None = None, seed: int = 0,
-                    std: float = 0.3) -> Path:
+                    std: float = 0.3, sliding_window: int | None = None) -> Path:
     """Write a tiny random-weight checkpoint of `arch` ("llama", "qwen2", "mistral", "qwen3", "gemma3") to
-    `model_dir`."""
+    `model_dir`. `sliding_window`: Gemma 3's local layers' (default: max_positions, so every layer sees it all)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     model_dir = Path(model_dir)
@@ -120,7 +121,7 @@ def make_tiny_model(model_dir: str | Path, arch: str = "llama", tied: bool = Tru
     tok = train_tokenizer(vocab_size)
     tok.save(str(model_dir / "tokenizer.json"))
     config = _config(arch, vocab_size, hidden, num_layers, num_heads, num_kv_heads, tied, max_positions,
-                     rope_scaling)
+                     rope_scaling, sliding_window)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     save_file(_weights(config, seed, std), str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}

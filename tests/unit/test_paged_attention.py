@@ -113,7 +113,7 @@ def test_model_splits_a_decode_batch_over_two_threads_with_the_same_result():
     model = Model.__new__(Model)  # only what _paged_decode reads: the cache, the kernel, the helper thread
     model.k_cache = torch.randn(1, 32 * 8, 2, 16, generator=gen)
     model.v_cache = torch.randn(1, 32 * 8, 2, 16, generator=gen)
-    model.block_size, model.scale, model.paged = 8, 0.25, paged
+    model.block_size, model.scale, model.paged, model.windows = 8, 0.25, paged, [0]
     model.matmul = MatmulPolicy.fixed(Backend.TORCH)
     lens = torch.tensor([3, 40, 17, 64, 8])
     tables = torch.arange(40).view(5, 8) % 32
@@ -267,3 +267,33 @@ def test_kernel_over_a_16_bit_cache_matches_sdpa_over_its_widened_values(isa, nu
     alone = torch.full_like(q, float("nan"))
     kernel.decode(q, alone, k_cache, v_cache, tables, lens, 2, 3, block_size, head_dim ** -0.5)
     assert torch.equal(alone[2], out[2])
+
+
+@pytest.mark.parametrize("isa", list(kernels.PagedAttention.PATHS))
+@pytest.mark.parametrize("block_size, window", [(1, 5), (4, 6), (16, 16), (16, 40), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_sliding_window_attends_to_the_last_window_keys_only(isa, block_size, window, dtype):
+    """Keys lens-window .. lens-1 (a window inside one block, across several, longer than the context, of one key),
+    over a float32 or a 16-bit cache: SDPA over those keys alone."""
+    kernel = kernel_path(isa)
+    gen = torch.Generator().manual_seed(block_size * 100 + window)
+    num_heads, num_kv_heads, head_dim = 6, 2, 32
+    lens = torch.tensor([1, window, window + 1, 37, 130], dtype=torch.long)
+    max_blocks = int((lens.max() + block_size - 1) // block_size)
+    tables = torch.randperm(len(lens) * max_blocks, generator=gen).view(len(lens), max_blocks)
+    k_cache, v_cache = (torch.randn(len(lens) * max_blocks * block_size, num_kv_heads, head_dim,
+                                    generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    kernel.decode(q, out, k_cache, v_cache, tables, lens, 0, len(lens), block_size, head_dim ** -0.5, window=window)
+    want = torch.empty_like(q)
+    for b, n in enumerate(lens.tolist()):
+        slots = (tables[b][:, None] * block_size + torch.arange(block_size)).flatten()[max(0, n - window):n]
+        k, v = (c[slots].float().transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))  # [1, K, window, E]
+        want[b] = F.scaled_dot_product_attention(q[b][None, :, None, :], k, v, enable_gqa=True)[0, :, 0]
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    whole = torch.empty_like(q)
+    kernel.decode(q, whole, k_cache, v_cache, tables, lens, 0, len(lens), block_size, head_dim ** -0.5)
+    assert not torch.allclose(whole[3:], out[3:])  # the window changed what it reads
+    with pytest.raises(RuntimeError, match="code -1"):
+        kernel.decode(q, out, k_cache, v_cache, tables, lens, 0, len(lens), block_size, 0.1, window=-1)

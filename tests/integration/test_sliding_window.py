@@ -1,0 +1,79 @@
+"""Gemma 3's local layers attend to the last `sliding_window` positions only, its global layers to all: a tiny
+Gemma 3 with a window of 6 serves prompts and outputs well past it, token for token equal to transformers in float32,
+on the native kernels (paged decode and prefill rows with the window: engine/paged_attention.c) and on the torch path
+(SDPA under a windowed mask: fresh prompt chunks split over two threads, chunks over a cached prefix), alone and in a
+batch with chunked prefill and prefix-cache hits. The kernel's window alone: tests/unit/test_paged_attention.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.engine_helpers import greedy_request, hf_greedy, run_all, tokens
+from tests.tiny_model import make_tiny_model
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.engine import Engine
+from tokenloop.engine.model import layer_windows
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 6
+NUM_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("gemma3-window"), "gemma3", tied=False, num_layers=4,
+                           max_positions=512, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+def prompts(num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = [[rng.randrange(3, 384) for _ in range(rng.randint(2, 90))] for _ in range(num)]
+    out[0] += out[2]  # at least 40 tokens
+    out[1] = out[0][:40] + out[1][:9]  # a shared prefix, for the prefix cache
+    return out
+
+
+def test_the_window_changes_the_output_and_the_context_is_the_models(checkpoint, hf):
+    """The reference itself depends on the window (else the test below proves nothing), and the engine serves the
+    position limit, not the window."""
+    prompt = list(range(10, 50))
+    wide = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                             sliding_window=512).eval()
+    assert hf_greedy(wide, prompt, NUM_NEW) != hf_greedy(hf, prompt, NUM_NEW)
+    engine = Engine(checkpoint, EngineConfig(kv_cache_tokens=1024), start=False)
+    assert engine.max_context_length == 512
+    assert layer_windows(engine.model_config) == [WINDOW, 0, WINDOW, 0]
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_equals_transformers_past_the_window_alone_and_batched(checkpoint, hf, backend):
+    batch = prompts(8, seed=3)
+    expected = [hf_greedy(hf, p, NUM_NEW) for p in batch]
+    for max_num_tokens in (256, 16):  # each prompt in one chunk; then over several steps beside decodes
+        config = EngineConfig(dtype="float32", kv_cache_tokens=4096, max_num_tokens=max_num_tokens, max_batch_size=8,
+                              block_size=4, attention_backend=backend)
+        try:
+            engine = Engine.from_dir(checkpoint, config)
+        except RuntimeError as exc:  # no C compiler on this machine
+            pytest.skip(str(exc))
+        try:
+            assert (engine.model.paged is not None) == (backend == "native")
+            alone = []
+            for p in batch[:3]:
+                _, steps = run_all(engine, [greedy_request(p, NUM_NEW)])
+                alone.append(tokens(next(iter(steps.values()))))
+            assert alone == expected[:3]
+            ids, steps = run_all(engine, [greedy_request(p, NUM_NEW) for p in batch])
+            assert [tokens(steps[(i, 0)]) for i in ids] == expected, max_num_tokens
+            assert engine.block_manager.num_hit_tokens > 0
+        finally:
+            engine.shutdown()
