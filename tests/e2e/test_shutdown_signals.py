@@ -29,14 +29,16 @@ SLOW_SCHEMA = json.dumps({"type": "object", "patternProperties": {f"^k{i}_[a-z]+
 
 
 def children(pid: int) -> list[int]:
-    """The process ids whose parent is `pid` (its compile processes)."""
+    """The process ids whose parent is `pid` and that run `tokenloop.service.compile_worker` (its compile
+    processes; the server has one more child, the gRPC core log relay)."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and b"tokenloop.service.compile_worker" in command:
             out.append(int(stat.parent.name))
     return out
 
