@@ -30,6 +30,20 @@ SHAPES = {"llama-3.1-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, int
 BLOCK = {T.Q4_0: (32, 18), T.Q8_0: (32, 34)}  # (columns, bytes) per block
 
 
+
+def add_key(w, key: str, value) -> None:
+    """One metadata key on a gguf.GGUFWriter, typed by its Python value (bool, uint32, float32, string, array)."""
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    else:
+        w.add_array(key, value)
+
 def random_blocks(rows: int, cols: int, kind: T, rng: np.random.Generator) -> np.ndarray:
     """[rows, cols / 32 * block bytes] uint8 of `kind` (Q4_0 / Q8_0): float16 scales ~0.004 (Q8_0: / 16), random
     levels."""
@@ -73,16 +87,7 @@ def write_shape_gguf(path: str | Path, shape: dict, tokenizer_dir: str | Path = 
                        "llama.rope.dimension_count": head_dim, "llama.rope.freq_base": float(s["rope_theta"]),
                        "llama.attention.layer_norm_rms_epsilon": 1e-5,
                        **tokenizer_keys(Path(tokenizer_dir), s["vocab"])}.items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+        add_key(w, key, value)
     layer = {"attn_q.weight": (hidden, hidden), "attn_k.weight": (kv_heads * head_dim, hidden),
              "attn_v.weight": (kv_heads * head_dim, hidden), "attn_output.weight": (hidden, hidden),
              "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter)}

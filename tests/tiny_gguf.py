@@ -14,6 +14,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from safetensors.numpy import load_file
 
+from tokenloop.bench.shape_gguf import add_key
+
 T = GGMLQuantizationType
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
@@ -79,16 +81,7 @@ def write_gguf(model_dir: str | Path, path: str | Path, matrix_type: T = T.F32, 
     for key, value in (keys | (metadata or {})).items():
         if value is None:
             continue
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+        add_key(w, key, value)
     for name, t in load_file(str(model_dir / "model.safetensors")).items():
         t = t.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
