@@ -54,10 +54,10 @@ def prepare_shapes(shapes: Path, llama_cpp: Path, base_model: str, scale: Path) 
         f16.unlink()
 
 
-def run_model(label: str, model: str, gguf: str, args) -> dict:
+def run_model(label: str, model: str, gguf: str, weights: str, args) -> dict:
     """One engine-benchmark run on `model` against llama-server on `gguf`; its recorded figures."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "tokenloop.bench.engine_bench", "--model", model, "--weights", args.weights,
+        cmd = [sys.executable, "-m", "tokenloop.bench.engine_bench", "--model", model, "--weights", weights,
                "--scenarios", args.scenarios, "--reference", "none", "--single-repeats", str(args.single_repeats),
                "--out", out.name]
         cmd += ["--llama-cpp", args.llama_cpp, "--llama-gguf", gguf] if args.llama_cpp else []
@@ -115,11 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         prepare_shapes(shapes, llama_cpp, args.model, Path(args.scale_models))
     rows = []
     for label, model, gguf in models:
-        weights = args.weights
-        if label.startswith("gemma"):
-            args.weights = args.gemma_weights
-        rows.append(run_model(label, model, gguf, args))
-        args.weights = weights
+        rows.append(run_model(label, model, gguf, args.gemma_weights if label.startswith("gemma") else args.weights,
+                              args))
     figures = {"weights": args.weights, "gemma_weights": args.gemma_weights, "single_repeats": args.single_repeats,
                "new_tokens": 128, "rows": rows}
 
