@@ -1,10 +1,11 @@
 """ctypes bindings of the decoder layer's kernels: paged_attention.c (PagedAttention: decode attention over the paged
-KV cache) and layer_ops.c (LayerOps: RMSNorm, rope + cache write, SiLU * up, and decode_step_f32, every layer of a
-step in one call, with its StepKernels and DecodePlan). Built and loaded by kernels.py."""
+KV cache) and layer_ops.c (LayerOps: RMSNorm, rope + cache write, SiLU or GeLU * up, the q/k heads' RMSNorm, and
+decode_step_f32, every layer of a step in one call, with its StepKernels and DecodePlan). Built and loaded by kernels.py."""
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +56,8 @@ class PagedAttention(CodePaths):
 
 
 class LayerOps:
-    """ctypes binding of layer_ops.c: RMSNorm (+ residual), rotary embedding + K/V cache write, SiLU * up."""
+    """ctypes binding of layer_ops.c: RMSNorm (+ residual), rotary embedding + K/V cache write, SiLU or GeLU * up, the
+    q/k heads' RMSNorm."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -70,6 +72,12 @@ class LayerOps:
         self._silu = lib.silu_mul_f32
         self._silu.argtypes = [ptr, ptr, i64, i64]
         self._silu.restype = None
+        self._gelu = lib.gelu_mul_f32
+        self._gelu.argtypes = [ptr, ptr, i64, i64]
+        self._gelu.restype = None
+        self._norm_heads = lib.rms_norm_heads_f32
+        self._norm_heads.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, f32]
+        self._norm_heads.restype = None
         self._step = lib.decode_step_f32
         self._step.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]
         self._step.restype = ctypes.c_int
@@ -104,15 +112,26 @@ class LayerOps:
         self._silu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
         return out
 
-    def decode_plan(self, layers: list, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
-                    block_size: int, int4_operands=None) -> DecodePlan | None:
+    def gelu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out [T, I] = gelu(gate_up[:, :I], tanh approximation) * gate_up[:, I:] (GeGLU), as silu_mul."""
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2) if out is None else out
+        self._gelu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
+        return out
+
+    def rms_norm_heads(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                       q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> None:
+        """Each query head of qkv [T, (H+2K)*E] (rows `stride(0)` apart) RMS-normalized in place with q_weight [E],
+        each key head with k_weight [E]; the value heads left alone."""
+        self._norm_heads(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
+                         q_weight.data_ptr(), k_weight.data_ptr(), eps)
+
+    def decode_plan(self, layers: list, k_cache: torch.Tensor, v_cache: torch.Tensor, shape: PlanShape,
+                    int4_operands=None) -> DecodePlan | None:
         """The plan of `decode_step` for a model's layers (model.LayerWeights), or None when a layer's weights are
         not all int8 / int4 (quant.QWeight / Q4Weight): float weights keep the per-operation path.
         `int4_operands(w)`: the (q, sm) tensors the int4 products read, when the route's path multiplies another
         layout than w.q (the x22 paths: Int4Linear.packed); w's own by default."""
-        return DecodePlan.build(self, layers, k_cache, v_cache, cos, sin, num_heads, num_kv_heads, head_dim, eps,
-                                scale, block_size, int4_operands)
+        return DecodePlan.build(layers, k_cache, v_cache, shape, int4_operands)
 
     def decode_step(self, plan: DecodePlan, step: StepKernels, h: torch.Tensor, positions: torch.Tensor,
                     slots: torch.Tensor, groups: list) -> None:
@@ -140,13 +159,15 @@ class _DWeight(ctypes.Structure):
 class _DLayer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
                 ("qkv", _DWeight), ("o", _DWeight), ("gate_up", _DWeight), ("down", _DWeight),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                *((name, ctypes.c_void_p) for name in ("k_cache", "v_cache", "q_norm", "k_norm", "post_attn_norm",
+                                                       "post_ff_norm", "cos", "sin")),
+                ("window", ctypes.c_int64)]
 
 
 class _DModel(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in ("num_layers", "D", "H", "KV", "E", "I", "block_size")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", ctypes.c_void_p),
-                ("sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_DLayer)), ("kv16", ctypes.c_int64)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_DLayer)),
+                ("kv16", ctypes.c_int64), ("gelu", ctypes.c_int64)]
 
 
 class _DKernels(ctypes.Structure):
@@ -177,8 +198,23 @@ class StepKernels:
                 desc.linear2[kind] = address(kernel.lib, f"{prefix}_linear_f32_2t")
                 desc.path[kind] = kernel.code
         desc.split, desc.split_attention = int(split), int(split_attention)
-        desc.paged, desc.paged_path = address(paged.lib, "paged_decode_heads_path"), paged.code
+        desc.paged, desc.paged_path = address(paged.lib, "paged_decode_window_path"), paged.code
         self.plan: DecodePlan | None = None  # the plan over the weight layout these paths read (model.py sets it)
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """What decode_step_f32 needs of a model besides its layers' weights and KV cache."""
+
+    ropes: list  # per layer, its rotary tables (cos, sin) [max_context, E]: Gemma 3's local layers have their own
+    windows: list[int]  # per layer, its sliding window (model.layer_windows; 0: every key)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float  # the attention's
+    block_size: int
+    gelu: bool = False  # the MLP's activation is GeLU's tanh approximation (Gemma 3's GeGLU), not SiLU
 
 
 class DecodePlan:
@@ -193,10 +229,10 @@ class DecodePlan:
         self._scratch = torch.empty(0)
 
     @classmethod
-    def build(cls, ops: LayerOps, layers: list, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
-              block_size: int, int4_operands=None) -> DecodePlan | None:
-        keep: list = [k_cache, v_cache, cos, sin]
+    def build(cls, layers: list, k_cache: torch.Tensor, v_cache: torch.Tensor, shape: PlanShape,
+              int4_operands=None) -> DecodePlan | None:
+        ropes = [t for pair in shape.ropes for t in pair]
+        keep: list = [k_cache, v_cache, *ropes]
         kinds: set[int] = set()
 
         def weight(w) -> _DWeight | None:
@@ -208,30 +244,35 @@ class DecodePlan:
             keep.extend((q, s))
             return _DWeight(kind, q.data_ptr(), s.data_ptr(), w.num_out, w.q.shape[1], w.group_size)
 
-        tensors = [cos, sin] + [t for w in layers for t in (w.input_norm, w.post_norm, w.qkv_bias) if t is not None]
-        kv16 = k_cache.dtype == torch.float16
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        norms = [[w.input_norm, w.post_norm, w.qkv_bias, w.q_norm, w.k_norm, w.post_attn_norm, w.post_ff_norm]
+                 for w in layers]
+        tensors = ropes + [t for ts in norms for t in ts if t is not None]
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or v_cache.dtype != k_cache.dtype \
                 or k_cache.dtype not in (torch.float32, torch.float16) or not (k_cache.is_contiguous()
-                                                                               and v_cache.is_contiguous()):
+                                                                               and v_cache.is_contiguous()) \
+                or any((w.q_norm is None) != (w.k_norm is None) for w in layers):
             return None
         descs = (_DLayer * len(layers))()
-        for i, w in enumerate(layers):
+        for i, (w, (cos, sin)) in enumerate(zip(layers, shape.ropes, strict=True)):
             products = [weight(p) for p in (w.qkv, w.o, w.gate_up, w.down)]
             if any(p is None for p in products):
                 return None
-            bias = w.qkv_bias
-            descs[i] = _DLayer(w.input_norm.data_ptr(), w.post_norm.data_ptr(),
-                               bias.data_ptr() if bias is not None else None, *products, k_cache[i].data_ptr(),
-                               v_cache[i].data_ptr())
-            keep.extend(t for t in (w.input_norm, w.post_norm, bias) if t is not None)
+            descs[i] = _DLayer(ptr(w.input_norm), ptr(w.post_norm), ptr(w.qkv_bias), *products, k_cache[i].data_ptr(),
+                               v_cache[i].data_ptr(), *(ptr(t) for t in norms[i][3:]), ptr(cos), ptr(sin),
+                               shape.windows[i])
+            keep.extend(t for t in norms[i] if t is not None)
         first = layers[0]
         dim, inter = first.o.num_out, first.down.q.shape[1]
-        qkv_size, q_size = (num_heads + 2 * num_kv_heads) * head_dim, num_heads * head_dim
+        heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        qkv_size, q_size = (heads + 2 * kv_heads) * head_dim, heads * head_dim
         shapes = {(qkv_size, dim), (dim, q_size), (2 * inter, dim), (dim, inter)}
         if any({tuple(p.shape) for p in (w.qkv, w.o, w.gate_up, w.down)} != shapes for w in layers):
             return None
-        model = _DModel(len(layers), dim, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale,
-                        cos.data_ptr(), sin.data_ptr(), descs, kv16)
+        model = _DModel(len(layers), dim, heads, kv_heads, head_dim, inter, shape.block_size, shape.eps, shape.scale,
+                        descs, k_cache.dtype == torch.float16, shape.gelu)
         per_token = 3 * dim + qkv_size + 2 * q_size + 3 * inter
         return cls(model, descs, keep, kinds, per_token)
 

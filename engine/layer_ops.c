@@ -8,7 +8,8 @@
  * SiLU), at the level of the decode-attention kernel's (paged_attention.c); the engine's fp32 tests against
  * transformers hold token for token.
  *
- *   add_rms_norm_f32: h [T, D] += delta (when given), then out = weight * (h * rsqrt(mean(h^2) + eps))
+ *   add_rms_norm_f32: h [T, D] += delta (when given), then out = weight * (h * rsqrt(mean(h^2) + eps)) (out may be
+ *                     h: in place)
  *   rope_store_f32:   qkv [T, (H + 2K) * E], rows `stride` apart: rotates the H query and K key heads in place
  *                     (half-split layout: x * cos + rotate_half(x) * sin, cos/sin [max_context, E] rows picked by
  *                     positions[t]), then copies each token's K and V heads to k_cache / v_cache [S, K, E] at
@@ -17,6 +18,11 @@
  *                     float16 one, each K/V value rounded to the nearest float16 (ties to even: F16C's vcvtps2ph,
  *                     torch's .half()); the quantized modes' 16-bit KV cache (docs/engine.md#16-bit-kv-cache)
  *   silu_mul_f32:     gate_up [T, 2I] -> out [T, I] = silu(gate) * up
+ *   gelu_mul_f32:     the same with GeGLU's gelu (tanh approximation, in torch's order of operations:
+ *                     0.5 * g * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 * g^3))) * up; Gemma 3)
+ *   rms_norm_heads_f32: qkv rows `stride` apart: each of the H query heads normalized in place over its E values with
+ *                     q_weight [E], each of the K key heads after them with k_weight [E] (Qwen3's, Gemma 3's q/k
+ *                     norms, before the rotary embedding)
  *
  *   decode_step_f32:  every decoder layer of a step of one-query attention groups in one call (below, "One call per
  *                     decode step")
@@ -131,6 +137,27 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
     }
 }
 
+void gelu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi), as torch's GeluKernel */
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float x = g[i], inner = beta * (x + kappa * (x * x * x));
+            o[i] = 0.5f * x * (1.0f + tanhf(inner)) * u[i];
+        }
+    }
+}
+
+void rms_norm_heads_f32(float *qkv, int64_t T, int64_t stride, int64_t H, int64_t K, int64_t E,
+                        const float *q_weight, const float *k_weight, float eps) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t head = 0; head < H + K; head++) {
+            float *x = qkv + t * stride + head * E; /* in place: add_rms_norm_f32 reads x[j] before it writes it */
+            add_rms_norm_f32(x, NULL, head < H ? q_weight : k_weight, eps, x, 1, E);
+        }
+}
+
 /* ---- One call per decode step ----
  *
  * A step whose attention groups are all one query per entry with lengths (decodes, and prompt chunks whose rows the
@@ -141,10 +168,13 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
  * through function pointers that Python takes from the loaded libraries (kernels.LayerOps.decode_step), so the
  * fused step gives the Python path's bits: the same functions on the same inputs.
  *
- * Per layer: h += delta, x = RMSNorm(h) -> qkv = x W_qkv^T (+ bias) -> rope + K/V cache write -> q copied out of
- * qkv -> paged decode attention per group (split over the process's kernel worker thread as Model._paged_decode splits
- * it over the matmul helper; a group of one sequence, by kv heads, with the same bits per head) -> o = attn W_o^T ->
- * h += o, x = RMSNorm(h) -> gate_up -> SiLU * up -> down = delta. After the last layer h += delta. */
+ * Per layer: h += delta, x = RMSNorm(h) -> qkv = x W_qkv^T (+ bias) (-> q/k heads' RMSNorm) -> rope (the layer's
+ * own cos/sin table) + K/V cache write -> q copied out of qkv -> paged decode attention per group, over the layer's
+ * sliding window (0: every key; paged_decode_window_path, split over the process's kernel worker thread as
+ * Model._paged_decode splits it over the matmul helper; a group of one sequence, by kv heads, with the same bits per
+ * head) -> o = attn W_o^T (-> o = RMSNorm(o)) -> h += o, x = RMSNorm(h) -> gate_up -> SiLU or GeLU * up -> down
+ * (-> down = RMSNorm(down)) = delta. After the last layer h += delta. The steps in parentheses run where the layer
+ * has those weights (Qwen3's q/k norms; Gemma 3's q/k norms and sandwich norms, the norms' (1 + w) folded at load). */
 
 typedef int (*linear_fn)(int path, const float *x, int64_t M, int64_t K, const void *q, const void *s, int64_t G,
                          float *y, int64_t N, int64_t n_begin, int64_t n_end);
@@ -153,7 +183,7 @@ typedef int (*linear2_fn)(int path, const float *x, int64_t M, int64_t K, const 
 typedef int (*paged_fn)(int path, int kv16, const float *q, float *out, const void *k_cache, const void *v_cache,
                         const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin, int64_t b_end,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                        int64_t kv_begin, int64_t kv_end); /* paged_attention.c's paged_decode_heads_path */
+                        int64_t kv_begin, int64_t kv_end, int64_t window); /* paged_decode_window_path */
 
 /* one quantized weight [N, K]: kind 0 = int8 (q, scale), 1 = int4 (q, sm); groups of G columns */
 typedef struct {
@@ -166,15 +196,19 @@ typedef struct {
     const float *input_norm, *post_norm, *qkv_bias; /* qkv_bias NULL when the model has none */
     dweight_t qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* this layer's [S, KV, E], float32 or float16 (dmodel_t.kv16) */
+    const float *q_norm, *k_norm; /* [E] each, or NULL: no q/k norms */
+    const float *post_attn_norm, *post_ff_norm; /* [D] each, or NULL: no sandwich norms */
+    const float *cos, *sin; /* this layer's rope tables [max_context, E] (Gemma 3's local layers have their own) */
+    int64_t window; /* attend to the last `window` keys only; 0: every key */
 } dlayer_t;
 
 /* the model, built once at load (kernels.DecodePlan) */
 typedef struct {
     int64_t num_layers, D, H, KV, E, I, block_size;
     float eps, scale;
-    const float *cos, *sin; /* [max_context, E] */
     const dlayer_t *layers;
     int64_t kv16; /* the KV cache holds float16 */
+    int64_t gelu; /* the MLP's activation: 0 SiLU, 1 GeLU (tanh approximation) */
 } dmodel_t;
 
 /* what a step's route and kernels are: the products' function pointers and path codes per kind, the attention's */
@@ -209,6 +243,7 @@ typedef struct {
     float scale;
     int64_t b_begin, b_end; /* sequences b_begin .. b_end-1 */
     int64_t kv_begin, kv_end; /* of their kv heads (and those heads' queries) */
+    int64_t window;
 } job_t;
 
 static int run_job(const job_t *j);
@@ -216,7 +251,7 @@ static int run_job(const job_t *j);
 
 static int run_job(const job_t *j) {
     return j->fn(j->path, j->kv16, j->q, j->out, j->k_cache, j->v_cache, j->tables, j->max_blocks, j->lens, j->b_begin,
-                 j->b_end, j->H, j->KV, j->E, j->block_size, j->scale, j->kv_begin, j->kv_end);
+                 j->b_end, j->H, j->KV, j->E, j->block_size, j->scale, j->kv_begin, j->kv_end, j->window);
 }
 
 /* y [T, N] = x [T, K] @ w^T, as QuantRoute.product runs it (linear2 splits at N / 2 rounded down to 32 channels) */
@@ -250,8 +285,9 @@ int decode_step_f32(const dmodel_t *m, const dkernels_t *k, float *h, int64_t T,
         if (w->qkv_bias)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < NQKV; i++) qkv[t * NQKV + i] += w->qkv_bias[i];
+        if (w->q_norm) rms_norm_heads_f32(qkv, T, NQKV, H, KV, E, w->q_norm, w->k_norm, m->eps);
         where[1] = 2;
-        if ((rc = rope_store_kv(qkv, T, NQKV, H, KV, E, m->cos, m->sin, positions, slots, w->k_cache, w->v_cache,
+        if ((rc = rope_store_kv(qkv, T, NQKV, H, KV, E, w->cos, w->sin, positions, slots, w->k_cache, w->v_cache,
                                 q, (int)m->kv16)) != 0)
             return rc;
         where[1] = 3;
@@ -259,7 +295,7 @@ int decode_step_f32(const dmodel_t *m, const dkernels_t *k, float *h, int64_t T,
             const dgroup_t *g = groups + gi;
             const job_t mine = {k->paged, (int)k->paged_path, (int)m->kv16, q + g->out_start * HE, attn + g->out_start * HE,
                                 w->k_cache, w->v_cache, g->tables, g->lens, g->max_blocks, H, KV, E, m->block_size,
-                                m->scale, 0, g->num_seqs, 0, KV};
+                                m->scale, 0, g->num_seqs, 0, KV, w->window};
             if (k->split_attention && 0 < g->split && g->split < g->num_seqs) {
                 job_t first = mine, second = mine;
                 first.b_end = g->split, second.b_begin = g->split;
@@ -275,12 +311,17 @@ int decode_step_f32(const dmodel_t *m, const dkernels_t *k, float *h, int64_t T,
         }
         where[1] = 4;
         if ((rc = product(k, &w->o, attn, T, o)) != 0) return rc;
+        if (w->post_attn_norm) add_rms_norm_f32(o, NULL, w->post_attn_norm, m->eps, o, T, D); /* in place */
         add_rms_norm_f32(h, o, w->post_norm, m->eps, x, T, D);
         where[1] = 5;
         if ((rc = product(k, &w->gate_up, x, T, gate_up)) != 0) return rc;
-        silu_mul_f32(gate_up, act, T, I);
+        if (m->gelu)
+            gelu_mul_f32(gate_up, act, T, I);
+        else
+            silu_mul_f32(gate_up, act, T, I);
         where[1] = 6;
         if ((rc = product(k, &w->down, act, T, down)) != 0) return rc;
+        if (w->post_ff_norm) add_rms_norm_f32(down, NULL, w->post_ff_norm, m->eps, down, T, D);
         delta = down;
     }
     for (int64_t i = 0; i < T * D; i++) h[i] += delta[i];

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from . import hugepages
 from .batch import AttentionGroup, ForwardBatch, ReusedBatch
-from .layer_kernels import LayerOps, PagedAttention, StepKernels
+from .layer_kernels import LayerOps, PagedAttention, PlanShape, StepKernels
 from .linear_kernels import Int4Linear, QuantKernel
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
@@ -117,10 +117,11 @@ class Model:
         self._window_masks: dict[int, torch.Tensor] = {}  # a step's attention groups' masks under the window
         # every layer of a decode or prefill step in one C call (layer_ops.c, decode_step_f32): the per-weight pointers,
         # built once here; None where the weights are not all quantized or the native ops / attention are missing
-        self._plan_args = (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size)
-        self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args) \
-            if self.ops is not None and self.paged is not None and not c.qk_norm and not any(self.windows) \
-            else None  # the C step has no q/k norm and no sliding window
+        self._plan_shape = PlanShape([self._rope(i) for i in range(c.num_layers)], self.windows, c.num_heads,
+                                     c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale, block_size,
+                                     gelu=c.hidden_act != "silu")
+        self.plan = ops.decode_plan(self.layers, self.k_cache, self.v_cache, self._plan_shape) \
+            if self.ops is not None and self.paged is not None else None
         self._packed_plans: dict[int, object] = {}  # by id(Int4Linear.packings): the plan over that x22 packing
         if self.plan is not None:  # pack the int4 weights for an x22 route now, not in the first request
             for route, _ in set(matmul.qroutes.values()):
@@ -131,6 +132,11 @@ class Model:
         # the fused step's residual rows h, h's numpy view, and x (the final norm's rows), reused while T stays
         self.fused_rows: tuple[torch.Tensor, np.ndarray, torch.Tensor] | None = None
         self._step_kernels: dict[tuple[object, bool], StepKernels | None] = {}  # by (QuantRoute, split)
+
+    def _rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s rotary tables (cos, sin) [max_context, E]: Gemma 3's local layers have their own."""
+        local = self.local_rope is not None and self.config.local_layers[layer]
+        return self.local_rope if local else (self.cos, self.sin)
 
     @classmethod
     def kv_bytes_per_token(cls, config: ModelConfig, dtype: torch.dtype) -> int:
@@ -149,6 +155,8 @@ class Model:
         fused = self.fused_kernels(batch)
         if fused is not None:  # fast path: every layer in one C call
             h, x = self._fused_rows(batch)
+            if self.embed_scale is not None:  # Gemma 3: embeddings times sqrt(D), as the layer loop scales them
+                h.mul_(self.embed_scale)
             self.ops.decode_step(fused.plan, fused, h, batch.positions, batch.slot_mapping, batch.groups)
             return self._logits(h, batch, self.ops, x)
         with torch.inference_mode():
@@ -181,11 +189,9 @@ class Model:
             add_lora(qkv, x, loras, i, "qkv")
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
-        if w.q_norm is not None:  # Qwen3: each query and key head normalized, then rotated
-            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, c.head_dim)  # [T, H+K, E]
-            qk[:, :c.num_heads] = rms_norm(qk[:, :c.num_heads], w.q_norm, eps)
-            qk[:, c.num_heads:] = rms_norm(qk[:, c.num_heads:], w.k_norm, eps)
-        cos, sin = self.local_rope if self.local_rope is not None and c.local_layers[i] else (self.cos, self.sin)
+        if w.q_norm is not None:  # Qwen3, Gemma 3: each query and key head normalized, then rotated
+            ops.rms_norm_heads(qkv, c.num_heads, c.num_kv_heads, c.head_dim, w.q_norm, w.k_norm, eps)
+        cos, sin = self._rope(i)
         ops.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, cos, sin, batch.positions,
                        batch.slot_mapping, self.k_cache[i], self.v_cache[i], paged_q)  # in place, K/V cached
         q_end, k_end = self.q_size, self.q_size + self.kv_size
@@ -196,19 +202,15 @@ class Model:
         o = linear(attn, w.o, backend)
         o = add_lora(o, attn, loras, i, "o") if loras else o
         if w.post_attn_norm is not None:  # Gemma 3: the attention's output normalized before the residual add
-            o = rms_norm(o, w.post_attn_norm, eps)
+            o = ops.add_rms_norm(o, None, w.post_attn_norm, eps)
         x = ops.add_rms_norm(h, o, w.post_norm, eps, x)
         gate_up = linear(x, w.gate_up, backend)  # [T, 2I]
         if loras:
             add_lora(gate_up, x, loras, i, "gate_up")
-        if c.hidden_act == "silu":
-            act = ops.silu_mul(gate_up)  # [T, I]
-        else:  # Gemma 3's GeGLU
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh") * up
+        act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else ops.gelu_mul(gate_up)  # [T, I]; Gemma 3: GeGLU
         down = linear(act, w.down, backend)
         down = add_lora(down, act, loras, i, "down") if loras else down
-        return down if w.post_ff_norm is None else rms_norm(down, w.post_ff_norm, eps)
+        return down if w.post_ff_norm is None else ops.add_rms_norm(down, None, w.post_ff_norm, eps)
 
     def _fused_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused step's residual rows h [T, D], filled with the batch's embeddings, and rows x [T, D] for the final
@@ -269,8 +271,7 @@ class Model:
                   if isinstance(w, Q4Weight)]
             int4.pack_all(q4, hugepages.arena_for([w.q.numel() * w.q.element_size() for w in q4]))
             plan = self._packed_plans[id(int4.packings)] = self.ops.decode_plan(
-                self.layers, self.k_cache, self.v_cache, self.cos, self.sin, *self._plan_args,
-                int4_operands=int4.packed)
+                self.layers, self.k_cache, self.v_cache, self._plan_shape, int4_operands=int4.packed)
         return plan
 
     def _final_hidden(self, h: torch.Tensor, batch: ForwardBatch) -> None:

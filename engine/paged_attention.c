@@ -521,7 +521,7 @@ int paged_decode_window_path(int path, int kv16, const float *q, float *out, con
     return 0;
 }
 
-/* paged_decode_window_path without a window (the fused step's, layer_ops.c) */
+/* paged_decode_window_path without a window */
 int paged_decode_heads_path(int path, int kv16, const float *q, float *out, const void *k_cache, const void *v_cache,
                             const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t b_begin,
                             int64_t b_end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

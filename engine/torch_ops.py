@@ -51,3 +51,16 @@ class TorchLayerOps:
         """silu(gate_up[:, :I]) * gate_up[:, I:], contiguous [T, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.silu(gate) * up).contiguous()
+
+    def gelu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """gelu(gate_up[:, :I], tanh approximation) * gate_up[:, I:] (GeGLU), contiguous [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (F.gelu(gate, approximate="tanh") * up).contiguous()
+
+    def rms_norm_heads(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                       q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> None:
+        """Each query head of qkv [T, (H+2K)*E] RMS-normalized in place with q_weight [E], each key head with
+        k_weight [E]."""
+        qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(qkv.shape[0], -1, head_dim)  # [T, H+K, E]
+        qk[:, :num_heads] = rms_norm(qk[:, :num_heads], q_weight, eps)
+        qk[:, num_heads:] = rms_norm(qk[:, num_heads:], k_weight, eps)

@@ -19,7 +19,9 @@ needs_kernels = pytest.mark.skipif(ops is None or paged is None or kernels.load_
 
 
 def engine(tmp_path, weights: str, arch: str = "llama", route: str | None = None) -> Engine:
-    checkpoint = make_tiny_model(tmp_path / arch, arch, tied=False, num_layers=3)
+    """gemma3's local layers attend to the last 8 positions: less than the tests' contexts, over several blocks."""
+    checkpoint = make_tiny_model(tmp_path / arch, arch, tied=False, num_layers=3,
+                                 sliding_window=8 if arch == "gemma3" else None)
     kernel = kernels.load_int4() if weights == "int4" else kernels.load_int8()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ROUTE_ENV, route or f"{weights}-{kernel.isa}")  # an exact C route, without timing the routes

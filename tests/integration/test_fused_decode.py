@@ -21,7 +21,8 @@ from tokenloop.engine.runner import prepare
 
 @needs_kernels
 @pytest.mark.parametrize("weights,isa", [("int8", None), ("int4", None), ("int4", "x22-vnni"), ("int4", "x22-avx2")])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a qkv bias
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])  # qwen2: a qkv bias; qwen3: q/k norms;
+# gemma3: q/k norms, sandwich norms, GeGLU, scaled embeddings, local layers with their own rope and a sliding window
 @pytest.mark.parametrize("num_seqs", [1, 5])
 @pytest.mark.parametrize("split", [False, True])
 def test_fused_decode_step_gives_the_bits_of_the_per_operation_step(tmp_path, weights, isa, arch, num_seqs, split):
