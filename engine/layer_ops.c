@@ -164,7 +164,7 @@ void rms_norm_heads_f32(float *qkv, int64_t T, int64_t stride, int64_t H, int64_
  * runner makes sequences of their own: runner.prepare), with no LoRA and quantized weights on an exact or x22 C
  * route, runs every layer here instead of ~10 Python/ctypes calls per layer (Model.forward's fast path). The order of
  * operations and the functions are those of the Python layer loop (Model._layer): the products go through the int8 /
- * int4 libraries' exported int{8,4}_linear_f32[_2t] and the attention through paged_decode_heads_path, reached
+ * int4 libraries' exported int{8,4}_linear_f32[_2t] and the attention through paged_decode_window_path, reached
  * through function pointers that Python takes from the loaded libraries (kernels.LayerOps.decode_step), so the
  * fused step gives the Python path's bits: the same functions on the same inputs.
  *

@@ -70,6 +70,42 @@ def test_silu_mul_matches_torch():
 
 
 @needs_kernel
+def test_gelu_mul_matches_torch_gelu_tanh():
+    """GeGLU (Gemma 3): gelu's tanh approximation times up, the contract silu_mul keeps (rounding-level differences),
+    identical for a row alone and in a batch; large |gate| saturates (tanh -> +-1) without NaN."""
+    gen = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(6, 2 * 1000, generator=gen) * 4
+    gate_up[0, :4] = torch.tensor([40.0, -40.0, 0.0, -1e-30])
+    out = ops.gelu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    # atol: where torch's tanh rounds to -1 (gelu exactly 0) the C one may leave ~1e-6
+    torch.testing.assert_close(out, F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ops.gelu_mul(gate_up[3:4].clone()), out[3:4])
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 256), (2, 1, 6)])
+def test_rms_norm_heads_normalizes_the_query_and_key_heads_in_place(heads, kv_heads, head_dim):
+    """Qwen3's / Gemma 3's q/k norms: each query head with the query weight, each key head with the key weight, the
+    value heads untouched; rows `stride` apart (a view of wider rows)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    width = (heads + 2 * kv_heads) * head_dim
+    rows = torch.randn(3, width + 5, generator=gen) * 2
+    qkv = rows[:, :width]
+    q_weight, k_weight = torch.randn(head_dim, generator=gen), torch.randn(head_dim, generator=gen)
+    before = rows.clone()
+    heads_of = before[:, :width].view(3, -1, head_dim)
+    want_q = rms_norm(heads_of[:, :heads], q_weight, 1e-6)
+    want_k = rms_norm(heads_of[:, heads:heads + kv_heads], k_weight, 1e-6)
+    ops.rms_norm_heads(qkv, heads, kv_heads, head_dim, q_weight, k_weight, 1e-6)
+    got = qkv.reshape(3, -1, head_dim)
+    torch.testing.assert_close(got[:, :heads], want_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[:, heads:heads + kv_heads], want_k, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[:, heads + kv_heads:], heads_of[:, heads + kv_heads:])  # the values
+    assert torch.equal(rows[:, width:], before[:, width:])  # past the row's qkv
+
+
+@needs_kernel
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 6)])
 def test_rope_store_into_a_16_bit_cache_rounds_as_torch_half_does(heads, kv_heads, head_dim):
     """The 16-bit KV cache: each K/V value the nearest float16, ties to even (the bits of torch's .half()); the row
