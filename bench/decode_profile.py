@@ -78,7 +78,7 @@ def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: En
     names[id(model.lm_head)] = "lm_head"
     matmul = model.matmul
     matmul.linear = timer.wrap(matmul.linear, lambda x, w, *rest: names.get(id(w), "other linear"))
-    model._attention = timer.wrap(model._attention, "attention")
+    model.attention = timer.wrap(model.attention, "attention")
     if model.ops is not None:
         for op in ("add_rms_norm", "rope_store", "silu_mul"):
             setattr(model.ops, op, timer.wrap(getattr(model.ops, op), "layer ops"))

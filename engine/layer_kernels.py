@@ -224,7 +224,7 @@ class DecodePlan:
     STAGES = {1: "qkv", 2: "rope_store", 3: "attention", 4: "o", 5: "gate_up", 6: "down", 7: "arguments"}
 
     def __init__(self, model: _DModel, layers, keep: list, kinds: set[int], per_token: int):
-        self.model, self._layers, self._keep, self.kinds, self._per_token = model, layers, keep, kinds, per_token
+        self.model, self._layers, self.kept, self.kinds, self._per_token = model, layers, keep, kinds, per_token
         self.where = (ctypes.c_int64 * 2)()
         self._scratch = torch.empty(0)
 

@@ -93,10 +93,11 @@ class QuantKernel(CodePaths):
         Releases the GIL (ctypes does), so threads can split the N channels."""
         self._run(x, w, out, begin, None, w.num_out if end is None else end)
 
-    def linear2(self, x: torch.Tensor, w, out: torch.Tensor) -> None:
-        """`linear` over all channels on two threads: the caller's and the library's worker (kernel_worker.h),
-        which spins briefly for the next product instead of being woken through Python."""
-        self._run(x, w, out, 0, w.num_out // 2 // 32 * 32, w.num_out)  # keep the 32-channel blocks whole
+    def linear2(self, x: torch.Tensor, w, out: torch.Tensor, mid: int | None = None) -> None:
+        """`linear` over all channels on two threads: the caller's (channels up to `mid`, default half in whole
+        32-channel blocks) and the library's worker (kernel_worker.h, the rest), which spins briefly for the next
+        product instead of being woken through Python."""
+        self._run(x, w, out, 0, w.num_out // 2 // 32 * 32 if mid is None else mid, w.num_out)
 
     def _run(self, x, w, out, begin, mid, end) -> None:
         split = mid is not None

@@ -125,7 +125,7 @@ class Model:
         self._packed_plans: dict[int, object] = {}  # by id(Int4Linear.packings): the plan over that x22 packing
         if self.plan is not None:  # pack the int4 weights for an x22 route now, not in the first request
             for route, _ in set(matmul.qroutes.values()):
-                self._plan_for(route.int4)
+                self.plan_for(route.int4)
         self.fuse_decode = True  # False: every step takes the layer loop (tests and benchmarks)
         self.reused_batch = ReusedBatch()  # runner.prepare's plain-decode batch, refilled step after step
         self._embed_np = self.embed.numpy() if self.plan is not None else None  # [V, D]: fused steps' embeddings
@@ -198,7 +198,7 @@ class Model:
         q = qkv[:, :q_end].view(num_tokens, c.num_heads, c.head_dim)  # [T, H, E]
         k = qkv[:, q_end:k_end].view(num_tokens, c.num_kv_heads, c.head_dim)  # [T, K, E]
         v = qkv[:, k_end:].view(num_tokens, c.num_kv_heads, c.head_dim)
-        attn = self._attention(i, q, k, v, batch.groups, paged_q)  # [T, H*E]
+        attn = self.attention(i, q, k, v, batch.groups, paged_q)  # [T, H*E]
         o = linear(attn, w.o, backend)
         o = add_lora(o, attn, loras, i, "o") if loras else o
         if w.post_attn_norm is not None:  # Gemma 3: the attention's output normalized before the residual add
@@ -254,11 +254,11 @@ class Model:
                          for kind in self.plan.kinds) and not route.family.startswith("torch")
             step = StepKernels(route.int8, route.int4, split, self.paged, self.split_attention) if usable else None
             if step is not None:
-                step.plan = self._plan_for(route.int4)
+                step.plan = self.plan_for(route.int4)
             self._step_kernels[key] = step
         return self._step_kernels[key]
 
-    def _plan_for(self, int4: Int4Linear | None):
+    def plan_for(self, int4: Int4Linear | None):
         """The fused plan for products on `int4`'s path: the model's own, or, for an x22 path, one over the packing
         that path multiplies (Int4Linear.packed: one more copy of the int4 weights, shared with the layer loop's
         products), built on first use. The x22 routes of one calibration share their packings, so they share
@@ -288,7 +288,7 @@ class Model:
         out = rows.index_select(0, blocks.flatten())
         return out.view(num_seqs, num_blocks * self.block_size, cache.shape[1], cache.shape[2]).transpose(1, 2)
 
-    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    groups: list[AttentionGroup], paged_q: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of every query over its sequence's context. q: [T, H, E], k, v: [T, K, E] -> [T, H*E].
         paged_q: q's values in contiguous rows (rope_store writes them), which the decode kernel reads in place."""
@@ -298,7 +298,7 @@ class Model:
         window = self.windows[layer]
         for g in groups:
             if g.one_query and self.paged is not None:
-                self._paged_decode(layer, q if paged_q is None else paged_q, out, g)
+                self.paged_decode(layer, q if paged_q is None else paged_q, out, g)
                 continue
             if g.fresh:  # prefill from position 0: the chunk's own K/V, causal
                 self._fresh_prefill(q, k, v, out, g, window)
@@ -359,7 +359,7 @@ class Model:
         else:
             part(0, n)()
 
-    def _paged_decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup) -> None:
+    def paged_decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, g: AttentionGroup) -> None:
         """One query per sequence, flat rows out_start.. : the native kernel reads the cache in place."""
         end = g.out_start + g.num_seqs
         qd = q[g.out_start:end]  # [B, H, E]

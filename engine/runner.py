@@ -16,7 +16,7 @@ from .sequence import Sequence
 def _group(seqs: list[Sequence], num_new: list[int], row_start: int, block_size: int,
            decode_mask: bool = True) -> AttentionGroup:
     """Pad the queries of `seqs` (their new tokens start at flat row `row_start`) to one length. `decode_mask`
-    False: a group of decodes gets no mask (the native decode kernel reads `lens` instead, model._attention)."""
+    False: a group of decodes gets no mask (the native decode kernel reads `lens` instead, model.attention)."""
     max_q = max(num_new)
     contexts = [s.num_computed_tokens + n for s, n in zip(seqs, num_new)]
     max_blocks = (max(contexts) + block_size - 1) // block_size

@@ -27,14 +27,14 @@ from tokenloop.engine.runner import prepare
 @pytest.mark.parametrize("split", [False, True])
 def test_fused_decode_step_gives_the_bits_of_the_per_operation_step(tmp_path, weights, isa, arch, num_seqs, split):
     """isa None: the exact C route; x22-*: int4's 22-bit-activation paths, whose fused plan reads the packed
-    weights (Model._plan_for)."""
+    weights (Model.plan_for)."""
     if isa is not None and kernels.load_int4().missing(isa):
         pytest.skip(kernels.load_int4().missing(isa))
     model = engine(tmp_path, weights, arch, route=isa and f"{weights}-{isa}").model
     assert model.plan is not None
     route, _ = model.matmul.route(num_seqs)
     if isa is not None:
-        assert route.int4.isa == isa and model._plan_for(route.int4) is not model.plan  # over the packing
+        assert route.int4.isa == isa and model.plan_for(route.int4) is not model.plan  # over the packing
     model.matmul.qroutes = {b: (route, split) for b in model.matmul.qroutes}
     model.split_attention = True
     gen = torch.Generator().manual_seed(num_seqs)

@@ -74,7 +74,7 @@ def test_logits_are_equal_with_huge_pages_off_and_on(tmp_path, weights, backend)
     if weights == "fp32":
         assert on.embed is on.lm_head  # tied: still one tensor
     if on.plan is not None:  # the fused step's pointers are the arena's
-        kept = {t.data_ptr() for t in on.plan._keep}
+        kept = {t.data_ptr() for t in on.plan.kept}
         assert on.layers[0].gate_up.q.data_ptr() in kept and on.k_cache.data_ptr() in kept
     assert hugepages.huge_bytes(on.k_cache) > 0 and hugepages.huge_bytes(on.v_cache) > 0
     # off: no arena (checked on the weights above); the caches are torch.zeros, whose pages the kernel may still back
@@ -94,10 +94,10 @@ def test_the_x22_paths_packed_weights_are_on_huge_pages_too(tmp_path):
     route, _ = on.matmul.route(1)
     assert route.int4.isa == isa
     packed = [route.int4.packed(p)[0] for w in on.layers for p in (w.qkv, w.o, w.gate_up, w.down)]
-    assert {t.data_ptr() for t in packed} <= {t.data_ptr() for t in on._plan_for(route.int4)._keep}
+    assert {t.data_ptr() for t in packed} <= {t.data_ptr() for t in on.plan_for(route.int4).kept}
     # another x22 path on the same packings (two buckets' routes of one calibration): the same plan, packed once
     other = route.int4.with_isa("x22-portable", route.int4.packings)
-    assert on._plan_for(other) is on._plan_for(route.int4)
+    assert on.plan_for(other) is on.plan_for(route.int4)
     assert [route.int4.packed(p)[0].data_ptr() for w in on.layers for p in (w.qkv, w.o, w.gate_up, w.down)] == \
         [t.data_ptr() for t in packed]
     reason = hugepages.unavailable_reason()

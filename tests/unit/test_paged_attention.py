@@ -110,7 +110,7 @@ def test_a_range_writes_only_its_rows_so_two_threads_can_split_a_batch():
 @needs_kernel
 def test_model_splits_a_decode_batch_over_two_threads_with_the_same_result():
     gen = torch.Generator().manual_seed(1)
-    model = Model.__new__(Model)  # only what _paged_decode reads: the cache, the kernel, the helper thread
+    model = Model.__new__(Model)  # only what paged_decode reads: the cache, the kernel, the helper thread
     model.k_cache = torch.randn(1, 32 * 8, 2, 16, generator=gen)
     model.v_cache = torch.randn(1, 32 * 8, 2, 16, generator=gen)
     model.block_size, model.scale, model.paged, model.windows = 8, 0.25, paged, [0]
@@ -124,7 +124,7 @@ def test_model_splits_a_decode_batch_over_two_threads_with_the_same_result():
         group = AttentionGroup(query_rows=torch.arange(5), valid=None, kv_blocks=tables, mask=None, out_start=0,
                                num_seqs=5, max_q=1, lens=lens, split=split)
         out = torch.zeros(5, 64)
-        model._paged_decode(0, q, out, group)
+        model.paged_decode(0, q, out, group)
         results.append(out)
     torch.testing.assert_close(results[0], results[1])
     expected = reference(q, model.k_cache[0], model.v_cache[0], tables, lens, 8)

@@ -16,16 +16,10 @@ import pytest
 
 from tests.conftest import ROOT, run
 from tests.fakes import scenarios
-from tests.fakes.fixtures import FAKES, fake_trtllm, make_engine_dir
+from tests.fakes.fixtures import FAKES, make_engine_dir
 from tokenloop.core.executor import EngineDeadError, Step
 from tokenloop.core.request import FinishReason, OutputParams, ValidRequest
 from tokenloop.trtllm import MISSING_TRTLLM, TrtllmConfig, create_trtllm_executor
-
-
-@pytest.fixture
-def fake():
-    with fake_trtllm() as module:
-        yield module
 
 
 @pytest.fixture

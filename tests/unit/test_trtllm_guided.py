@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tests.fakes import scenarios
-from tests.fakes.fixtures import fake_trtllm, make_engine_dir
+from tests.fakes.fixtures import make_engine_dir
 from tokenloop.bench.structured_cases import ARITHMETIC_GRAMMAR, SCHEMAS
 from tokenloop.core.request import StructuredOutput
 from tokenloop.core.structured import JSON_LAYOUT, lark_of, schema_text
@@ -23,12 +23,6 @@ ANY_OBJECT = schema_text("json_object", "")
 TAG = json.dumps({"structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}], "triggers": ["<f"]})
 CASES = [("json_schema", SCHEMA), ("json_object", ""), ("regex", "[a-z]+"), ("grammar", ARITHMETIC_GRAMMAR),
          ("structural_tag", TAG)]
-
-
-@pytest.fixture
-def fake():
-    with fake_trtllm() as module:
-        yield module
 
 
 def structured(kind: str, spec: str):

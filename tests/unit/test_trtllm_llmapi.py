@@ -7,6 +7,7 @@ adapter leans on them. A real GPU run is `make gpu-smoke` (docs/trtllm.md).
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -14,19 +15,12 @@ import pytest
 
 from tests.conftest import run
 from tests.fakes import scenarios
-from tests.fakes.fixtures import fake_trtllm
 from tokenloop.core.executor import EngineDeadError, Step
 from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.trtllm import create_trtllm_executor
 from tokenloop.trtllm.llmapi import TrtllmLlmApi, completion_logprobs
 
 THREAD = "tokenloop-trtllm-llmapi"
-
-
-@pytest.fixture
-def fake():
-    with fake_trtllm() as module:
-        yield module
 
 
 @pytest.fixture
@@ -255,8 +249,10 @@ def test_stats_come_from_get_stats_async(fake, adapter):
 
 
 def test_shutdown_stops_the_llm_and_the_loop_thread(fake, tokenizer_dir):
+    before = set(threading.enumerate())
     executor = create_trtllm_executor(str(tokenizer_dir))
+    (loop_thread,) = [t for t in set(threading.enumerate()) - before if t.name == THREAD]  # the adapter's own
     executor.shutdown()
-    assert llm_of(fake)._stopped and not executor._thread.is_alive()
+    assert llm_of(fake)._stopped and not loop_thread.is_alive()
     with pytest.raises(EngineDeadError):
         executor.await_responses(0.01)

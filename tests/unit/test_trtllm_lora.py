@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.fakes import scenarios
-from tests.fakes.fixtures import fake_trtllm, make_engine_dir
+from tests.fakes.fixtures import make_engine_dir
 from tests.lora_helpers import write_adapter
 from tokenloop.core.lora import LoraError, LoraInUseError
 from tokenloop.trtllm import TrtllmConfig, create_trtllm_executor
@@ -21,12 +21,6 @@ from tokenloop.trtllm.lora import read_trtllm_adapter
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 8, "intermediate_size": 12,
         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
-
-
-@pytest.fixture
-def fake():
-    with fake_trtllm() as module:
-        yield module
 
 
 @pytest.fixture

@@ -9,18 +9,12 @@ import asyncio
 import pytest
 
 from tests.fakes import scenarios
-from tests.fakes.fixtures import fake_trtllm, make_engine_dir
+from tests.fakes.fixtures import make_engine_dir
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.service.cli import build_parser, config_from_args
 from tokenloop.service.config import parse_lookahead_flag
 from tokenloop.trtllm import TrtllmConfig, create_trtllm_executor
 from tokenloop.trtllm.speculative import SpecCounts, describe, draft_counts
-
-
-@pytest.fixture
-def fake():
-    with fake_trtllm() as module:
-        yield module
 
 
 def speculative_config_of(fake, tokenizer_dir, **options):
