@@ -9,8 +9,9 @@ from pathlib import Path
 
 import jsonschema
 
-from tokenloop.bench.structured_cases import MAX_NEW_TOKENS, arithmetic_value
-from tokenloop.core.request import SamplingParams, StoppingParams, StructuredOutput, ValidRequest
+from tests.engine_helpers import final, run_all, tokens
+from tokenloop.bench.structured_cases import MAX_NEW_TOKENS, SCHEMAS, arithmetic_value
+from tokenloop.core.request import FinishReason, SamplingParams, StoppingParams, StructuredOutput, ValidRequest
 from tokenloop.core.structured import GrammarCompiler
 from tokenloop.core.tokenizer import ModelCard, Tokenizer
 
@@ -46,3 +47,19 @@ def check_regex(text: str, pattern: str) -> None:
 
 def check_arithmetic(text: str) -> None:
     arithmetic_value(text)  # raises SyntaxError / ValueError when it is not an expression of the grammar
+
+
+def schemas_agree(engines: list, model_dir: str | Path, names: list[str]) -> None:
+    """Greedy decoding under each JSON schema of `names` (SCHEMAS) on every engine: each output ends complete, the
+    first validates against its schema, and every engine gives the first's tokens."""
+    compiler, tok = compiler_for(model_dir), Tokenizer.from_dir(model_dir)
+    for name in names:
+        request = constrained(compiler, "json_schema", SCHEMAS[name], [5, 17, 99, 3], temperature=0.0)
+        outs = []
+        for engine in engines:
+            _, steps = run_all(engine, [request])
+            (got,) = steps.values()
+            assert final(got).error is None and final(got).finish_reason == FinishReason.STRUCTURE_COMPLETE
+            outs.append(tokens(got))
+        check_json(tok.decode(outs[0]), SCHEMAS[name])
+        assert all(out == outs[0] for out in outs), name

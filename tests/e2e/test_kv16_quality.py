@@ -16,8 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_helpers import CHAT_QUESTIONS as QUESTIONS
-from tests.engine_helpers import greedy_request, run_all, tokens
+from tests.engine_helpers import chat_prompts, greedy_batch
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
@@ -33,8 +32,7 @@ ENGINE = dict(kv_cache_tokens=8192, max_num_tokens=256, max_batch_size=16)
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir) -> list[list[int]]:
-    tok = Tokenizer.from_dir(default_model_dir)
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    return chat_prompts(default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +41,7 @@ def text_ids(default_model_dir) -> list[int]:
 
 
 def greedy(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
-    ids, steps = run_all(engine, [greedy_request(p, NUM_NEW) for p in batch])
-    return [tokens(steps[(i, 0)]) for i in ids]
+    return greedy_batch(engine, batch, NUM_NEW)
 
 
 @pytest.mark.timeout(1200)  # two loads of the default model and a perplexity pass each

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_helpers import CHAT_QUESTIONS as QUESTIONS
-from tests.engine_helpers import greedy_request, run_all, tokens
+from tests.engine_helpers import chat_prompts, greedy_batch
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
@@ -61,8 +60,7 @@ def route(request, monkeypatch):
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir) -> list[list[int]]:
-    tok = Tokenizer.from_dir(default_model_dir)
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    return chat_prompts(default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +87,7 @@ def fp32_greedy(default_model_dir, prompts) -> list[list[int]]:
 
 
 def greedy(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
-    ids, steps = run_all(engine, [greedy_request(p, NUM_NEW) for p in batch])
-    return [tokens(steps[(i, 0)]) for i in ids]
+    return greedy_batch(engine, batch, NUM_NEW)
 
 
 def test_perplexity_close_to_fp32(default_model_dir, text_ids, fp32_perplexity, route):

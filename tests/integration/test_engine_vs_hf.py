@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from tests.engine_helpers import greedy_request, hf_greedy, run_all, tokens
+from tests.engine_helpers import engine_on, greedy_batch, greedy_request, hf_greedy, run_all, tokens
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
@@ -71,16 +71,7 @@ def test_native_decode_attention_equals_the_torch_path_in_a_float32_batch(checkp
     prompts = mixed_prompts(16, 200, seed=11)
     got = {}
     for backend in ("native", "torch"):
-        config = EngineConfig(dtype="float32", kv_cache_tokens=8192, max_num_tokens=96, max_batch_size=16,
-                              block_size=8, attention_backend=backend)
-        try:
-            engine = Engine.from_dir(checkpoint, config)
-        except RuntimeError as exc:  # no C compiler on this machine
-            pytest.skip(str(exc))
-        try:
-            assert (engine.model.paged is not None) == (backend == "native")
-            ids, steps = run_all(engine, [greedy_request(p) for p in prompts])
-            got[backend] = [tokens(steps[(i, 0)]) for i in ids]
-        finally:
-            engine.shutdown()
+        with engine_on(checkpoint, backend, kv_cache_tokens=8192, max_num_tokens=96, max_batch_size=16,
+                       block_size=8) as engine:
+            got[backend] = greedy_batch(engine, prompts)
     assert got["native"] == got["torch"]

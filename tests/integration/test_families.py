@@ -16,15 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from tests.engine_helpers import final, greedy_request, hf_greedy, run_all, tokens
+from tests.engine_helpers import (
+    final,
+    greedy_batch,
+    greedy_request,
+    hf_greedy,
+    quantized_and_reference,
+    run_all,
+    served_weights_copy,
+    tokens,
+)
 from tests.lora_helpers import make_adapter, peft_greedy, write_adapter
-from tests.structured_helpers import check_json, compiler_for, constrained
+from tests.structured_helpers import check_json, compiler_for, constrained, schemas_agree
 from tests.tiny_model import make_tiny_model
 from tokenloop.bench.structured_cases import SCHEMAS
 from tokenloop.core.request import EmbedParams, FinishReason, SamplingParams, StoppingParams, ValidRequest
@@ -32,8 +39,6 @@ from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.quant import qweight, qweight4
-from tokenloop.engine.quant_routes import ROUTE_ENV
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,8 +59,7 @@ def prompts(num: int, seed: int) -> list[list[int]]:
 
 
 def greedy(engine: Engine, batch: list[list[int]], num_new: int = NUM_NEW, **request) -> list[list[int]]:
-    ids, steps = run_all(engine, [dataclasses.replace(greedy_request(p, num_new), **request) for p in batch])
-    return [tokens(steps[(i, 0)]) for i in ids]
+    return greedy_batch(engine, batch, num_new, **request)
 
 
 def test_paged_kv_prefix_cache_and_chunked_prefill_equal_transformers(checkpoint):
@@ -83,26 +87,10 @@ def test_paged_kv_prefix_cache_and_chunked_prefill_equal_transformers(checkpoint
 def quantized(request, checkpoint, tmp_path_factory):
     """(the engine on `mode` on its exact route, an fp32 engine on a copy of the checkpoint whose layer matrices and
     lm_head are what the mode serves), each with the same LoRA adapter `a`."""
-    mode = request.param
-    copy = tmp_path_factory.mktemp(f"dequantized-{mode}")
-    for path in checkpoint.iterdir():
-        shutil.copy(path, copy / path.name)
-    layer = qweight4 if mode == "int4" else qweight
-    served = {k: layer(w).dequantize() if k.endswith("_proj.weight") else
-              qweight(w).dequantize() if k == "lm_head.weight" else w
-              for k, w in load_file(str(checkpoint / "model.safetensors")).items()}
-    save_file(served, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    copy = served_weights_copy(checkpoint, request.param, tmp_path_factory.mktemp(f"dequantized-{request.param}"))
     adapter = write_adapter(checkpoint, tmp_path_factory.mktemp("adapter") / "a", seed=1, scale=0.3)
-    kernel = kernels.load_int4() if mode == "int4" else kernels.load_int8()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(ROUTE_ENV, f"{mode}-{kernel.isa}" if kernel is not None else "torch-fp32")
-        quant = Engine.from_dir(checkpoint, EngineConfig(weights=mode, kv_dtype="fp32", **CONFIG))  # fp32's cache
-    ref = Engine.from_dir(copy, EngineConfig(weights="fp32", **CONFIG))
-    for e in (quant, ref):
-        e.add_lora(e.read_lora("a", adapter))
-    yield quant, ref
-    quant.shutdown()
-    ref.shutdown()
+    with quantized_and_reference(checkpoint, copy, request.param, adapter, CONFIG) as pair:
+        yield pair
 
 
 def test_quantized_equals_float32_on_the_served_weights(quantized):
@@ -116,17 +104,7 @@ def test_quantized_equals_float32_on_the_served_weights(quantized):
 
 
 def test_quantized_structured_output_equals_float32(checkpoint, quantized):
-    compiler, tok = compiler_for(checkpoint), Tokenizer.from_dir(checkpoint)
-    for name in ("flat_object", "enums"):
-        request = constrained(compiler, "json_schema", SCHEMAS[name], [5, 17, 99, 3], temperature=0.0)
-        outs = []
-        for e in quantized:
-            _, steps = run_all(e, [request])
-            (got,) = steps.values()
-            assert final(got).error is None and final(got).finish_reason == FinishReason.STRUCTURE_COMPLETE
-            outs.append(tokens(got))
-        check_json(tok.decode(outs[0]), SCHEMAS[name])
-        assert outs[0] == outs[1], name
+    schemas_agree(list(quantized), checkpoint, ["flat_object", "enums"])
 
 
 def test_lora_adapters_equal_peft(checkpoint, tmp_path_factory):

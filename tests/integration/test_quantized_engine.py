@@ -14,27 +14,29 @@ contract, perplexity and agreement with fp32 on every route, is tests/e2e/test_w
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from tests.engine_helpers import final, greedy_request, run_all, tokens
+from tests.engine_helpers import (
+    greedy_batch,
+    greedy_request,
+    quantized_and_reference,
+    run_all,
+    served_weights_copy,
+    tokens,
+)
 from tests.integration.service_harness import serving
 from tests.lora_helpers import write_adapter
-from tests.structured_helpers import check_json, compiler_for, constrained
+from tests.structured_helpers import schemas_agree
 from tests.tiny_model import make_tiny_model
-from tokenloop.bench.structured_cases import SCHEMAS
-from tokenloop.core.request import FinishReason
-from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
-from tokenloop.engine.quant import Q4Weight, QWeight, qweight, qweight4
+from tokenloop.engine.quant import Q4Weight, QWeight
 from tokenloop.engine.quant_routes import ROUTE_ENV
 from tokenloop.v1 import tokenloop_pb2 as pb
 
@@ -44,12 +46,6 @@ CONFIG = dict(kv_cache_tokens=4096, max_num_tokens=64, max_batch_size=16, block_
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def mode(request) -> str:
     return request.param
-
-
-def exact_route(mode: str) -> str:
-    """The fastest float32-activation C path this CPU runs (the torch fallback's name without a compiler)."""
-    kernel = kernels.load_int4() if mode == "int4" else kernels.load_int8()
-    return f"{mode}-{kernel.isa}" if kernel is not None else "torch-fp32"
 
 
 def engine(path, mode: str, route: str | None = None, **config) -> Engine:
@@ -66,15 +62,7 @@ def engine(path, mode: str, route: str | None = None, **config) -> Engine:
 def checkpoints(tmp_path_factory, mode):
     """(original, dequantized copy) of an untied tiny Llama (untied: the fp32 embedding lookup stays exact)."""
     original = make_tiny_model(tmp_path_factory.mktemp(mode), "llama", tied=False, num_layers=3)
-    dequantized = tmp_path_factory.mktemp(f"dequantized-{mode}")
-    for path in original.iterdir():
-        shutil.copy(path, dequantized / path.name)
-    weights = load_file(str(original / "model.safetensors"))
-    layer = qweight4 if mode == "int4" else qweight
-    served = {k: layer(w).dequantize() if k.endswith("_proj.weight") else
-              qweight(w).dequantize() if k == "lm_head.weight" else w for k, w in weights.items()}
-    save_file(served, str(dequantized / "model.safetensors"), metadata={"format": "pt"})
-    return original, dequantized
+    return original, served_weights_copy(original, mode, tmp_path_factory.mktemp(f"dequantized-{mode}"))
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +71,8 @@ def engines(checkpoints, tmp_path_factory, mode):
     LoRA adapter `a`."""
     original, dequantized = checkpoints
     adapter = write_adapter(original, tmp_path_factory.mktemp("adapter") / "a", seed=1, scale=0.3)
-    quant = engine(original, mode, exact_route(mode), kv_dtype="fp32")  # as the reference's (see the docstring)
-    ref = Engine.from_dir(dequantized, EngineConfig(weights="fp32", **CONFIG))
-    for e in (quant, ref):
-        e.add_lora(e.read_lora("a", adapter))
-    yield quant, ref
-    quant.shutdown()
-    ref.shutdown()
+    with quantized_and_reference(original, dequantized, mode, adapter, CONFIG) as pair:  # see the docstring
+        yield pair
 
 
 def prompts(num: int, seed: int = 3) -> list[list[int]]:
@@ -98,8 +81,7 @@ def prompts(num: int, seed: int = 3) -> list[list[int]]:
 
 
 def greedy(engine: Engine, batch: list[list[int]], num_new: int = 24, **request) -> list[list[int]]:
-    ids, steps = run_all(engine, [dataclasses.replace(greedy_request(p, num_new), **request) for p in batch])
-    return [tokens(steps[(i, 0)]) for i in ids]
+    return greedy_batch(engine, batch, num_new, **request)
 
 
 def test_equals_float32_on_the_dequantized_weights_alone_and_batched(checkpoints, engines, mode):
@@ -141,19 +123,7 @@ def test_a_lora_adapter_applies_on_quantized_weights(engines):
 
 def test_structured_output_on_quantized_weights(checkpoints, engines):
     """Constrained greedy decoding: every output validates, and equals the float32 copy's token for token."""
-    quant, ref = engines
-    compiler = compiler_for(checkpoints[0])
-    tok = Tokenizer.from_dir(checkpoints[0])
-    for name in ("flat_object", "array_of_numbers", "enums"):
-        request = constrained(compiler, "json_schema", SCHEMAS[name], [5, 17, 99, 3], temperature=0.0)
-        outs = []
-        for e in (quant, ref):
-            _, steps = run_all(e, [request])
-            (got,) = steps.values()
-            assert final(got).error is None and final(got).finish_reason == FinishReason.STRUCTURE_COMPLETE
-            outs.append(tokens(got))
-        check_json(tok.decode(outs[0]), SCHEMAS[name])
-        assert outs[0] == outs[1], name
+    schemas_agree(list(engines), checkpoints[0], ["flat_object", "array_of_numbers", "enums"])
 
 
 def test_the_calibrated_route_is_batch_invariant_and_a_prefix_cache_hit_changes_no_token(checkpoints, mode):

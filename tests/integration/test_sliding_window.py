@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tests.engine_helpers import greedy_request, hf_greedy, run_all, tokens
+from tests.engine_helpers import engine_on, greedy_batch, hf_greedy
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
@@ -59,21 +59,8 @@ def test_equals_transformers_past_the_window_alone_and_batched(checkpoint, hf, b
     batch = prompts(8, seed=3)
     expected = [hf_greedy(hf, p, NUM_NEW) for p in batch]
     for max_num_tokens in (256, 16):  # each prompt in one chunk; then over several steps beside decodes
-        config = EngineConfig(dtype="float32", kv_cache_tokens=4096, max_num_tokens=max_num_tokens, max_batch_size=8,
-                              block_size=4, attention_backend=backend)
-        try:
-            engine = Engine.from_dir(checkpoint, config)
-        except RuntimeError as exc:  # no C compiler on this machine
-            pytest.skip(str(exc))
-        try:
-            assert (engine.model.paged is not None) == (backend == "native")
-            alone = []
-            for p in batch[:3]:
-                _, steps = run_all(engine, [greedy_request(p, NUM_NEW)])
-                alone.append(tokens(next(iter(steps.values()))))
-            assert alone == expected[:3]
-            ids, steps = run_all(engine, [greedy_request(p, NUM_NEW) for p in batch])
-            assert [tokens(steps[(i, 0)]) for i in ids] == expected, max_num_tokens
+        with engine_on(checkpoint, backend, kv_cache_tokens=4096, max_num_tokens=max_num_tokens, max_batch_size=8,
+                       block_size=4) as engine:
+            assert [greedy_batch(engine, [p], NUM_NEW)[0] for p in batch[:3]] == expected[:3]
+            assert greedy_batch(engine, batch, NUM_NEW) == expected, max_num_tokens
             assert engine.block_manager.num_hit_tokens > 0
-        finally:
-            engine.shutdown()
