@@ -4,6 +4,7 @@
     .venv/bin/tokenloop-bench NAME [ARGS...]       # one benchmark; `NAME --help` lists its arguments
     .venv/bin/tokenloop-bench all                  # every benchmark with its defaults, one after another
     .venv/bin/tokenloop-bench smoke [NAME...]      # each with a tiny setting: does it still run? (no figures)
+    .venv/bin/tokenloop-bench record NAME...       # each as recorded: its recorded arguments, --out its results file
     .venv/bin/tokenloop-bench figures [--write]    # the docs' figures against the results files (--write: tables)
 
 `python -m tokenloop.bench NAME ...` is the same. A benchmark is a module of bench/ (the package
@@ -23,13 +24,19 @@ from tokenloop.bench import harness
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One benchmark: its module in bench/, what it measures, where its recorded figures are, and a tiny setting
-    that runs it end to end in seconds (`smoke`)."""
+    """One benchmark: its module in bench/, what it measures, where its recorded figures are, a tiny setting
+    that runs it end to end in seconds (`smoke`), and the arguments of its recorded run besides `--out` (`record`)."""
 
     module: str
     what: str
     results: str = ""  # bench/results-NAME.json, when its figures are recorded
     smoke: tuple[str, ...] = ()
+    record: tuple[str, ...] = ()
+
+    def arguments(self, mode: str) -> list[str]:
+        """`all`: the defaults; `smoke`: the tiny setting; `record`: the recorded run, written to its results file."""
+        return {"all": [], "smoke": list(self.smoke),
+                "record": [*self.record, "--out", f"bench/{self.results}"]}[mode]
 
 
 TINY_ENGINE = ("--scenarios", "single", "--single-repeats", "1", "--no-bandwidth", "--new-tokens", "8")
@@ -66,7 +73,8 @@ BENCHMARKS = {
     "idle_cpu": Benchmark("idle_cpu", "an idle server's CPU, and its looper thread's", "",
                           ("--executor", "null", "--seconds", "1")),
     "engine_gil": Benchmark("engine_gil", "the engine's GIL use: a unary RPC's latency beside 16 and 32 streams",
-                            "results-engine-gil.json", ("--streams", "2", "--tokens", "8", "--seconds", "2", "--warmup", "1", "--no-py-spy")),
+                            "results-engine-gil.json", ("--streams", "2", "--tokens", "8", "--seconds", "2", "--warmup", "1", "--no-py-spy"),
+                            ("--streams", "16")),
     "prompt_stall": Benchmark("prompt_stall", "paced streams while long prompts arrive: tokenized on the event loop "
                               "or off it", "results-prompt-stall.json",
                               ("--streams", "4", "--seconds", "2", "--prompt-tokens", "512", "--repeat", "1")),
@@ -90,6 +98,9 @@ BENCHMARKS = {
                                 "results-route-retiming.json",
                                 ("--seconds", "2", "--window", "1", "--rounds", "1", "--new-tokens", "8",
                                  "--arms", "quiet,loaded+retiming")),
+    "clients": Benchmark("client_bench", "`tokenloop-cli bench` (the Python client's load generator) against the "
+                         "default model: throughput, TTFT, inter-token latency at 1, 4, 16, 32 streams",
+                         "results-clients.json", ("--concurrency", "1,2", "--duration", "2", "--max-new-tokens", "8")),
     "grammar_libs": Benchmark("grammar_libs", "xgrammar against llguidance: compile, mask per token",
                               "results-grammar-libs.json", ("--walks", "1")),
 }
@@ -101,7 +112,8 @@ def listing() -> str:
     lines = [f"{name:{width}}  {b.what}" + (f" [bench/{b.results}]" if b.results else "")
              for name, b in BENCHMARKS.items()]
     return "\n".join(["tokenloop-bench NAME [ARGS...] runs one (NAME --help: its arguments); `all` runs every one, "
-                      "`smoke` each with a tiny setting; `figures [--write]` checks (rewrites) the docs' figures.",
+                      "`smoke` each with a tiny setting, `record NAME...` each as recorded into its results file; "
+                      "`figures [--write]` checks (rewrites) the docs' figures.",
                       "", *lines])
 
 
@@ -112,11 +124,12 @@ def run(name: str, argv: list[str]) -> int:
     return module.main(argv) or 0
 
 
-def run_each(names: list[str], smoke: bool) -> int:
-    """Each benchmark in its own process (a benchmark may start servers and pin threads): the failures' names."""
+def run_each(names: list[str], mode: str) -> int:
+    """Each benchmark in its own process (a benchmark may start servers and pin threads), with the arguments of
+    `mode` (Benchmark.arguments): the failures' names."""
     failed = []
     for name in names:
-        args = list(BENCHMARKS[name].smoke) if smoke else []
+        args = BENCHMARKS[name].arguments(mode)
         print(f"\n== tokenloop-bench {name} {' '.join(args)}", flush=True)
         start = time.monotonic()
         code = subprocess.call([sys.executable, "-m", "tokenloop.bench", name, *args], cwd=harness.ROOT)
@@ -135,13 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     if name == "figures":  # not a benchmark: the docs' figures against the results files
         from tokenloop.bench import figures
         return figures.main(rest)
-    if name in ("all", "smoke"):
+    if name in ("all", "smoke", "record"):
         unknown = [n for n in rest if n not in BENCHMARKS]
         if unknown:
             print(f"unknown benchmark(s): {', '.join(unknown)}\n\n{listing()}", file=sys.stderr)
             return 2
+        unrecorded = [n for n in rest if not BENCHMARKS[n].results]
+        if name == "record" and (unrecorded or not rest):
+            print("record NAME...: name the benchmarks to record (each writes its results file); "
+                  + (f"{', '.join(unrecorded)} record(s) none" if unrecorded else "none named"), file=sys.stderr)
+            return 2
         print(listing())
-        return run_each(rest or list(BENCHMARKS), smoke=name == "smoke")
+        return run_each(rest or list(BENCHMARKS), name)
     if name not in BENCHMARKS:
         print(f"unknown benchmark {name!r}\n\n{listing()}", file=sys.stderr)
         return 2

@@ -110,10 +110,27 @@ def engine_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def _ratio_256(res: dict) -> float:
-    """results-overhead.json: the full path's tokens/s at 256 streams, one token per message, over bare gRPC's."""
-    full = next(r for r in res["messages"] if r["streams"] == 256)
-    return full["tokens_per_s"] / next(r for r in res["bare"] if r["streams"] == 256)["messages_per_s"]
+# --- results-overhead.json: one run of `tokenloop-bench service_overhead` ---
+
+def _over_bare(d: dict, streams: int) -> float:
+    """The full path's tokens/s, one token per message, over a bare grpc.aio method's messages/s at `streams`."""
+    full = next(r for r in d["messages"] if r["streams"] == streams)
+    return full["tokens_per_s"] / next(r for r in d["bare"] if r["streams"] == streams)["messages_per_s"]
+
+
+def overhead_table(d: dict) -> str:
+    """The front against bare grpc.aio: the run's date, CPU, commit and command, then the ratio at each concurrency."""
+    intro = (f"One run, {_when(d)}, on a {d['cpus']}-vCPU {describe(d)}, code at `{d['commit']}`: `{d['command']}`. "
+             "Each row the best of its interleaved repeats; compare ratios within one run only.")
+    lines = [textwrap.fill(intro, 118, break_on_hyphens=False, break_long_words=False), "",
+             "| streams | full path tok/s (one token per message) | bare grpc.aio msgs/s | full ÷ bare |",
+             "| --- | --- | --- | --- |"]
+    bare = {r["streams"]: r for r in d["bare"]}
+    for r in d["messages"]:
+        if r["streams"] in bare:
+            lines.append(f"| {r['streams']} | {r['tokens_per_s']:,.0f} | {bare[r['streams']]['messages_per_s']:,.0f} "
+                         f"| {_over_bare(d, r['streams']):.2f}x |")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -143,9 +160,6 @@ FIGURES = {
     "engine.int4_bytes_vs_int8": Figure(E, lambda d: f"{d['bandwidth']['weight_bytes_per_token']['int4'] / d['bandwidth']['weight_bytes_per_token']['int8']:.2f}x"),  # noqa: E501
     **{f"engine.weight_mb_{m}": Figure(E, lambda d, m=m: f"{d['bandwidth']['weight_bytes_per_token'][m] / 1e6:.1f} MB")
        for m in ("fp32", "int8", "int4")},
-    "overhead.ratio_256_range": Figure("results-overhead.json", lambda runs: "–".join(
-        f"{f(_ratio_256(r['results']) for r in runs):.2f}" for f in (min, max)) + "x"),
-    "overhead.commit": Figure("results-overhead.json", lambda runs: "/".join(sorted({r["code"] for r in runs}))),
 }
 S = "results-structured.json"
 FIGURES |= {
@@ -240,7 +254,8 @@ FIGURES |= {
        for m in ("135M", "360M", "1.7B", "gemma3-270m") for sc in ("single", "eight")},
     "size.1.7B_int4_share": Figure(SZ, lambda d: f"{100 * _size_row(d, '1.7B')['int4_decode_bandwidth_share']:.0f} %"),
 }
-TABLES = {"engine": (E, engine_table), "spec": (SP, spec_table), "size": (SZ, size_table)}
+TABLES = {"engine": (E, engine_table), "spec": (SP, spec_table), "size": (SZ, size_table),
+          "overhead": ("results-overhead.json", overhead_table)}
 
 
 def value(name: str) -> str:

@@ -45,9 +45,9 @@ def test_write_stamps_the_date_machine_commit_and_command(tmp_path, capsys, monk
 
 
 def test_one_current_result_file_per_benchmark():
-    """Every results file belongs to a benchmark of `tokenloop-bench` (results-clients.*: `tokenloop-cli bench`)."""
+    """Every results file belongs to a benchmark of `tokenloop-bench` (results-clients.png: the clients one's plot)."""
     files = sorted(p.name for p in (ROOT / "bench").glob("results-*"))
-    owned = {b.results for b in BENCHMARKS.values()} | {"results-clients.json", "results-clients.png"}
+    owned = {b.results for b in BENCHMARKS.values()} | {"results-clients.png"}
     assert [f for f in files if f not in owned] == []
 
 
@@ -118,7 +118,8 @@ def _file_writes(tree) -> list[str]:
 # through describe()), service_overhead's per-run emission log, llama_server's server log, attention_bench's copy
 # of the kernel source at the base revision (built to compare against)
 NOT_FIGURES = {"soak.py": 1, "service_overhead.py": 1, "llama_server.py": 1, "attention_bench.py": 1}
-OUT_IS_NOT_FIGURES = {"shape_gguf.py"}  # its --out is the GGUF file it makes, not a results file
+# shape_gguf's --out is the GGUF file it makes, not a results file; __main__ passes --out on to `record`'s benchmarks
+OUT_IS_NOT_FIGURES = {"shape_gguf.py", "__main__.py"}
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py")
@@ -158,37 +159,61 @@ def test_the_bandwidth_bench_out_carries_the_machine_record(tmp_path):
 
 
 STAMP = ("date", "commit", "cpu", "command")  # what harness.write adds to every results file
-# Results files written before harness.write stamped every run (or put together by hand from several runs): each
-# needs a rerun on a quiet machine with this command, which writes it stamped; then it leaves this list.
-AWAITING_RERUN = {
-    "results-structured.json": "tokenloop-bench structured --out bench/results-structured.json",
-    "results-shared-prefix.json": "tokenloop-bench shared_prefix --out bench/results-shared-prefix.json",
-    "results-lora.json": "tokenloop-bench lora --out bench/results-lora.json",
-    "results-engine-gil.json": "tokenloop-bench engine_gil --streams 16 --out bench/results-engine-gil.json "
-                               "(the file held 16 and 32 streams: one run per file now)",
-    "results-prompt-stall.json": "tokenloop-bench prompt_stall --out bench/results-prompt-stall.json",
-    "results-quant-kernels.json": "tokenloop-bench quant_kernels --weights fp32,int8,int4 "
-                                  "--out bench/results-quant-kernels.json",
-    "results-grammar-libs.json": "tokenloop-bench grammar_libs --out bench/results-grammar-libs.json",
-    "results-overhead.json": "tokenloop-bench service_overhead --out bench/results-overhead.json (the file held six "
-                             "runs; README's overhead figures read that list)",
-    "results-clients.json": "tokenloop serve --port 50051 & tokenloop-cli bench --concurrency 1,4,16,32 --duration 60 "
-                            "--prompt-tokens 64 --max-new-tokens 128 --out bench/results-clients.json "
-                            "--plot bench/results-clients.png",
-}
-CLIENT_STAMP = ("date", "cpu")  # results-clients.json: `tokenloop-cli bench`, which knows no server commit
+# Benchmarks whose results files were written before harness.write stamped every run (or put together by hand from
+# several runs): each needs a rerun on a quiet machine, all of them in one command (RERUN, given in bench/README.md),
+# which writes each file stamped; a benchmark whose file is stamped leaves this list.
+AWAITING_RERUN = ("structured", "shared_prefix", "lora", "engine_gil", "prompt_stall", "quant_kernels", "grammar_libs",
+                  "service_overhead", "clients")
+RERUN = "tokenloop-bench record " + " ".join(AWAITING_RERUN)
 
 
 def test_every_results_file_carries_the_date_commit_cpu_and_command():
     """A figure's provenance is in its file (CONTRIBUTING.md, STYLE.md "Figures are data"); the files written before
-    the stamp wait for a quiet rerun (AWAITING_RERUN, listed with their commands), and one rerun leaves the list."""
+    the stamp wait for a quiet rerun (AWAITING_RERUN, all rerun by one command), and one rerun leaves the list."""
+    stale = {BENCHMARKS[name].results: name for name in AWAITING_RERUN}
     for path in sorted((ROOT / "bench").glob("results-*.json")):
         data = json.loads(path.read_text())
         record = data[0] if isinstance(data, list) else data
-        need = CLIENT_STAMP if path.name == "results-clients.json" else STAMP
-        missing = [key for key in need if key not in record]
-        if path.name in AWAITING_RERUN:
-            assert missing, f"{path.name} is stamped now: drop it from AWAITING_RERUN"
+        missing = [key for key in STAMP if key not in record]
+        if path.name in stale:
+            assert missing, f"{path.name} is stamped now: drop {stale[path.name]} from AWAITING_RERUN"
         else:
             assert not missing, f"bench/{path.name} lacks {missing}: rerun it (harness.write stamps it)"
-    assert set(AWAITING_RERUN) <= {p.name for p in (ROOT / "bench").glob("results-*.json")}
+    assert set(stale) <= {p.name for p in (ROOT / "bench").glob("results-*.json")}
+
+
+def test_the_stale_results_files_rerun_in_one_command_from_bench_readme():
+    """`tokenloop-bench record NAME...` runs each benchmark as recorded (its `record` arguments) into its results
+    file; bench/README.md gives the command for every file that awaits a rerun."""
+    assert ".venv/bin/" + RERUN in " ".join((ROOT / "bench" / "README.md").read_text().split())
+    for name in AWAITING_RERUN:
+        args = BENCHMARKS[name].arguments("record")
+        assert args[-2:] == ["--out", f"bench/{BENCHMARKS[name].results}"], name
+    assert BENCHMARKS["engine_gil"].arguments("record")[:2] == ["--streams", "16"]  # one run per file
+
+
+@pytest.mark.parametrize("argv", [["record"], ["record", "bandwidth"], ["record", "nonesuch"]])
+def test_record_needs_benchmarks_that_record(argv, capsys):
+    """`record` alone, or naming a benchmark without a results file (or none such), runs nothing and says why."""
+    from tokenloop.bench.__main__ import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("none named" in err) if argv == ["record"] else (argv[1] in err)
+
+
+def test_the_overhead_table_reads_the_one_run_service_overhead_writes(tmp_path, monkeypatch):
+    """results-overhead.json is one run (what `service_overhead --out` writes, stamped), so a rerun replaces it and
+    the `overhead` table follows (`tokenloop-bench figures --write`)."""
+    from tokenloop.bench import figures, harness
+    monkeypatch.setattr(harness, "COMMAND", ["tokenloop-bench", "service_overhead", "--out", "x.json"])
+    rows = {"bare": [{"streams": 64, "messages_per_s": 900.0}, {"streams": 256, "messages_per_s": 1000.0}],
+            "messages": [{"streams": 64, "tokens_per_s": 810.0}, {"streams": 256, "tokens_per_s": 955.0}]}
+    write(str(tmp_path / "results-overhead.json"), rows)
+    monkeypatch.setattr(figures, "BENCH", tmp_path)
+    figures.load.cache_clear()
+    try:
+        table = figures.render("overhead")  # 955 / 1000 at 256: tokens over bare messages
+        assert "`tokenloop-bench service_overhead --out x.json`" in table and f"`{harness.commit()}`" in table
+        assert table.splitlines()[-2:] == ["| 64 | 810 | 900 | 0.90x |", "| 256 | 955 | 1,000 | 0.95x |"]
+    finally:
+        figures.load.cache_clear()
