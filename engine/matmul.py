@@ -43,6 +43,7 @@ from .quant import Q4Weight, QWeight
 from .quant_routes import (
     ROUTE_ENV,
     QuantRoute,
+    candidate_name,
     choose_routes,
     quant_routes,
     read_route_record,
@@ -234,6 +235,18 @@ class MatmulPolicy:
         if backend is Backend.NUMPY_TWO_THREADS and x.shape[0] >= MIN_SPLIT_TOKENS and self._helper is not None:
             return torch.from_numpy(self._helper.matmul(x_np, w.numpy()))
         return torch.from_numpy(np.matmul(x_np, w.numpy().T))
+
+    def row_timing(self, rows: int = COLD_TOKENS) -> tuple[float, float, int, str] | None:
+        """The quantized products' calibration times for one row and for `rows` rows (a bucket) on the routes chosen
+        for them (seconds over every layer's gate_up), `rows` and the routes' names; None where nothing was timed
+        (float weights, a forced route, no C kernel): speculation's row cost (speculation.row_cost_from_times)."""
+        one, several = self.timings.get(1, {}), self.timings.get(rows, {})
+        (route1, split1), (route_n, split_n) = self.route(1), self.route(rows)
+        name1, name_n = candidate_name(route1.name, split1), candidate_name(route_n.name, split_n)
+        if name1 not in one or name_n not in several:
+            return None
+        what = name1 if name1 == name_n else f"{name1} / {name_n}"
+        return one[name1], several[name_n], rows, what
 
     def describe(self) -> str:
         """The float backends per bucket; with quantized weights, each bucket's route, threads and the times of

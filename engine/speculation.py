@@ -22,9 +22,11 @@ Three rules keep it from ever costing more than it gives:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SPECULATIVE_MODES = ("off", "ngram")
+DEFAULT_ROW_COST = 0.15  # a verification row's cost, as a share of a one-row step, where nothing was timed
+ROW_COST_RANGE = (0.02, 0.95)  # a measured row cost is clamped to this (timing noise must not make rows free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +39,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # the shortest (1 matches any repeated token: many wrong drafts)
     max_batch_size: int = 4  # more decoding sequences than this in a step: no drafts (the step is compute-bound)
     # the cost of one more verified row in a step of one decoding sequence, as a fraction of that step (weights
-    # read once either way; the rows' arithmetic, attention and lm_head are what grows); sets when drafting pays
-    row_cost: float = 0.15
+    # read once either way; the rows' arithmetic, attention and lm_head are what grows); sets when drafting pays.
+    # The engine measures it at start-up (with_measured_row_cost); DEFAULT_ROW_COST where nothing was timed
+    row_cost: float = DEFAULT_ROW_COST
+    row_cost_source: str = "assumed"  # how row_cost was set, for the start-up log
 
     def __post_init__(self):
         if self.mode not in SPECULATIVE_MODES:
@@ -63,7 +67,33 @@ class SpeculativeConfig:
             return "speculative decoding off"
         return (f"speculative decoding ngram (prompt lookup, n {self.prompt_lookup_max}..{self.prompt_lookup_min}, "
                 f"up to {self.num_speculative_tokens} tokens, adaptive per sequence, off above "
-                f"{self.max_batch_size} decoding sequences)")
+                f"{self.max_batch_size} decoding sequences; a verified row costs {self.row_cost:.2f} of a one-row "
+                f"step, {self.row_cost_source}; drafting pays from acceptance {break_even_acceptance(self.row_cost):.2f})")
+
+    def with_measured_row_cost(self, measured: tuple[float, float, int, str] | None) -> SpeculativeConfig:
+        """This config with row_cost from a product timed at one row and at several: (seconds for 1 row, seconds
+        for n rows, n, what was timed), as matmul.MatmulPolicy.row_timing gives it; unchanged for None."""
+        if measured is None:
+            return self
+        one, several, num_rows, what = measured
+        return replace(self, row_cost=row_cost_from_times(one, several, num_rows),
+                       row_cost_source=f"measured at start-up ({what}: {one * 1e3:.2f} ms for 1 row, "
+                                       f"{several * 1e3:.2f} ms for {num_rows})")
+
+
+def row_cost_from_times(one_row_s: float, rows_s: float, num_rows: int) -> float:
+    """The cost of each row past the first as a share of a one-row step, from a product timed at 1 and at `num_rows`
+    rows: (t_n / t_1 - 1) / (n - 1), clamped to ROW_COST_RANGE. The products are most of a step and what grows
+    with its rows (attention and the lm_head grow too; norms, sampling and the step's overhead do not)."""
+    if one_row_s <= 0 or rows_s <= 0 or num_rows < 2:
+        return DEFAULT_ROW_COST
+    low, high = ROW_COST_RANGE
+    return min(high, max(low, (rows_s / one_row_s - 1.0) / (num_rows - 1)))
+
+
+def break_even_acceptance(row_cost: float) -> float:
+    """The acceptance rate from which a one-token draft pays: (1 + a) / (1 + row_cost) > 1, so a > row_cost."""
+    return row_cost
 
 
 def drafting_allowed(num_decoding: int, config: SpeculativeConfig) -> bool:

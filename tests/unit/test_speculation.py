@@ -6,13 +6,19 @@ import random
 
 import pytest
 
+from tokenloop.engine.calibration import BUCKETS
+from tokenloop.engine.matmul import Backend, MatmulPolicy
+from tokenloop.engine.quant_routes import candidate_name
 from tokenloop.engine.speculation import (
+    DEFAULT_ROW_COST,
+    ROW_COST_RANGE,
     DraftLength,
     NgramIndex,
     SpecState,
     SpecStats,
     SpeculativeConfig,
     drafting_allowed,
+    row_cost_from_times,
 )
 
 
@@ -97,6 +103,39 @@ def test_break_even_acceptance_is_the_row_cost():
     for a, want in ((0.10, 0), (0.20, 1)):
         length = DraftLength(max_k=1, row_cost=0.15, accepted=a * 100, rejected=(1 - a) * 100)
         assert length.best_length() == want
+
+
+def test_the_row_cost_is_measured_from_the_calibration_and_sets_the_draft_length():
+    """The calibration's times of the chosen routes at 1 and 4 rows give the cost per extra row; with this CPU's
+    x22-avx2 figures (6.3 ms one row, 14.9 ms four) a row costs ~0.46 of a step, so an acceptance of 0.4 that pays
+    under the assumed 0.15 does not pay, and a high one drafts fewer tokens."""
+    policy = MatmulPolicy(dict.fromkeys(BUCKETS, Backend.TORCH))
+    chosen, split = policy.route(1)
+    route = candidate_name(chosen.name, split)
+    policy.timings = {1: {route: 6.3e-3, "faster-but-not-chosen/2t": 1e-3}, 4: {route: 14.9e-3}}
+    assert policy.row_timing() == (6.3e-3, 14.9e-3, 4, route)
+    assumed = SpeculativeConfig(mode="ngram")
+    measured = assumed.with_measured_row_cost(policy.row_timing())
+    assert measured.row_cost == pytest.approx((14.9 / 6.3 - 1) / 3)
+    assert "measured at start-up" in measured.describe() and "0.46 of a one-row step" in measured.describe()
+    assert "assumed" in assumed.describe()
+
+    def decision(config, acceptance):
+        return DraftLength(config.num_speculative_tokens, config.row_cost, accepted=acceptance * 100,
+                           rejected=(1 - acceptance) * 100).best_length()
+    assert decision(assumed, 0.4) >= 1 and decision(measured, 0.4) == 0
+    assert decision(assumed, 0.9) == 4 and decision(measured, 0.9) == 3
+    assert decision(measured, 0.99) == 4
+
+
+def test_a_row_cost_without_timings_or_out_of_range_is_assumed_or_clamped():
+    policy = MatmulPolicy(dict.fromkeys(BUCKETS, Backend.TORCH))  # float weights: no route timings
+    assert policy.row_timing() is None
+    config = SpeculativeConfig(mode="ngram")
+    assert config.with_measured_row_cost(None) is config and config.row_cost == DEFAULT_ROW_COST
+    assert row_cost_from_times(1.0, 1.0, 4) == ROW_COST_RANGE[0]  # noise: four rows no slower than one
+    assert row_cost_from_times(1.0, 9.0, 4) == ROW_COST_RANGE[1]  # rows dearer than a step each: still < 1
+    assert row_cost_from_times(0.0, 1.0, 4) == DEFAULT_ROW_COST
 
 
 def test_a_back_off_probes_with_one_token_and_doubles_while_probes_fail():
