@@ -538,45 +538,61 @@ static const steps_t X22_VNNI_STEPS = {PACK, 4, NULL, tile_x22_vnni, rows_x22_vn
  * in s16 over up to 8 chunks of four columns (<= 30720 < 2^15), then vpmaddwd by ones -> int32 per channel. A chunk's
  * 64 bytes are two vectors: channels 0..7 and 8..15 (low nibbles), 16..23 and 24..31 (high ones). ---- */
 
-/* row m against block b; out [32] */
-AVX2_FN INLINE void x22_row_avx2(const x22_t *c, int64_t m, int64_t b, float *out) {
-    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4, bytes = K * (PACK / 2);
-    const int8_t *xp = c->xp + m * 3 * K;
-    const uint8_t *q = c->qv + b * bytes;
+/* half H of one row's group g against a block's weights q (H 0: the low nibbles, channels 0..15; 1: the high ones,
+ * 16..31): the int32 sums is[0] (channels 8 apart: 0..7 / 16..23) and is[1] (8..15 / 24..31). Each run of up to 8
+ * chunks sums the three planes in s16 (h, m, l), then adds (h << 14) + (m << 7) + l, widened by vpmaddwd: the exact
+ * dot(q, xi) of the header whatever the order (every partial sum is an integer int32 holds), so the same integers as
+ * every x22 path. A half at a time keeps its 6 s16 sums and 2 int32 sums in registers (all four quarters at once
+ * spilled ten sums to the stack: a store and a load per chunk each); the second half reads the group's 8 chunks
+ * (512 bytes) again from L1. */
+AVX2_FN INLINE void x22_group_half(const int8_t *xp, int64_t K, const uint8_t *q, int64_t g, int64_t G, const int H,
+                                   __m256i *is) {
+    const int64_t C = G / 4;
     const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    __m256 t[4];
-    for (int i = 0; i < 4; i++) t[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < NG; g++) {
-        __m256i d[3][4]; /* int32 dot products per plane and vector */
-        for (int p = 0; p < 3; p++)
-            for (int i = 0; i < 4; i++) d[p][i] = _mm256_setzero_si256();
-        for (int64_t i0 = 0; i0 < C; i0 += 8) {
-            const int64_t i1 = i0 + 8 < C ? i0 + 8 : C;
-            __m256i a[3][4];
-            for (int p = 0; p < 3; p++)
-                for (int i = 0; i < 4; i++) a[p][i] = _mm256_setzero_si256();
-            for (int64_t i = i0; i < i1; i++) {
-                const int64_t k = g * G + 4 * i;
-                const uint8_t *w = q + k * (PACK / 2);
-                _mm_prefetch((const char *)(w + PREFETCH_AHEAD), _MM_HINT_T0);
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
-                const __m256i n[4] = {_mm256_and_si256(v0, mask), _mm256_and_si256(v1, mask),
-                                      _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask),
-                                      _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask)};
-                for (int p = 0; p < 3; p++) {
-                    const __m256i xb = _mm256_set1_epi32(load4(xp + p * K + k));
-                    for (int j = 0; j < 4; j++) a[p][j] = _mm256_add_epi16(a[p][j], _mm256_maddubs_epi16(n[j], xb));
-                }
-            }
-            for (int p = 0; p < 3; p++)
-                for (int j = 0; j < 4; j++) d[p][j] = _mm256_add_epi32(d[p][j], _mm256_madd_epi16(a[p][j], ones));
+    __m256i is0 = _mm256_setzero_si256(), is1 = is0;
+    for (int64_t i0 = 0; i0 < C; i0 += 8) {
+        const int64_t i1 = i0 + 8 < C ? i0 + 8 : C;
+        __m256i h0 = _mm256_setzero_si256(), h1 = h0, m0 = h0, m1 = h0, l0 = h0, l1 = h0;
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t k = g * G + 4 * i;
+            const uint8_t *w = q + k * (PACK / 2);
+            if (H == 0) _mm_prefetch((const char *)(w + PREFETCH_AHEAD), _MM_HINT_T0);
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+            if (H == 1) v0 = _mm256_srli_epi16(v0, 4), v1 = _mm256_srli_epi16(v1, 4);
+            v0 = _mm256_and_si256(v0, mask), v1 = _mm256_and_si256(v1, mask);
+            __m256i xb = _mm256_set1_epi32(load4(xp + k));
+            h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(v0, xb)), h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(v1, xb));
+            xb = _mm256_set1_epi32(load4(xp + K + k));
+            m0 = _mm256_add_epi16(m0, _mm256_maddubs_epi16(v0, xb)), m1 = _mm256_add_epi16(m1, _mm256_maddubs_epi16(v1, xb));
+            xb = _mm256_set1_epi32(load4(xp + 2 * K + k));
+            l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(v0, xb)), l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(v1, xb));
         }
+        is0 = _mm256_add_epi32(is0, _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h0, ones), 14),
+                                                                      _mm256_slli_epi32(_mm256_madd_epi16(m0, ones), 7)),
+                                                     _mm256_madd_epi16(l0, ones)));
+        is1 = _mm256_add_epi32(is1, _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h1, ones), 14),
+                                                                      _mm256_slli_epi32(_mm256_madd_epi16(m1, ones), 7)),
+                                                     _mm256_madd_epi16(l1, ones)));
+    }
+    is[0] = is0, is[1] = is1;
+}
+
+/* row m against block b; out [32]: per group, each half's sums (x22_group_half), then the header's epilogue per
+ * 8 channels (t[j]: channels 8j.., the order of the block's scales) */
+AVX2_FN INLINE void x22_row_avx2(const x22_t *c, int64_t m, int64_t b, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G;
+    const int8_t *xp = c->xp + m * 3 * K;
+    const uint8_t *q = c->qv + b * K * (PACK / 2);
+    __m256 t[4];
+    for (int j = 0; j < 4; j++) t[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        __m256i is[4];
+        x22_group_half(xp, K, q, g, G, 0, is);
+        x22_group_half(xp, K, q, g, G, 1, is + 2);
         const __m256 sr = _mm256_set1_ps(c->sx[m * NG + g]), xg = _mm256_set1_ps(c->xs[m * NG + g]);
         const uint16_t *s = c->sm + (b * NG + g) * 2 * PACK;
         for (int j = 0; j < 4; j++) {
-            const __m256i is = _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(d[0][j], 14), _mm256_slli_epi32(d[1][j], 7)),
-                                                d[2][j]);
-            t[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(half8(s + 8 * j), sr), t[j]);
+            t[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[j]), _mm256_mul_ps(half8(s + 8 * j), sr), t[j]);
             t[j] = _mm256_fmadd_ps(xg, half8(s + PACK + 8 * j), t[j]);
         }
     }
@@ -594,6 +610,22 @@ AVX2_FN static void rows_x22_avx2(const void *ctx, int64_t m, int64_t b, int nb,
 }
 
 static const steps_t X22_AVX2_STEPS = {PACK, 4, NULL, tile_x22_avx2, rows_x22_avx2};
+
+/* x22-avx2's product over blocks b_begin .. b_end-1: one row streams the blocks (drive's rows step); two rows and
+ * more take each block once from memory and run every row over it while it sits in L1/L2 (drive's tiles, from two
+ * rows where drive tiles from six: a row here costs its arithmetic, so a verification of a few rows must not
+ * stream the weights once per row) */
+AVX2_FN static int drive_x22_avx2(const x22_t *c, int64_t M, float *y, int64_t N, int64_t b_begin, int64_t b_end,
+                                  int64_t n_end) {
+    if (M < 2) return drive(&X22_AVX2_STEPS, c, M, c->K, y, N, b_begin, b_end, n_end);
+    float out[PACK];
+    for (int64_t b = b_begin; b < b_end; b++)
+        for (int64_t m = 0; m < M; m++) {
+            x22_row_avx2(c, m, b, out);
+            store_n(y + m * N, b * PACK, n_end, out, PACK);
+        }
+    return 0;
+}
 
 #endif /* HAVE_X86 */
 
@@ -664,7 +696,7 @@ static int run_prepared(int path, const float *x, const prepared_t *p, int64_t M
     }
 #if HAVE_X86
     if (path == PATH_X22_VNNI) return drive(&X22_VNNI_STEPS, &x22, M, K, y, N, b_begin, b_end, n_end);
-    if (path == PATH_X22_AVX2) return drive(&X22_AVX2_STEPS, &x22, M, K, y, N, b_begin, b_end, n_end);
+    if (path == PATH_X22_AVX2) return drive_x22_avx2(&x22, M, y, N, b_begin, b_end, n_end);
     if (path == PATH_VNNI) {
         const vnni_t ctx = {(const uint8_t *)p->xq, p->sx, p->xs, q, NULL, NULL, sm, K, G};
         return drive(&VNNI_STEPS, &ctx, M, K, y, N, b_begin, b_end, n_end);
