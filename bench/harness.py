@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -181,6 +182,29 @@ async def stream_generate(port: int, prompts: list[list[int]], num_new: list[int
         await asyncio.gather(*(one(p, n) for p, n in zip(prompts, num_new)))
         run.wall_s = time.perf_counter() - start
     return run
+
+
+@contextlib.asynccontextmanager
+async def never_reading(target: str, requests: list, num_channels: int, options: list[tuple[str, int]]):
+    """Generate calls of tokenloop.v1 over `num_channels` connections with `options` (a tiny HTTP/2 window: no BDP
+    probe, a small lookahead), each read once at most and then never, so the server's writes to them stop. Yields
+    the calls; cancels them and closes the connections on the way out."""
+    import grpc
+
+    from tokenloop.v1 import tokenloop_pb2_grpc
+
+    channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(num_channels)]
+    calls = [tokenloop_pb2_grpc.TextGenerationStub(channels[i % num_channels]).Generate(request)
+             for i, request in enumerate(requests)]
+    first_reads = [asyncio.ensure_future(c.read()) for c in calls]
+    try:
+        yield calls
+    finally:
+        for c in calls:
+            c.cancel()
+        await asyncio.gather(*first_reads, return_exceptions=True)
+        for channel in channels:
+            await channel.close()
 
 
 class HttpError(RuntimeError):

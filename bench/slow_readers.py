@@ -24,7 +24,7 @@ import time
 
 import grpc
 
-from tokenloop.bench.harness import TokenloopServer, parser, report
+from tokenloop.bench.harness import TokenloopServer, never_reading, parser, report
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
@@ -48,14 +48,11 @@ async def one_run(model: str, grace: float, args) -> dict:
     proc, port = await _serve(model, ["--slow-reader-grace", str(grace), "--stall-timeout", str(args.stall_timeout),
                                       "--max-queue-wait", str(args.max_queue_wait)])
     target = f"127.0.0.1:{port}"
-    channels = [grpc.aio.insecure_channel(target, options=NEVER_READS) for _ in range(10)]
-    calls = [pb_grpc.TextGenerationStub(channels[i % 10]).Generate(_request(args.hostile_tokens, f"h{i}"))
-             for i in range(args.streams)]
-    first_reads = [asyncio.ensure_future(c.read()) for c in calls]
+    hostile = [_request(args.hostile_tokens, f"h{i}") for i in range(args.streams)]
     row: dict = {"slow_reader_grace_s": grace, "stall_timeout_s": args.stall_timeout, "streams": args.streams,
                  "max_queue_wait_s": args.max_queue_wait}
     try:
-        async with grpc.aio.insecure_channel(target) as good:
+        async with never_reading(target, hostile, 10, NEVER_READS), grpc.aio.insecure_channel(target) as good:
             stub = pb_grpc.TextGenerationStub(good)
             t0 = time.monotonic()
             while time.monotonic() - t0 < 120:  # every hostile call has reached the server
@@ -80,11 +77,6 @@ async def one_run(model: str, grace: float, args) -> dict:
             # the server's count: a stream it cut cannot tell its client (its trailers wait behind unread data)
             row["hostile_open_on_server"] = load.num_in_flight
     finally:
-        for c in calls:
-            c.cancel()
-        await asyncio.gather(*first_reads, return_exceptions=True)
-        for ch in channels:
-            await ch.close()
         proc.terminate()
         proc.wait(30)
     return row

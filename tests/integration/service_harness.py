@@ -61,3 +61,20 @@ async def wait_for(predicate, timeout=10.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return predicate()
+
+
+async def stalled_reader_is_cut(server, executor, open_call) -> None:
+    """A client with a tiny flow-control window reads one message of the call `open_call(channel)` starts and no
+    more, so the server's writes stop completing: the stall watchdog cancels the request in the executor, and it
+    leaves the looper and admission."""
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=[
+        ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
+    call = open_call(channel)
+    try:
+        await call.read()  # grpc.aio starts a call when it is first read; then stop reading
+        assert await wait_for(lambda: executor.cancels, timeout=20)
+        assert await wait_for(lambda: executor.num_active == 0 and server.app.looper.num_open == 0)
+        assert await wait_for(lambda: server.app.admission.num_active == 0)
+    finally:
+        call.cancel()
+        await channel.close()

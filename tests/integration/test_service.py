@@ -10,9 +10,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.conftest import run
-from tests.integration.service_harness import serving
+from tests.integration.service_harness import serving, stalled_reader_is_cut
 from tests.scripted_executor import ScriptedExecutor
 from tokenloop.v1 import tokenloop_pb2 as pb
+from tokenloop.v1 import tokenloop_pb2_grpc
 
 HELLO = "Hello world, hello gRPC streams."
 
@@ -247,17 +248,8 @@ def test_stalled_reader_is_aborted_and_freed(tokenizer_dir):
     async def body():
         ex = ScriptedExecutor(tick=0.001)
         async with serving(tokenizer_dir, executor=ex, stall_timeout=0.5) as (server, stub, _):
-            # a client with a tiny flow-control window that never reads: the server's writes stop completing
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=[
-                ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
-            from tokenloop.v1 import tokenloop_pb2_grpc
-            call = tokenloop_pb2_grpc.TextGenerationStub(channel).Generate(gen(max_new=4000))
-            await call.read()  # grpc.aio starts a call when it is first read; then stop reading
-            assert await wait_for(lambda: ex.cancels, timeout=20)
-            assert await wait_for(lambda: ex.num_active == 0 and server.app.looper.num_open == 0)
-            assert await wait_for(lambda: server.app.admission.num_active == 0)
-            call.cancel()
-            await channel.close()
+            await stalled_reader_is_cut(
+                server, ex, lambda channel: tokenloop_pb2_grpc.TextGenerationStub(channel).Generate(gen(max_new=4000)))
     run(body())
 
 

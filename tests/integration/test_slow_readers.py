@@ -16,6 +16,7 @@ from tests.conftest import run
 from tests.integration.service_harness import read_all, serving, wait_for
 from tests.scripted_executor import ScriptedExecutor
 from tests.tiny_model import make_tiny_model
+from tokenloop.bench.harness import never_reading
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.v1 import tokenloop_pb2 as pb
@@ -88,14 +89,11 @@ def test_hundreds_of_never_reading_streams_do_not_keep_a_new_client_out(checkpoi
     num_streams = 200
 
     async def attack(server, deadline_s: float):
-        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) for _ in range(4)]
-        calls = [pb_grpc.TextGenerationStub(channels[i % 4]).Generate(gen(max_new=1000, request_id=f"h{i}"))
-                 for i in range(num_streams)]
-        first_reads = [asyncio.ensure_future(c.read()) for c in calls]  # one message each at most, then no more
         submitted = []  # request ids in the order they reached the looper
         looper_submit = server.app.looper.submit
         server.app.looper.submit = lambda valid, *a: submitted.append(valid.request_id) or looper_submit(valid, *a)
-        try:
+        hostile = [gen(max_new=1000, request_id=f"h{i}") for i in range(num_streams)]
+        async with never_reading(f"127.0.0.1:{server.port}", hostile, 4, NEVER_READS) as calls:
             app = server.app
             assert await wait_for(lambda: app.looper.num_open + app.admission.num_waiting >= num_streams, 30)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as good:
@@ -107,12 +105,6 @@ def test_hundreds_of_never_reading_streams_do_not_keep_a_new_client_out(checkpoi
                     outcome = err.code()
             still_open = sum(not c.done() for c in calls)
             return outcome, still_open, submitted
-        finally:
-            for c in calls:
-                c.cancel()
-            await asyncio.gather(*first_reads, return_exceptions=True)
-            for ch in channels:
-                await ch.close()
 
     async def body():  # (the server stops its executor: one engine each)
         async with serving(checkpoint, engine(checkpoint), slow_reader_grace=0.5, stall_timeout=60) as (server, _, _):

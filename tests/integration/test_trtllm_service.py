@@ -14,7 +14,7 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as tpb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tests.conftest import run
-from tests.integration.service_harness import gen, read_all, serving, trtllm, wait_for
+from tests.integration.service_harness import gen, read_all, serving, stalled_reader_is_cut, trtllm, wait_for
 from tests.scripted_executor import ScriptedExecutor
 
 HELLO = "Hello world, hello gRPC streams."
@@ -313,16 +313,7 @@ def test_stalled_reader_is_aborted_and_freed(tokenizer_dir, ids):
     async def body():
         ex = ScriptedExecutor(tick=0.001)
         async with serving(tokenizer_dir, executor=ex, stall_timeout=0.5) as (server, _stub, _):
-            # a client with a tiny flow-control window that never reads: the server's writes stop completing
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=[
-                ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
-            call = tpb_grpc.TrtllmServiceStub(channel).Generate(gen(ids, max_tokens=4000))
-            await call.read()  # grpc.aio starts a call when it is first read; then stop reading
-            assert await wait_for(lambda: ex.cancels, timeout=20)
-            assert await wait_for(lambda: ex.num_active == 0 and server.app.looper.num_open == 0)
-            assert await wait_for(lambda: server.app.admission.num_active == 0)
-            call.cancel()
-            await channel.close()
+            await stalled_reader_is_cut(server, ex, lambda channel: tpb_grpc.TrtllmServiceStub(channel).Generate(gen(ids, max_tokens=4000)))
     run(body())
 
 
