@@ -45,8 +45,8 @@ def field_key(message, field: str, wire_type: int = 2) -> bytes:
 # Serialized pieces of GenerateResponse (StreamWriter.encode)
 _REQUEST_ID_TAG = field_key(pb.GenerateResponse, "request_id")
 _CHUNK_TAG = field_key(pb.GenerateResponse, "chunk")
-_MAX_CHUNK_FIELDS = 1 << 18  # token ids whose one-token chunk field is kept (a vocabulary is usually smaller)
-_CHUNK_FIELDS: dict[int, tuple[str, bytes]] = {}  # token id -> (its text, the chunk field of that one token)
+MAX_CHUNK_FIELDS = 1 << 18  # token ids whose one-token chunk field is kept (a vocabulary is usually smaller)
+CHUNK_FIELDS: dict[int, tuple[str, bytes]] = {}  # token id -> (its text, the chunk field of that one token)
 
 
 def string_field(tag: bytes, text: str) -> bytes:
@@ -122,7 +122,7 @@ class SequenceWriter:
 class StreamWriter(SequenceWriter):
     """tokenloop.v1's messages. The commonest message, one token of sequence 0 with no logprobs, is the request's id
     field followed by a chunk field that depends only on the token and its text: that field is built once per token
-    id and kept in a table shared by every stream (`_CHUNK_FIELDS`), so such a message costs one bytes
+    id and kept in a table shared by every stream (`CHUNK_FIELDS`), so such a message costs one bytes
     concatenation. Any other chunk is serialized from one chunk message this writer refills."""
 
     __slots__ = ("_msg", "_msg_lps", "_prefix")
@@ -139,13 +139,13 @@ class StreamWriter(SequenceWriter):
 
     def encode_chunk(self, event: Chunk, done: Complete | None) -> bytes:
         if not event.index and not event.logprobs and len(event.token_ids) == 1:
-            fields = _CHUNK_FIELDS
+            fields = CHUNK_FIELDS
             token_id = event.token_ids[0]
             known = fields.get(token_id)
             if known is not None and known[0] == event.text:  # the common message: no protobuf at all
                 return self._prefix + known[1]
             field = _chunk_field(event.text, token_id)
-            if known is None and len(fields) < _MAX_CHUNK_FIELDS:
+            if known is None and len(fields) < MAX_CHUNK_FIELDS:
                 fields[token_id] = (event.text, field)
             return self._prefix + field
         return self._refilled(event).SerializeToString()

@@ -104,8 +104,8 @@ def test_stream_writer_encode_writes_the_bytes_protobuf_writes(monkeypatch):
                     assert all(type(m) is bytes for m in wire)
                     assert wire == a.encode(batch), (rid, kw)
     from tokenloop.service import convert
-    monkeypatch.setattr(convert, "_MAX_CHUNK_FIELDS", len(convert._CHUNK_FIELDS))  # the table is full
+    monkeypatch.setattr(convert, "MAX_CHUNK_FIELDS", len(convert.CHUNK_FIELDS))  # the table is full
     a, b = ProtobufWriter(request("w"), coalesce=False), StreamWriter(request("w"), coalesce=False)
     batch = [Chunk(0, "new", [424242]), Chunk(0, "new", [424242])]
     assert list(b.encode(batch)) == a.encode(batch)
-    assert 424242 not in convert._CHUNK_FIELDS
+    assert 424242 not in convert.CHUNK_FIELDS
