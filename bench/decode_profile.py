@@ -5,7 +5,7 @@ scenario of engine_bench.py: 32 x 64 + 128), greedy, in this process, one after 
 
 - the engine: `Engine(start=False)` driven step by step on this thread (no gRPC; the same `step()` the engine thread
   runs). Its decode steps are timed whole and by section: the layers' matrix products (per weight: qkv, o, gate_up,
-  down), the lm_head, decode attention, the C layer operations (RMSNorm, rope + cache write, SiLU * up), building
+  down), the lm_head, decode attention, the C layer operations (RMSNorm, rope + cache write, SiLU or GeLU * up, q/k norms), building
   the batch (runner.prepare), sampling, and the rest (Python per step: scheduler, postprocess, glue).
 - transformers: generate()'s greedy loop by hand (the model's forward over its DynamicCache, argmax, append),
   the threads engine_bench.py gives it; its decode steps are timed whole, and 8 in the middle go through
@@ -80,7 +80,7 @@ def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: En
     matmul.linear = timer.wrap(matmul.linear, lambda x, w, *rest: names.get(id(w), "other linear"))
     model.attention = timer.wrap(model.attention, "attention")
     if model.ops is not None:
-        for op in ("add_rms_norm", "rope_store", "silu_mul"):
+        for op in ("add_rms_norm", "rope_store", "silu_mul", "gelu_mul", "rms_norm_heads"):
             setattr(model.ops, op, timer.wrap(getattr(model.ops, op), "layer ops"))
         model.ops.decode_step = timer.wrap(model.ops.decode_step, "fused layers")  # every layer in one C call
     prepare, sample = runner.prepare, engine_module.sample_batch
@@ -114,7 +114,7 @@ def profile_engine(model_dir: str, batch: int, prompt: int, new: int, config: En
         runner.prepare, engine_module.sample_batch = prepare, sample
         engine.shutdown()
         if model.ops is not None:
-            for op in ("add_rms_norm", "rope_store", "silu_mul", "decode_step"):
+            for op in ("add_rms_norm", "rope_store", "silu_mul", "gelu_mul", "rms_norm_heads", "decode_step"):
                 delattr(model.ops, op)  # the kernel objects are shared by every engine of the process
     per_step = {k: v / steps for k, v in timer.total.items()}
     per_step["python/rest"] = wall / steps - sum(per_step.values())
