@@ -23,9 +23,8 @@ that handles a response and from the next `generate_async`; later ones raise "LL
 
 The LLM API is asyncio-based: `generate_async` must run on the event loop that later iterates
 its result. The adapter owns that loop on its own thread; the looper sees only the `Executor`
-protocol and blocks on a thread-safe queue of steps (`SimpleQueue.get` releases the GIL).
-Sequences are tracked with the adapter's own offsets rather than `token_ids_diff`, which is
-only refreshed for the sequence a response carries (stale for the others when n > 1).
+protocol and blocks on a thread-safe queue of steps (`SimpleQueue.get` releases the GIL). A result's outputs
+become steps in llmapi_outputs.py.
 """
 
 from __future__ import annotations
@@ -49,21 +48,18 @@ from .common import (
     end_and_stop_ids,
     guide_for,
     guided_backend,
-    infer_finish,
     sampling_kwargs,
     stats_from_iteration,
-    stop_reason,
     wants_logprobs,
 )
+from .llmapi_outputs import steps_of
 from .lora import TrtllmLoras
-from .speculative import SpecCounts, draft_counts, llm_speculative_config, perf_metrics_kwargs
+from .speculative import SpecCounts, llm_speculative_config, perf_metrics_kwargs
 
 log = logging.getLogger("tokenloop.trtllm")
 
 _STATS_TIMEOUT_S = 0.5
 _HEALTH_INTERVAL_S = 1.0
-_FINISH = {"length": FinishReason.LENGTH, "cancelled": FinishReason.CANCELLED,
-           "timeout": FinishReason.CANCELLED}  # "stop" depends on stop_reason
 
 
 _WAKE = object()  # put on the ready queue by wake(): ends a wait, carries no step
@@ -296,7 +292,7 @@ class TrtllmLlmApi(TrtllmLoras):
         sent = [0] * request.n
         try:
             async for output in result:
-                for step in self._steps(request_id, request, output, sent):
+                for step in steps_of(request_id, request, output, sent, request_id in self._aborted):
                     self._ready.put(step)
         except asyncio.CancelledError:
             raise
@@ -315,37 +311,6 @@ class TrtllmLlmApi(TrtllmLoras):
             self._results.pop(request_id, None)
             self._aborted.discard(request_id)
             self._release_lora(lora)
-
-    def _steps(self, request_id: int, request: ValidRequest, output, sent: list[int]) -> list[Step]:
-        steps = []
-        for seq, completion in enumerate(output.outputs[:request.n]):
-            tokens = list(completion.token_ids[sent[seq]:])
-            logprobs, tops = completion_logprobs(completion, sent[seq], len(tokens), request)
-            sent[seq] += len(tokens)
-            if not tokens and not output.finished:
-                continue
-            step = Step(request_id, seq, tokens, logprobs=logprobs, top_logprobs=tops, is_final=output.finished)
-            counts = draft_counts(getattr(completion, "request_perf_metrics", None))  # speculation (usage)
-            if counts is not None:
-                step.num_draft_tokens, step.num_accepted_draft_tokens = counts
-            if output.finished:
-                self.finish_step(step, completion, request, request_id in self._aborted)
-            steps.append(step)
-        return steps
-
-    @staticmethod
-    def finish_step(step: Step, completion, request: ValidRequest, aborted: bool) -> None:
-        """Map `finish_reason` stop|length|timeout|cancelled (and `stop_reason`) to ours."""
-        reason = completion.finish_reason
-        if reason == "stop":
-            token = completion.stop_reason if isinstance(completion.stop_reason, int) else None
-            step.finish_reason, step.matched_stop_token = stop_reason(token, request)
-        elif reason in _FINISH:
-            step.finish_reason = _FINISH[reason]
-        elif reason is None:  # the LLM API sets it only for the sequence in the last response
-            step.finish_reason, step.matched_stop_token = infer_finish(completion.token_ids, request, aborted)
-        else:
-            step.error = f"TensorRT-LLM finished sequence {step.seq_index} with an unknown reason {reason!r}"
 
     async def _poll_kv_events(self) -> None:
         """Pass the LLM's KV-cache events on to SubscribeKvEvents, one batch per read."""
@@ -375,25 +340,3 @@ class TrtllmLlmApi(TrtllmLoras):
             except Exception:
                 log.debug("get_stats_async failed", exc_info=True)
             await asyncio.sleep(_STATS_TIMEOUT_S)
-
-
-def completion_logprobs(completion, start: int, count: int, request: ValidRequest):
-    """(logprobs, top alternatives) of `count` tokens from `start`. Entries are floats in older
-    releases and `{token_id: Logprob(logprob, rank)}` dicts in newer ones."""
-    if not wants_logprobs(request) or completion.logprobs is None:
-        return None, None
-    entries = list(completion.logprobs[start:start + count])
-    ids = completion.token_ids[start:start + count]
-    lps: list[float] = []
-    tops: list[list[tuple[int, float]]] = []
-    for token, entry in zip(ids, entries):
-        if isinstance(entry, dict):
-            lps.append(float(entry[token].logprob) if token in entry else float("nan"))
-            ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
-            tops.append([(t, float(lp.logprob)) for t, lp in ranked[:request.output.top_logprobs]])
-        else:
-            lps.append(float(entry))
-            tops.append([])
-    lps += [float("nan")] * (count - len(lps))
-    tops += [[] for _ in range(count - len(tops))]
-    return lps, (tops if request.output.top_logprobs else None)

@@ -18,7 +18,7 @@ from tests.fakes import scenarios
 from tokenloop.core.executor import EngineDeadError, Step
 from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.trtllm import create_trtllm_executor
-from tokenloop.trtllm.llmapi import TrtllmLlmApi, completion_logprobs
+from tokenloop.trtllm.llmapi_outputs import completion_logprobs, finish_step
 
 THREAD = "tokenloop-trtllm-llmapi"
 
@@ -153,14 +153,14 @@ def test_logprob_entries_as_floats_or_dicts():
 def test_finish_reasons_map_to_ours(reason, stop_reason, tokens, aborted, expected):
     request = ValidRequest("t", (1,), stopping=StoppingParams(max_new_tokens=3, stop_token_ids=(13,)))
     step = Step(1, 0, [], is_final=True)
-    TrtllmLlmApi.finish_step(step, SimpleNamespace(finish_reason=reason, stop_reason=stop_reason, token_ids=tokens),
+    finish_step(step, SimpleNamespace(finish_reason=reason, stop_reason=stop_reason, token_ids=tokens),
                          request, aborted)
     assert (step.finish_reason, step.matched_stop_token) == expected and step.error is None
 
 
 def test_unknown_finish_reason_is_an_error():
     step = Step(1, 0, [], is_final=True)
-    TrtllmLlmApi.finish_step(step, SimpleNamespace(finish_reason="eaten", stop_reason=None, token_ids=[1]),
+    finish_step(step, SimpleNamespace(finish_reason="eaten", stop_reason=None, token_ids=[1]),
                          ValidRequest("t", (1,)), False)
     assert step.error == "TensorRT-LLM finished sequence 0 with an unknown reason 'eaten'"
 
