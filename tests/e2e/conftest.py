@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from tests.e2e import gemma3
 from tests.e2e.tools import BUF_PREFIX, BUF_VERSION
 
 
@@ -26,3 +27,9 @@ def buf() -> str:
         if done.returncode != 0 or not local.exists():
             pytest.skip(f"could not install @bufbuild/buf from npm: {done.stderr[-500:]}")
     return str(local)
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    """Gemma 3 270M's GGUF file (tests/e2e/gemma3.py), fetched where it is missing."""
+    return gemma3.fetch()

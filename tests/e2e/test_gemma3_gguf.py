@@ -7,42 +7,21 @@ the package index cannot be reached to fetch the file."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.e2e.live_server import ROOT
+from tests.e2e.gemma3 import PROMPTS
 from tests.engine_helpers import greedy_request, hf_greedy, run_all, tokens
 from tokenloop.core.gguf_file import open_gguf
 from tokenloop.core.tokenizer import Tokenizer
 from tokenloop.engine.config import EngineConfig
-from tokenloop.engine.convert_gguf import GEMMA3_NAME
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.perplexity import DEFAULT_TEXT, load_engine, perplexity
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-GGUF = ROOT / "models" / GEMMA3_NAME
-PROMPTS = ["The capital of France is", "Once upon a time, there was", "The best way to learn a language is",
-           "Water boils at", "In 1969, the first man on the Moon", "A good breakfast consists of",
-           "The three primary colors are", "My favourite programming language is", "The largest planet in the",
-           "To make a cup of tea, you", "The theory of relativity says that", "Dogs are popular pets because",
-           "The Pacific Ocean is", "When it rains, people usually", "A computer program is", "The sun rises in the"]
 WINDOW = 512  # the model's sliding window, which caps the served context
-
-
-@pytest.fixture(scope="module")
-def gguf():
-    if not GGUF.is_file():
-        run = subprocess.run([sys.executable, "-m", "tokenloop.engine.convert_gguf", "--gemma3", str(GGUF)],
-                             capture_output=True, text=True, timeout=1200, cwd=ROOT)
-        if run.returncode != 0:
-            if "Could not" in run.stderr or "connection" in run.stderr.lower():
-                pytest.skip(f"the package index cannot be reached to fetch {GEMMA3_NAME}: {run.stderr[-300:]}")
-            raise AssertionError(run.stderr)
-    return GGUF
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,8 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as tpb_grpc
 
 from tests.e2e.gateway import Router, smg_binary
+from tests.e2e.gemma3 import GGUF, PROMPTS
 from tests.e2e.live_server import LiveServer
-from tests.e2e.test_gemma3_gguf import GGUF, PROMPTS
-from tests.e2e.test_gemma3_gguf import gguf as gguf  # noqa: F401, PLC0414 - the fixture that fetches the file
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
@@ -35,7 +34,7 @@ NUM_NEW = 16
 
 
 @pytest.fixture(scope="module", params=["vllm", "trtllm"])
-def stack(request, gguf, tmp_path_factory):  # noqa: F811 - the imported fixture, used by name
+def stack(request, gguf, tmp_path_factory):
     """(router, tokenloop.v1 stub, protocol) on loopback for one protocol; all stopped afterwards."""
     smg_binary()
     flags = ("--log-format", "json") + (() if request.param == "vllm" else ("--router-protocol", "trtllm"))
