@@ -52,8 +52,8 @@ class ModelConfig:
     embed_scale: float | None = None
     attn_scale: float | None = None
     sandwich_norms: bool = False
-    local_rope_theta: float | None = None
-    local_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None  # Gemma 3's local layers' rotary base (None: every layer has rope_theta)
+    local_layers: tuple[bool, ...] | None = None  # the layers that attend within sliding_window (None: none do)
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:
@@ -82,7 +82,6 @@ class ModelConfig:
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
-        window = config.get("sliding_window")
         gemma_fields = {}
         if gemma:
             num_layers = int(config["num_hidden_layers"])
@@ -92,8 +91,7 @@ class ModelConfig:
                                 attn_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
                                 local_rope_theta=float(local.get("rope_theta", 1e4)),
                                 local_layers=tuple(t == "sliding_attention" for t in types))
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not config.get("use_sliding_window", False):
-            window = None
+        window, windowed = sliding_layers(arch, config, gemma_fields.get("local_layers"))
         return cls(
             architecture=arch,
             vocab_size=int(config["vocab_size"]),
@@ -109,10 +107,10 @@ class ModelConfig:
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
             rope_freq_factors=tuple(config["rope_freq_factors"]) if config.get("rope_freq_factors") else None,
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
-            **gemma_fields,
+            **{**gemma_fields, "local_layers": windowed},
         )
 
     @classmethod
@@ -129,11 +127,29 @@ class ModelConfig:
 
     @property
     def max_context_length(self) -> int:
-        """Longest sequence served: the position limit, and the sliding window where the engine does not run it (only
-        Gemma 3's local layers attend within theirs: model.layer_windows)."""
-        if self.local_layers is not None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        """Longest sequence served: the position limit (the windowed layers attend within theirs: model.layer_windows)."""
+        return self.max_position_embeddings
+
+
+def sliding_layers(arch: str, config: dict, gemma: tuple[bool, ...] | None) -> tuple[int | None, tuple | None]:
+    """(sliding_window, which layers attend within it) as transformers reads a config: Gemma 3 by its layer_types;
+    Mistral every layer (4096 where config.json has no `sliding_window`, as MistralConfig defaults); Qwen2 / Qwen3 only
+    with `use_sliding_window`, by `layer_types` or else the layers from `max_window_layers` on; Llama none."""
+    num_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    if arch == "Gemma3ForCausalLM":  # its local layers keep their rotary base even without a window
+        return (int(window) if window else None), gemma
+    if not window or arch == "LlamaForCausalLM":
+        return None, None
+    if arch == "MistralForCausalLM":
+        return int(window), (True,) * num_layers
+    if not config.get("use_sliding_window", False):  # Qwen2, Qwen3
+        return None, None
+    first = int(config.get("max_window_layers", 28))
+    types = config.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                          for i in range(num_layers)]
+    windowed = tuple(t == "sliding_attention" for t in types)
+    return (int(window), windowed) if any(windowed) else (None, None)
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:

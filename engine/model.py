@@ -47,8 +47,7 @@ class LayerWeights:
 
 def layer_windows(config: ModelConfig) -> list[int]:
     """Each layer's sliding window (attend to the last `window` positions, its own included; 0: every position):
-    Gemma 3's local layers. Other models with a window in their config.json (Mistral's, Qwen2's use_sliding_window)
-    are served no longer than it (ModelConfig.max_context_length), so every layer attends to all."""
+    Gemma 3's local layers, every Mistral layer, Qwen2 / Qwen3's from max_window_layers on (loader.sliding_layers)."""
     if config.local_layers is None or not config.sliding_window:
         return [0] * config.num_layers
     return [config.sliding_window if local else 0 for local in config.local_layers]
@@ -107,7 +106,7 @@ class Model:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.local_rope = None  # Gemma 3's sliding-window layers: their own (cos, sin)
-        if c.local_layers is not None:
+        if c.local_rope_theta is not None:
             freqs = pos[:, None] * rope_inv_freq(c, local=True)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             self.local_rope = (emb.cos().to(dtype), emb.sin().to(dtype))

@@ -59,10 +59,11 @@ def _config(arch: str, vocab_size: int, hidden: int, num_layers: int, num_heads:
     }
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
-    if arch in ("qwen2", "qwen3"):
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
-    if arch == "mistral":
-        config["sliding_window"] = None
+    if arch in ("qwen2", "qwen3"):  # with a window: the layers from max_window_layers on (the upper half) use it
+        config.update(use_sliding_window=bool(sliding_window), sliding_window=sliding_window,
+                      max_window_layers=num_layers // 2 if sliding_window else num_layers)
+    if arch == "mistral":  # with a window: every layer
+        config["sliding_window"] = sliding_window
     if arch == "gemma3":  # local (sliding-window) layers 0, 2, ...; global 1, 3, ...; a query scalar other than E
         del config["hidden_act"]
         config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
@@ -113,7 +114,8 @@ def make_tiny_model(model_dir: str | Path, arch: str = "llama", tied: bool = Tru
                     max_positions: int = 1024, rope_scaling: dict | None = None, seed: int = 0,
                     std: float = 0.3, sliding_window: int | None = None) -> Path:
     """Write a tiny random-weight checkpoint of `arch` ("llama", "qwen2", "mistral", "qwen3", "gemma3") to
-    `model_dir`. `sliding_window`: Gemma 3's local layers' (default: max_positions, so every layer sees it all)."""
+    `model_dir`. `sliding_window`: Gemma 3's local layers' (default: max_positions, so every layer sees it all);
+    Mistral's (every layer) and Qwen2/Qwen3's (the upper half of the layers, by max_window_layers) where given."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     model_dir = Path(model_dir)

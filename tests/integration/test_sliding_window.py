@@ -1,8 +1,9 @@
-"""Gemma 3's local layers attend to the last `sliding_window` positions only, its global layers to all: a tiny
-Gemma 3 with a window of 6 serves prompts and outputs well past it, token for token equal to transformers in float32,
+"""Sliding-window layers attend to the last `sliding_window` positions only: Gemma 3's local layers (its global ones to
+all), every Mistral layer, and Qwen2's layers from `max_window_layers` on (`use_sliding_window`). A tiny checkpoint of
+each with a window of 6 serves prompts and outputs well past it, token for token equal to transformers in float32,
 on the native kernels (paged decode and prefill rows with the window: engine/paged_attention.c) and on the torch path
 (SDPA under a windowed mask: fresh prompt chunks split over two threads, chunks over a cached prefix), alone and in a
-batch with chunked prefill and prefix-cache hits. The kernel's window alone: tests/unit/test_paged_attention.py."""
+batch with chunked prefill and prefix-cache hits. The kernel's window alone: tests/unit/test_paged_attention.py"""
 
 from __future__ import annotations
 
@@ -23,10 +24,14 @@ WINDOW = 6
 NUM_NEW = 24
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("gemma3-window"), "gemma3", tied=False, num_layers=4,
-                           max_positions=512, sliding_window=WINDOW)
+# each family's windowed layers: Gemma 3's local ones (0, 2), every Mistral layer, Qwen2's upper half (max_window_layers)
+WINDOWS = {"gemma3": [WINDOW, 0, WINDOW, 0], "mistral": [WINDOW] * 4, "qwen2": [0, 0, WINDOW, WINDOW]}
+
+
+@pytest.fixture(scope="module", params=list(WINDOWS))
+def checkpoint(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(f"{request.param}-window"), request.param, tied=False,
+                           num_layers=4, max_positions=512, sliding_window=WINDOW)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,7 @@ def test_the_window_changes_the_output_and_the_context_is_the_models(checkpoint,
     assert hf_greedy(wide, prompt, NUM_NEW) != hf_greedy(hf, prompt, NUM_NEW)
     engine = Engine(checkpoint, EngineConfig(kv_cache_tokens=1024), start=False)
     assert engine.max_context_length == 512
-    assert layer_windows(engine.model_config) == [WINDOW, 0, WINDOW, 0]
+    assert layer_windows(engine.model_config) == WINDOWS[engine.model_config.architecture[:-len("ForCausalLM")].lower()]
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])

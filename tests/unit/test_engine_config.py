@@ -7,6 +7,7 @@ import torch
 
 from tokenloop.engine.config import DEFAULT_KV_CACHE_TOKENS, EngineConfig, default_kv_tokens
 from tokenloop.engine.loader import ModelConfig, rope_inv_freq
+from tokenloop.engine.model import layer_windows
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -70,9 +71,22 @@ def test_reads_both_rope_spellings_and_defaults():
     assert old.head_dim == 16 and not old.qkv_bias and not old.tie_word_embeddings
     qwen = ModelConfig.from_dict({**LLAMA, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32,
                                   "use_sliding_window": False})
-    assert qwen.qkv_bias and qwen.max_context_length == 256
-    mistral = ModelConfig.from_dict({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 128})
-    assert mistral.max_context_length == 128
+    assert qwen.qkv_bias and qwen.max_context_length == 256 and layer_windows(qwen) == [0, 0]
+
+
+@pytest.mark.parametrize("arch, extra, windows", [
+    ("MistralForCausalLM", {"sliding_window": 128}, [128, 128]),
+    ("MistralForCausalLM", {}, [4096, 4096]),  # MistralConfig's default where config.json has none
+    ("MistralForCausalLM", {"sliding_window": None}, [0, 0]),
+    ("Qwen2ForCausalLM", {"sliding_window": 32, "use_sliding_window": True, "max_window_layers": 1}, [0, 32]),
+    ("Qwen3ForCausalLM", {"sliding_window": 32, "use_sliding_window": True, "max_window_layers": 2}, [0, 0]),
+    ("Qwen2ForCausalLM", {"sliding_window": 32, "use_sliding_window": True,
+                          "layer_types": ["sliding_attention", "full_attention"]}, [32, 0]),
+    ("LlamaForCausalLM", {"sliding_window": 32}, [0, 0]),  # Llama has none, whatever config.json says
+])
+def test_sliding_windows_by_layer_as_transformers_reads_them(arch, extra, windows):
+    config = ModelConfig.from_dict({**LLAMA, "architectures": [arch], **extra})
+    assert layer_windows(config) == windows and config.max_context_length == 256
 
 
 def test_llama3_rope_scaling_matches_transformers():
