@@ -37,14 +37,11 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-fail() {
-    echo "cluster-demo: $1" >&2
-    for log in "$WORK"/*.log; do [ -f "$log" ] && { echo "--- $log" >&2; tail -n 20 "$log" >&2; }; done
-    exit 1
-}
+DEMO=cluster-demo
+# shellcheck source=scripts/demo_common.sh
+source scripts/demo_common.sh  # fail, need_model_and_venv
 
-[ -f "$MODEL/config.json" ] || fail "no model in $MODEL (run \`make model\`)"
-[ -x "$VENV/bin/tokenloop" ] || fail "no $VENV/bin/tokenloop (run \`make setup\`)"
+need_model_and_venv
 [ -x "$VENV/bin/smg" ] || "$VENV/bin/pip" install --quiet "smg==$SMG_VERSION"
 
 URLS=()

@@ -36,11 +36,9 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-fail() {
-    echo "router-demo: $1" >&2
-    for log in "$WORK"/*.log; do [ -f "$log" ] && { echo "--- $log" >&2; tail -n 20 "$log" >&2; }; done
-    exit 1
-}
+DEMO=router-demo
+# shellcheck source=scripts/demo_common.sh
+source scripts/demo_common.sh  # fail, need_model_and_venv
 
 wait_for() {  # wait_for DESCRIPTION SECONDS PID COMMAND...
     local what="$1" seconds="$2" pid="$3"
@@ -53,8 +51,7 @@ wait_for() {  # wait_for DESCRIPTION SECONDS PID COMMAND...
     fail "$what was not ready after ${seconds}s"
 }
 
-[ -f "$MODEL/config.json" ] || fail "no model in $MODEL (run \`make model\`)"
-[ -x "$VENV/bin/tokenloop" ] || fail "no $VENV/bin/tokenloop (run \`make setup\`)"
+need_model_and_venv
 if [ ! -x "$VENV/bin/smg" ]; then
     echo "== installing smg==$SMG_VERSION into $VENV"
     "$VENV/bin/pip" install --quiet "smg==$SMG_VERSION"
