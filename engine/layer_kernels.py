@@ -242,7 +242,7 @@ class DecodePlan:
             kinds.add(kind)
             q, s = (w.q, w.scale) if kind == 0 else int4_operands(w) if int4_operands else (w.q, w.sm)
             keep.extend((q, s))
-            return _DWeight(kind, q.data_ptr(), s.data_ptr(), w.num_out, w.q.shape[1], w.group_size)
+            return _DWeight(kind, q.data_ptr(), s.data_ptr(), w.num_out, w.shape[1], w.group_size)
 
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
@@ -265,7 +265,7 @@ class DecodePlan:
                                shape.windows[i])
             keep.extend(t for t in norms[i] if t is not None)
         first = layers[0]
-        dim, inter = first.o.num_out, first.down.q.shape[1]
+        dim, inter = first.o.num_out, first.down.shape[1]
         heads, kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         qkv_size, q_size = (heads + 2 * kv_heads) * head_dim, heads * head_dim
         shapes = {(qkv_size, dim), (dim, q_size), (2 * inter, dim), (dim, inter)}

@@ -82,8 +82,13 @@ class QuantKernel(CodePaths):
 
     def pack_all(self, weights: list, arena=None) -> None:
         """Pack every weight now (not in the first request that needs it), the packed bytes placed in `arena`
-        (hugepages.Arena: huge pages, as the weights themselves) when given; each copy replaces the one before."""
+        (hugepages.Arena: huge pages, as the weights themselves) when given; each copy replaces the one before. A
+        4-bit weight is repacked in place instead (Q4Weight.repack_vnni: its own storage reordered, no second copy),
+        so it then serves only the paths that read the vnni packing (the x22 family and vnni)."""
         for w in weights:
+            if hasattr(w, "repack_vnni"):
+                self.packings[id(w)] = (w, (w.repack_vnni(), w.sm))
+                continue
             packing = self.packed(w)
             if arena is not None:
                 self.packings[id(w)] = (w, (arena.place(packing[0]), *packing[1:]))
@@ -165,11 +170,13 @@ class Int4Linear(QuantKernel):
 
     @staticmethod
     def _operands(w) -> tuple:
-        return w.q, w.sm
+        return w.plain_q(), w.sm  # a copy where w was repacked for the x22 paths (pack_all): not a serving path
 
     @staticmethod
     def _pack(w) -> tuple:
         """(qv [N32, K/4, 16, 4] uint8: the nibble bytes of four columns in one lane, sm): vnni's and x22's."""
+        if w.q.dim() == 4:  # repacked in place already (pack_all)
+            return w.q, w.sm
         return pack_vnni(w.q, 16, w.group_size), w.sm
 
 

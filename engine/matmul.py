@@ -67,6 +67,18 @@ class Backend(enum.Enum):
 NATIVE_MAX_TOKENS = 16  # native2 is a candidate up to this bucket (past it BLAS's blocking wins)
 
 
+TIMED_COPY_BYTES = 1 << 30  # the float32 copies the torch-fp32 route times over, at most (8B: 0.5 GB per gate_up)
+
+
+def timed_weights(weights: list) -> list:
+    """The first of `weights` (at least one) whose float32 copies take at most TIMED_COPY_BYTES: what a quantized
+    mode's routes are timed over. The library routes multiply copies of the weights (torch-fp32 in float32, 8x
+    int4's bytes), kept for the timing: over every layer's gate_up of an 8B model that was 15 GB, and the start-up
+    was killed for memory. A 1.7B model keeps 8 of its 24 layers, still far more bytes than any cache."""
+    per = weights[0].shape[0] * weights[0].shape[1] * 4
+    return weights[:max(1, min(len(weights), TIMED_COPY_BYTES // per))]
+
+
 class MatmulPolicy:
     """`linear(x, w, backend)` = x @ w.T; `backend(num_tokens)` says how a step multiplies float weights, `qroutes`
     how it multiplies quantized ones (a QuantRoute and whether it splits over two threads, per bucket)."""
@@ -170,8 +182,8 @@ class MatmulPolicy:
                         use_cache: bool | None = None) -> MatmulPolicy:
         """The routes of a quantized mode, per bucket. TOKENLOOP_MATMUL_ROUTE forces one for every bucket (an
         error names why when it cannot run here). Otherwise every route this machine runs (quant_routes) is timed
-        per bucket, each over all of `weights` (every layer's gate_up: a real step streams them from memory) up to
-        COLD_TOKENS rows and over the first beyond; the C routes on one thread and on two up to INT8_TIMED_TOKENS
+        per bucket, each over `timed_weights(weights)` (every layer's gate_up, as many as TIMED_COPY_BYTES allows:
+        a real step streams them from memory) up to COLD_TOKENS rows and over the first beyond; the C routes on one thread and on two up to INT8_TIMED_TOKENS
         rows, on two beyond. Then one family is kept for every bucket (so a row gets the same bits alone and in any
         batch): the eligible family whose per-bucket best is closest to the overall best (the sum over buckets of
         log(family best / overall best)), and in each bucket its fastest route. The choice and the times are cached
@@ -180,7 +192,7 @@ class MatmulPolicy:
         used more than LOAD_LIMIT of the CPUs (OthersLoad) is cached as provisional: two threads time slower on a
         busy machine, and such a choice once made a quiet benchmark run one stream on one thread; a later start on a
         quiet machine (quiet_now) times the routes again."""
-        weights = weights if isinstance(weights, list) else [weights]
+        weights = timed_weights(weights if isinstance(weights, list) else [weights])
         kernel = int4 if mode == "int4" else int8
         routes = quant_routes(mode, int8, int4)
         forced = os.environ.get(ROUTE_ENV, "").strip()

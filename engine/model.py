@@ -259,19 +259,25 @@ class Model:
 
     def plan_for(self, int4: Int4Linear | None):
         """The fused plan for products on `int4`'s path: the model's own, or, for an x22 path, one over the packing
-        that path multiplies (Int4Linear.packed: one more copy of the int4 weights, shared with the layer loop's
-        products), built on first use. The x22 routes of one calibration share their packings, so they share
-        one plan (the path codes are the StepKernels'): the weights are packed and placed once."""
+        that path multiplies, built on first use: the int4 weights are repacked in place (Q4Weight.repack_vnni, in
+        their huge-page arena: one copy of the weights, not two), shared with the layer loop's products. The x22
+        routes of one calibration share their packings, so they share one plan (the path codes are the
+        StepKernels')."""
         if int4 is None or int4.isa not in Int4Linear.X22:
+            if self.plan is not None and any(w.q.dim() == 4 for w in self._q4_weights()):
+                raise RuntimeError(f"the int4 weights were repacked for the x22 paths; route {int4.isa} reads the "
+                                   "block layout (one family serves a process: matmul.MatmulPolicy)")
             return self.plan
         plan = self._packed_plans.get(id(int4.packings))
         if plan is None:
-            q4 = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                  if isinstance(w, Q4Weight)]
-            int4.pack_all(q4, hugepages.arena_for([w.q.numel() * w.q.element_size() for w in q4]))
+            int4.pack_all(self._q4_weights())
             plan = self._packed_plans[id(int4.packings)] = self.ops.decode_plan(
                 self.layers, self.k_cache, self.v_cache, self._plan_shape, int4_operands=int4.packed)
         return plan
+
+    def _q4_weights(self) -> list[Q4Weight]:
+        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                if isinstance(w, Q4Weight)]
 
     def _final_hidden(self, h: torch.Tensor, batch: ForwardBatch) -> None:
         """The embedding rows' hidden states after the final norm (transformers' last_hidden_state) into

@@ -25,13 +25,14 @@ PACK = 32  # output channels interleaved per column
 
 
 class _Packed:
-    """What QWeight and Q4Weight share: `q` packed [N32, K, ...] and `num_out` channels of them are real."""
+    """What QWeight and Q4Weight share: `q` packed [N32, K, ...] and `num_out` channels of them are real (a
+    Q4Weight may hold the vnni packing instead, [N32, K/4, 16, 4]: Q4Weight.repack_vnni)."""
 
     __slots__ = ()
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.num_out, self.q.shape[1]))
+        return torch.Size((self.num_out, self.q.shape[1] * (self.q.shape[3] if self.q.dim() == 4 else 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +124,35 @@ class Q4Weight(_Packed):
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [N, K] uint8 in 0..15, d [N, K // group_size] float32, m [N, K // group_size] float32)."""
-        nb, k, _ = self.q.shape
-        q = torch.cat([self.q & 15, self.q >> 4], dim=2)  # [N32, K, 32]: channels 0..15, then 16..31
+        plain = self.plain_q()
+        nb, k, _ = plain.shape
+        q = torch.cat([plain & 15, plain >> 4], dim=2)  # [N32, K, 32]: channels 0..15, then 16..31
         q = q.permute(0, 2, 1).reshape(nb * PACK, k)[:self.num_out]
         sm = self.sm.float().permute(0, 3, 1, 2).reshape(nb * PACK, -1, 2)[:self.num_out]
         return q, sm[:, :, 0].contiguous(), sm[:, :, 1].contiguous()
+
+    def plain_q(self) -> torch.Tensor:
+        """q in the block layout [N32, K, 16]: q itself, or a copy unpacked from the vnni packing (repack_vnni)."""
+        if self.q.dim() == 3:
+            return self.q
+        nb, k4, lanes, four = self.q.shape
+        return self.q.permute(0, 1, 3, 2).reshape(nb, k4 * four, lanes)
+
+    def repack_vnni(self) -> torch.Tensor:
+        """Turn q, in place, into the vnni packing [N32, K/4, 16, 4] that the x22 paths multiply (four columns of a
+        channel in one 32-bit lane) and return it: the same bytes reordered in q's own storage (the weights' huge-page
+        arena), through one weight's temporary copy, so that x22 serving keeps one copy of the 4-bit weights, not
+        two. Idempotent."""
+        if self.q.dim() == 4:
+            return self.q
+        nb, k, lanes = self.q.shape
+        if k % 4 or self.group_size % 4:
+            raise ValueError(f"the vnni packing needs groups of a multiple of 4 columns, not {self.group_size}")
+        packed = self.q.view(nb, k // 4, 4, lanes).permute(0, 1, 3, 2).contiguous()
+        flat = self.q.view(-1)
+        flat.copy_(packed.view(-1))
+        object.__setattr__(self, "q", flat.view(nb, k // 4, lanes, 4))
+        return self.q
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] the 4-bit values stand for (what the kernel multiplies by)."""

@@ -175,6 +175,9 @@ def time_routes(routes: dict[str, QuantRoute], weights: list) -> dict[int, dict[
             times[b].update(best_times({c: fn for c, fn in candidates.items() if c not in eligible}, rounds=1))
     for route in routes.values():
         route._copies.clear()  # the library routes' copies of the weights were for the timing only
+        for kernel in (route.int8, route.int4):
+            if kernel is not None:  # and so were the packings (x22 serving repacks the weights in place)
+                kernel.packings.clear()
     return times
 
 

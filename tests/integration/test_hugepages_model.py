@@ -82,8 +82,9 @@ def test_logits_are_equal_with_huge_pages_off_and_on(tmp_path, weights, backend)
 
 
 def test_the_x22_paths_packed_weights_are_on_huge_pages_too(tmp_path):
-    """int4's x22 paths multiply a packed copy of the weights (Int4Linear.packed), made at load for the fused plan:
-    the same bits with huge pages off and on, and with them on the copies are in their own arena, huge-backed."""
+    """int4's x22 paths multiply the weights repacked in place (Int4Linear.pack_all, Q4Weight.repack_vnni) for the
+    fused plan: the same bits with huge pages off and on, and with them on the packed weights are the weights' own
+    arena, huge-backed: no second copy."""
     isa = x22_isa()
     if isa is None:
         pytest.skip(kernels.load_int4().missing("x22-avx2") if kernels.load_int4() else "no int4 kernel here")
@@ -104,5 +105,6 @@ def test_the_x22_paths_packed_weights_are_on_huge_pages_too(tmp_path):
     if reason is not None:
         pytest.skip(f"bits checked; no huge pages here: {reason}")
     arenas = {t.untyped_storage().data_ptr() for t in packed}
-    assert len(arenas) == 1 and arenas != {on.layers[0].qkv.q.untyped_storage().data_ptr()}
+    assert arenas == {on.layers[0].qkv.q.untyped_storage().data_ptr()}
+    assert all(p.q is route.int4.packed(p)[0] for w in on.layers for p in (w.qkv, w.o, w.gate_up, w.down))
     assert hugepages.huge_bytes(packed[0]) > 0

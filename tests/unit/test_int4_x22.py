@@ -171,3 +171,24 @@ def test_x22_paths_are_int4s_own_and_named_when_missing():
         assert (KERNEL.missing(isa) == "") == KERNEL.supports(isa)
         if not KERNEL.supports(isa):
             assert kernels.Int4Linear.NEEDS[isa] in KERNEL.missing(isa)
+
+
+@pytest.mark.parametrize("isa", X22)
+def test_x22_serving_repacks_the_weights_in_place_and_keeps_their_values_and_products(isa):
+    """pack_all (the fused plan of an x22 route) reorders a 4-bit weight's own storage into the vnni packing instead
+    of keeping a second copy: same storage, same values (dequantize), same products on the x22 path, and a block
+    layout path still gets the right (copied back) operands."""
+    kernel = kernel_for(isa)
+    gen = torch.Generator().manual_seed(5)
+    source = torch.randn(96, 576, generator=gen)
+    w, untouched = quantize4(source, 32), quantize4(source, 32)
+    x = torch.randn(3, 576, generator=gen)
+    before, storage, shape = product(isa, x, w), w.q.untyped_storage().data_ptr(), w.shape
+    kernel.pack_all([w])
+    assert w.q.shape == (3, 576 // 4, 16, 4) and w.q.untyped_storage().data_ptr() == storage
+    assert w.shape == shape and torch.equal(w.dequantize(), untouched.dequantize())
+    assert torch.equal(product(isa, x, w), before)
+    kernel.pack_all([w])  # idempotent
+    assert torch.equal(w.q, kernel.packed(untouched)[0])
+    if KERNEL.supports("avx2"):
+        assert torch.equal(product("avx2", x, w), product("avx2", x, untouched))

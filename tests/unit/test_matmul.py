@@ -74,3 +74,18 @@ def test_the_native_backends_can_be_named_on_the_command_line(name):
     assert args.matmul_backend == name and EngineConfig(matmul_backend=name).matmul_backend == name
     policy = MatmulPolicy.fixed(Backend(name))
     assert {policy.backend(b) for b in BUCKETS} == {Backend(name)}
+
+
+def test_the_quantized_routes_are_timed_over_a_bounded_set_of_weights():
+    """The torch-fp32 route times float32 copies of what it multiplies: an 8B model's 32 gate_up matrices
+    [28672, 4096] would be 15 GB of them, so the timing keeps as many as TIMED_COPY_BYTES allows, at least one."""
+    from tokenloop.engine.matmul import TIMED_COPY_BYTES, timed_weights
+
+    class Shape:
+        def __init__(self, n, k):
+            self.shape = (n, k)
+    big = [Shape(28672, 4096) for _ in range(32)]
+    assert len(timed_weights(big)) == TIMED_COPY_BYTES // (28672 * 4096 * 4) == 2
+    small = [Shape(3072, 576) for _ in range(30)]  # SmolLM2-135M: every layer
+    assert timed_weights(small) == small
+    assert len(timed_weights([Shape(1 << 20, 1 << 12)])) == 1
