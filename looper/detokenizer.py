@@ -10,7 +10,10 @@ Byte-level BPE tokenizers (GPT-2 style, SmolLM2, Llama 3) decode by concatenatin
 the ids read so far decoded cleanly, the new text is just the decoding of the new ids: those
 take a fast path that decodes only the unread ids, once per push, with no context re-decoded.
 The commonest push, one token after a clean read, does not decode at all: the text of each single
-token that decodes to whole characters is kept in a table shared by every sequence on the tokenizer.
+token that decodes to whole characters is kept in a table shared by every sequence on the tokenizer. A character
+split over a few tokens (CJK, emoji, accents) is read the same way: the decoding of each short run of unread ids
+(up to `_MAX_RUN`, whole or still incomplete) is kept in a second table, so a character seen before is not decoded
+again.
 """
 
 from __future__ import annotations
@@ -44,27 +47,38 @@ def is_byte_level(tokenizer: Decoder) -> bool:
     return result
 
 
-_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {skip: {id: text}}
-_MAX_TOKEN_TEXTS = 1 << 18  # ids remembered per tokenizer (a vocabulary is usually smaller)
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(skip, kind): table}
+_MAX_TOKEN_TEXTS = 1 << 18  # ids (or runs) remembered per tokenizer and table (a vocabulary is usually smaller)
+_MAX_RUN = 4  # the longest run of unread ids whose decoding is kept (a UTF-8 character has at most 4 bytes)
+
+
+def _shared_table(tokenizer: Decoder, skip_special_tokens: bool, kind: str) -> dict:
+    try:
+        tables = _TOKEN_TEXTS[tokenizer]
+    except KeyError:
+        tables = _TOKEN_TEXTS[tokenizer] = {}
+    except TypeError:  # not weak-referenceable: a private table
+        return {}
+    return tables.setdefault((bool(skip_special_tokens), kind), {})
 
 
 def token_texts(tokenizer: Decoder, skip_special_tokens: bool) -> dict[int, str]:
     """The texts of single byte-level tokens that decode to whole characters, filled as tokens are seen. Shared
     by every sequence on one tokenizer; a racing second writer stores the same text."""
-    try:
-        per_skip = _TOKEN_TEXTS[tokenizer]
-    except KeyError:
-        per_skip = _TOKEN_TEXTS[tokenizer] = {}
-    except TypeError:  # not weak-referenceable: a private table
-        return {}
-    return per_skip.setdefault(bool(skip_special_tokens), {})
+    return _shared_table(tokenizer, skip_special_tokens, "token")
+
+
+def run_texts(tokenizer: Decoder, skip_special_tokens: bool) -> dict[tuple[int, ...], str]:
+    """What each run of 1 to `_MAX_RUN` byte-level ids (other than one whole-character token) decodes to, as decode returns it (ending in U+FFFD while the
+    run is an incomplete character), filled as runs are seen; shared like `token_texts`."""
+    return _shared_table(tokenizer, skip_special_tokens, "run")
 
 
 class IncrementalDetokenizer:
     """Turns appended token ids into text deltas."""
 
     __slots__ = ("_tok", "_skip", "_ids", "_prefix_offset", "_read_offset", "_prefix_text", "_fast", "_raw",
-                 "_texts")
+                 "_texts", "_runs")
 
     def __init__(self, tokenizer: Decoder, prompt_ids, skip_special_tokens: bool = True, fast: bool = True):
         """`fast=False`: the offset algorithm for every push, no byte-level shortcut (what the fast paths must
@@ -80,6 +94,7 @@ class IncrementalDetokenizer:
         raw = getattr(tokenizer, "hf", None)
         self._raw = raw.decode if self._fast and hasattr(raw, "decode") else None
         self._texts = token_texts(tokenizer, skip_special_tokens) if self._fast else None
+        self._runs = run_texts(tokenizer, skip_special_tokens) if self._fast else None
 
     def _decode(self, ids) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
@@ -101,15 +116,10 @@ class IncrementalDetokenizer:
         ids.extend(token_ids)
         if self._fast:  # byte-level: decode only what was not read yet
             unread = ids[self._read_offset:]
-            if self._raw is not None:
-                text = self._raw(unread, self._skip) if unread else ""
-            else:
-                text = self._decode(unread)
+            text = self._unread_text(unread)
             if text.endswith("\ufffd"):
                 return ""  # an incomplete UTF-8 sequence: wait for the next token
             if "\ufffd" not in text:
-                if len(unread) == 1 and len(texts) < _MAX_TOKEN_TEXTS:
-                    texts[unread[0]] = text
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(ids)
                 self._prefix_text = text
@@ -123,6 +133,25 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         return delta
+
+    def _unread_text(self, unread: list[int]) -> str:
+        """Byte-level: what `unread` decodes to, from the shared tables when seen before (a run of ids decodes
+        the same wherever it stands after a clean read), else decoded and kept: one whole-character token in
+        `token_texts` (where the commonest push finds it), any other run of up to `_MAX_RUN` ids in `run_texts`."""
+        if not unread or len(unread) > _MAX_RUN:
+            return self._decode_ids(unread) if unread else ""
+        key = tuple(unread)
+        text = self._runs.get(key)
+        if text is None:
+            text = self._decode_ids(unread)
+            whole_token = len(key) == 1 and "\ufffd" not in text
+            table = self._texts if whole_token else self._runs
+            if len(table) < _MAX_TOKEN_TEXTS:
+                table[key[0] if whole_token else key] = text
+        return text
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self._raw(ids, self._skip) if self._raw is not None else self._decode(ids)
 
     def flush(self) -> str:
         """At the end of a sequence: whatever is still held back, replacement characters included."""

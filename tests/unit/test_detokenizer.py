@@ -4,7 +4,7 @@ import pytest
 
 from tokenloop.bench.null_executor import sample_token_ids
 from tokenloop.core.tokenizer import Tokenizer
-from tokenloop.looper.detokenizer import IncrementalDetokenizer, StopMatcher, is_byte_level, token_texts
+from tokenloop.looper.detokenizer import IncrementalDetokenizer, StopMatcher, is_byte_level, run_texts, token_texts
 
 TEXTS = [
     "Emoji time: 😀 🚀 👩‍💻 🎉 and more 😀😀.",
@@ -139,3 +139,42 @@ def test_token_table_fast_path_matches_the_offset_algorithm(tokenizer):
     partial = {t for t in ids if "\ufffd" in tokenizer.decode([t])}
     assert partial and not partial & table.keys()  # tokens of part of an emoji or CJK character are never kept
     assert token_texts(tokenizer, False) is not table  # skip_special_tokens=False keeps its own texts
+
+
+class _CountingHf:
+    """A `tokenizers.Tokenizer` stand-in that counts decode calls (the detokenizer's byte-level path calls it)."""
+
+    def __init__(self, hf):
+        self.hf, self.decoder, self.calls = hf, hf.decoder, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        return self.hf.decode(ids, skip_special_tokens)
+
+
+class _CountingTokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer, self.hf = tokenizer, _CountingHf(tokenizer.hf)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_characters_split_over_tokens_are_decoded_once_per_tokenizer(tokenizer):
+    """Emoji and CJK split over byte-level tokens: each run of unread ids (a character still incomplete, then
+    whole) is decoded once and kept per tokenizer, so a later sequence with the same text decodes nothing, and its
+    deltas are still what the offset algorithm gives."""
+    counting = _CountingTokenizer(tokenizer)
+    ids = sample_token_ids(tokenizer)
+    slow = IncrementalDetokenizer(tokenizer, [1, 2], fast=False)
+    expected = [slow.push([t]) for t in ids]
+    first = IncrementalDetokenizer(counting, [1, 2])
+    assert [first.push([t]) for t in ids] == expected
+    assert counting.hf.calls > 0
+    runs = run_texts(counting, True)
+    assert any(text.endswith("\ufffd") for text in runs.values())  # an incomplete character is kept too
+    assert any(len(key) > 1 and "\ufffd" not in text for key, text in runs.items())  # and the whole one
+    counting.hf.calls = 0
+    second = IncrementalDetokenizer(counting, [1, 2])
+    assert [second.push([t]) for t in ids] == expected
+    assert counting.hf.calls == 0
