@@ -134,6 +134,13 @@ class RequestStream:
         """Events waiting to be read."""
         return len(self._events)
 
+    def take(self) -> list[Event]:
+        """Every event that arrived since the last read, without waiting (empty when none: then `next_batch`)."""
+        batch = self._events
+        if batch:
+            self._events = []
+        return batch
+
     async def next_batch(self) -> list[Event] | None:
         """Every event that arrived since the last read (waiting for one); None at the end; raises
         RequestFailed on error. A plain coroutine: cheaper per read than the `batches()` generator."""

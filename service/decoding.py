@@ -8,9 +8,12 @@ marker ends the call with INVALID_ARGUMENT naming the message type; one rate-lim
 inner wrappers (tracing, the request log) never run for it. A caller without a valid API key gets UNAUTHENTICATED
 whatever it sent: the API-key refusal's deserializer does not parse (`service.security._unread`).
 
-A streaming response is written by the wrapper (`context.write`) rather than re-yielded, so that Generate gets no
-extra generator frame per message (see `service.logs.RequestLogInterceptor`): grpc's own loop does the same two steps. That
-is why it is the outermost: an inner wrapper that iterates its handler could not iterate a coroutine.
+A streaming response is written by the wrapper (`context.write`) rather than re-yielded (grpc's own loop does the
+same two steps). That is why it is the outermost: an inner wrapper that iterates its handler could not iterate a
+coroutine. The generation RPCs (`own_checks`: `app.GENERATE_RPCS`) are not wrapped at all: only their deserializer
+is, and their handler (`FrontDoor.generate`) calls the marker's `refuse(context)` itself, so that grpc iterates it
+directly with no wrapper frame to resume for every streamed message (as `service.logs.RequestLogInterceptor` leaves
+them to keep their own request-log record).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -30,10 +34,16 @@ log = logging.getLogger("tokenloop.service")
 class Undecodable:
     """What the wrapped deserializer returns for a payload that is not a valid message."""
 
-    __slots__ = ("message",)
+    __slots__ = ("message", "_refuse")
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, refuse: Callable[[Undecodable, object], Awaitable[None]] | None = None):
         self.message = message
+        self._refuse = refuse  # the interceptor's refusal, for a handler that checks its request itself
+
+    async def refuse(self, context) -> None:
+        """End the call with INVALID_ARGUMENT naming the type (one rate-limited log line): the interceptor's one
+        policy, called by a handler it left unwrapped (`DecodingInterceptor(own_checks=...)`)."""
+        await self._refuse(self, context)
 
 
 def _type_name(deserializer) -> str:
@@ -42,9 +52,9 @@ def _type_name(deserializer) -> str:
     return getattr(descriptor, "full_name", "") or "request message"
 
 
-def decoder(deserializer):
-    """`deserializer` that returns an `Undecodable` (naming the message type and the parser's reason) in place of
-    raising on bytes that are not a valid message."""
+def decoder(deserializer, refuse: Callable[[Undecodable, object], Awaitable[None]] | None = None):
+    """`deserializer` that returns an `Undecodable` (naming the message type and the parser's reason, and holding
+    `refuse`) in place of raising on bytes that are not a valid message."""
     name = _type_name(deserializer)
 
     def decode(data: bytes):
@@ -52,16 +62,17 @@ def decoder(deserializer):
             return deserializer(data)
         except Exception as exc:  # DecodeError, or a generated parser's own error
             detail = client_text(str(exc)).rpartition("': ")[2] or type(exc).__name__  # without "Error parsing..."
-            return Undecodable(f"the request is not a valid {name}: {detail}")
+            return Undecodable(f"the request is not a valid {name}: {detail}", refuse)
     return decode
 
 
 class DecodingInterceptor(grpc.aio.ServerInterceptor):
     """Refuses undecodable requests with INVALID_ARGUMENT (one log line per `log_interval` seconds at most)."""
 
-    def __init__(self, log_interval: float = 10.0):
+    def __init__(self, log_interval: float = 10.0, own_checks: frozenset[str] = frozenset()):
         self.refusals = RateLimitedLog(log, log_interval)
         self.num_refused = 0
+        self.own_checks = own_checks  # methods whose handler calls `Undecodable.refuse` itself: left unwrapped
         self._wrapped: dict[str, tuple] = {}  # method -> (the handler, its wrapped version): built once per method
 
     async def intercept_service(self, continuation, details):
@@ -85,6 +96,10 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
         fn = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
         if not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
             return handler  # a synchronous handler (none of ours): left as grpc runs it
+        if method in self.own_checks:  # only the deserializer: grpc runs the handler itself, no frame per message
+            async def refuse(request: Undecodable, context) -> None:
+                await self._refuse(request, method, context)
+            return _with_deserializer(handler, fn, decoder(handler.request_deserializer, refuse))
         de, ser = decoder(handler.request_deserializer), handler.response_serializer
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method), de, ser)
@@ -118,6 +133,18 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
         async def behaviour(requests, context):
             return await _respond(fn, checked(requests, context), context)
         return behaviour
+
+
+def _with_deserializer(handler, fn, de):
+    """`handler` as it is (its behaviour `fn`, its serializer) with the deserializer `de`."""
+    ser = handler.response_serializer
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(fn, de, ser)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(fn, de, ser)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(fn, de, ser)
+    return grpc.stream_stream_rpc_method_handler(fn, de, ser)
 
 
 async def _respond(fn, request, context):

@@ -14,7 +14,9 @@ and its Generate is the front door's `generate`, with that mapping:
     self.Generate = FrontDoor(app, PATH, validate, make_writer, grammar_field="guided_decoding.guide").generate
     add_service(server, servicer, SERVICE_DESCRIPTOR, raw_responses="Generate")  # Generate yields bytes
 
-For every call the front door runs, in this order: request log record (`RequestRecord`), request id (the request's
+For every call the front door runs, in this order: the refusal of a payload that did not parse (`Undecodable`:
+service.decoding wraps only Generate's deserializer, so that grpc iterates this handler with no wrapper frame per
+message), request log record (`RequestRecord`), request id (the request's
 `request_id`, else `x-request-id`, else a new one), ready check, admission slot (in line, --max-queue-wait),
 `validate` (the API's mapping), grammar (`app.grammars.admit`; `grammar_field` names the field in its errors), LoRA
 (`app.loras.admit`), duplicate id, Abort-while-waiting check, the writer, submit, then delivery: per batch of events
@@ -51,6 +53,7 @@ from google.protobuf.message_factory import GetMessageClass
 from tokenloop.core.request import ValidRequest
 from tokenloop.looper.stream import Complete, RequestFailed
 
+from .decoding import Undecodable
 from .delivery import Delivery
 from .errors import AlreadyExists, ServiceError, abort_with, status_of
 from .logs import RequestRecord
@@ -114,6 +117,9 @@ class FrontDoor:
 
     async def generate(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """One streaming generation call, start to end: yields the serialized messages the writer makes."""
+        if type(request) is Undecodable:  # the payload did not parse (service.decoding leaves Generate to us)
+            await request.refuse(context)
+            return
         rpc = self.rpc
         async with RequestRecord(rpc, request, context):
             rid = request_id_of(request, context)
@@ -121,7 +127,8 @@ class FrontDoor:
                 async with self._admitted(request, context, rid, self.validate, self.grammar_field,
                                           self.make_writer) as (writer, stream, delivery):
                     watchdog = delivery.watchdog
-                    while (batch := await stream.next_batch()) is not None:
+                    # what is there, else wait for it (a reader behind the looper finds its next batch waiting)
+                    while (batch := stream.take() or await stream.next_batch()) is not None:
                         watchdog.arm()  # armed while a batch is written: waiting for tokens is not a stall
                         for msg in writer.encode(batch):
                             yield msg  # returns once grpc took the message: a stalled reader blocks here

@@ -31,7 +31,7 @@ log = logging.getLogger("tokenloop.service")
 def interceptors(config: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
     """Outermost first: the refusal of undecodable requests (outermost: it drives whatever handler the others
     made, see service.decoding), tracing (optional), the per-request log line, then API keys (when configured)."""
-    out: list[grpc.aio.ServerInterceptor] = [DecodingInterceptor()]
+    out: list[grpc.aio.ServerInterceptor] = [DecodingInterceptor(own_checks=GENERATE_RPCS)]
     out += [i for i in (tracing_interceptor(config.otel_endpoint),) if i is not None]
     out.append(RequestLogInterceptor(own_records=GENERATE_RPCS))
     keys = load_api_keys(config.api_key_file)

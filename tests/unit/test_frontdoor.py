@@ -60,6 +60,9 @@ class FakeStream:
         self.batches = list(batches)
         self.finished = self.ended = self.cancelled = False
 
+    def take(self):
+        return []  # nothing waiting: every batch comes through next_batch
+
     async def next_batch(self):
         if not self.batches:
             self.finished = self.ended = True

@@ -256,3 +256,13 @@ def test_outbox_merges_later_polls_in_order_and_keeps_the_first_error():
     with pytest.raises(RequestFailed) as err:
         asyncio.run(read(failed))
     assert err.value is first
+
+
+def test_take_hands_over_what_arrived_without_waiting(tokenizer):
+    stream = RequestStream(make_request(tokenizer), lambda s: None)
+    assert stream.take() == []
+    first = Chunk(0, "a", [1])
+    stream.push([first])
+    stream.push([Chunk(0, "b", [2])])
+    assert [e.text for e in stream.take()] == ["a", "b"]
+    assert stream.take() == [] and stream.pending() == 0
