@@ -242,8 +242,8 @@ class Looper:
                 continue
             if not state.closed:
                 events = state.apply(step, now)
-                if events:
-                    self._send(state, events)
+                if events:  # with its end for the client when apply closed it (its last Complete)
+                    self._outbox.add(state.stream, events, state.closed)
                 if state.num_open == 0 and not step.is_final:
                     self.executor.cancel(state.executor_id)  # a stop string matched: free the executor's work
             if step.is_final:

@@ -183,6 +183,7 @@ class RequestState:
         if finish is not None:
             seq.finished = True
             self.num_open -= 1
+            self.closed = self.num_open == 0  # its last Complete: the request ends for the client
             events.append(Complete(
                 index=seq.index, text="".join(seq.text_parts), token_ids=seq.token_ids,
                 finish_reason=finish, prompt_tokens=len(self.request.prompt_token_ids),
