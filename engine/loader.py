@@ -21,7 +21,7 @@ from . import hugepages
 from .quant import Q4Weight, QWeight, qweight, qweight4
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", "Phi3ForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,9 @@ class ModelConfig:
             rope = dict(rope.get("full_attention") or {"rope_theta": config.get("rope_theta", 1e6),
                                                         **(config.get("rope_scaling") or {})})
             config = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+        partial = float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        if partial != 1.0:  # Phi-4-mini's 0.75: the rotary embedding over part of each head
+            raise ValueError(f"unsupported partial_rotary_factor {partial}; the engine rotates whole heads (1.0)")
         scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -133,7 +136,8 @@ class ModelConfig:
 
 def sliding_layers(arch: str, config: dict, gemma: tuple[bool, ...] | None) -> tuple[int | None, tuple | None]:
     """(sliding_window, which layers attend within it) as transformers reads a config: Gemma 3 by its layer_types;
-    Mistral every layer (4096 where config.json has no `sliding_window`, as MistralConfig defaults); Qwen2 / Qwen3 only
+    Mistral and Phi-3 every layer (Mistral: 4096 where config.json has no `sliding_window`, as MistralConfig
+    defaults; Phi-3: none); Qwen2 / Qwen3 only
     with `use_sliding_window`, by `layer_types` or else the layers from `max_window_layers` on; Llama none."""
     num_layers = int(config["num_hidden_layers"])
     window = config.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
@@ -141,7 +145,7 @@ def sliding_layers(arch: str, config: dict, gemma: tuple[bool, ...] | None) -> t
         return (int(window) if window else None), gemma
     if not window or arch == "LlamaForCausalLM":
         return None, None
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return int(window), (True,) * num_layers
     if not config.get("use_sliding_window", False):  # Qwen2, Qwen3
         return None, None
@@ -289,12 +293,14 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        out[f"layers.{i}.qkv"] = linear(torch.cat([_take(raw, a + f"{x}_proj.weight") for x in "qkv"]))
+        fused = a + "qkv_proj.weight" in raw  # Phi-3: q/k/v and gate/up stored fused, in the engine's order
+        out[f"layers.{i}.qkv"] = linear(_take(raw, a + "qkv_proj.weight") if fused else
+                                        torch.cat([_take(raw, a + f"{x}_proj.weight") for x in "qkv"]))
         if config.qkv_bias:
             out[f"layers.{i}.qkv_bias"] = cast(torch.cat([_take(raw, a + f"{x}_proj.bias") for x in "qkv"]))
         out[f"layers.{i}.o"] = linear(_take(raw, a + "o_proj.weight"))
-        gate, up = _take(raw, p + "mlp.gate_proj.weight"), _take(raw, p + "mlp.up_proj.weight")
-        out[f"layers.{i}.gate_up"] = linear(torch.cat([gate, up]))
+        out[f"layers.{i}.gate_up"] = linear(_take(raw, p + "mlp.gate_up_proj.weight") if fused else
+                                            torch.cat([_take(raw, p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]))
         out[f"layers.{i}.down"] = linear(_take(raw, p + "mlp.down_proj.weight"))
         out[f"layers.{i}.input_norm"] = norm(_take(raw, p + "input_layernorm.weight"))
         if config.sandwich_norms:  # Gemma 3: post_norm is the MLP's input norm; the outputs get their own

@@ -32,7 +32,7 @@ TRAINING_TEXT = [
 ]
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                  "mistral": ("MistralForCausalLM", "mistral"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+                 "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3")}
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
@@ -62,7 +62,7 @@ def _config(arch: str, vocab_size: int, hidden: int, num_layers: int, num_heads:
     if arch in ("qwen2", "qwen3"):  # with a window: the layers from max_window_layers on (the upper half) use it
         config.update(use_sliding_window=bool(sliding_window), sliding_window=sliding_window,
                       max_window_layers=num_layers // 2 if sliding_window else num_layers)
-    if arch == "mistral":  # with a window: every layer
+    if arch in ("mistral", "phi3"):  # with a window: every layer
         config["sliding_window"] = sliding_window
     if arch == "gemma3":  # local (sliding-window) layers 0, 2, ...; global 1, 3, ...; a query scalar other than E
         del config["hidden_act"]
@@ -106,6 +106,9 @@ def _weights(config: dict, seed: int, std: float) -> dict[str, torch.Tensor]:
         if config["model_type"] == "qwen2":
             w |= {p + "self_attn.q_proj.bias": rand(q), p + "self_attn.k_proj.bias": rand(kv),
                   p + "self_attn.v_proj.bias": rand(kv)}
+        if config["model_type"] == "phi3":  # q/k/v and gate/up stored fused
+            w[p + "self_attn.qkv_proj.weight"] = torch.cat([w.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            w[p + "mlp.gate_up_proj.weight"] = torch.cat([w.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
     return {k: t.contiguous() for k, t in w.items()}
 
 
@@ -113,9 +116,10 @@ def make_tiny_model(model_dir: str | Path, arch: str = "llama", tied: bool = Tru
                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, vocab_size: int = 384,
                     max_positions: int = 1024, rope_scaling: dict | None = None, seed: int = 0,
                     std: float = 0.3, sliding_window: int | None = None) -> Path:
-    """Write a tiny random-weight checkpoint of `arch` ("llama", "qwen2", "mistral", "qwen3", "gemma3") to
+    """Write a tiny random-weight checkpoint of `arch` ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3") to
     `model_dir`. `sliding_window`: Gemma 3's local layers' (default: max_positions, so every layer sees it all);
-    Mistral's (every layer) and Qwen2/Qwen3's (the upper half of the layers, by max_window_layers) where given."""
+    Mistral's and Phi-3's (every layer) and Qwen2/Qwen3's (the upper half of the layers, by max_window_layers) where
+    given."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     model_dir = Path(model_dir)

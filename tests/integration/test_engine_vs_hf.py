@@ -1,7 +1,7 @@
 """Greedy output of the engine equals transformers' greedy generate(), token for token.
 
-Tiny random-weight Llama / Qwen2 / Mistral checkpoints (tests/tiny_model.py); each request alone, and
-16 mixed-length requests at once with a small token budget (chunked prefill next to running decodes,
+Tiny random-weight Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 / Phi-3 checkpoints (tests/tiny_model.py); each request
+alone, and 16 mixed-length requests at once with a small token budget (chunked prefill next to running decodes,
 paged KV, prefix caching). The batch runs in float64 on both sides, so that a near-tie between two
 logits cannot flip an argmax through rounding alone; the single-request runs are float32.
 """
@@ -20,7 +20,7 @@ from tokenloop.engine.engine import Engine
 
 transformers = pytest.importorskip("transformers")
 
-CASES = [("llama", True), ("qwen2", False), ("mistral", False), ("qwen3", True), ("gemma3", False)]
+CASES = [("llama", True), ("qwen2", False), ("mistral", False), ("qwen3", True), ("gemma3", False), ("phi3", False)]
 
 
 def mixed_prompts(num: int, vocab_size: int, seed: int = 7) -> list[list[int]]:

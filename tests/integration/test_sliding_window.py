@@ -1,5 +1,5 @@
 """Sliding-window layers attend to the last `sliding_window` positions only: Gemma 3's local layers (its global ones to
-all), every Mistral layer, and Qwen2's layers from `max_window_layers` on (`use_sliding_window`). A tiny checkpoint of
+all), every Mistral and Phi-3 layer, and Qwen2's layers from `max_window_layers` on (`use_sliding_window`). A tiny checkpoint of
 each with a window of 6 serves prompts and outputs well past it, token for token equal to transformers in float32,
 on the native kernels (paged decode and prefill rows with the window: engine/paged_attention.c) and on the torch path
 (SDPA under a windowed mask: fresh prompt chunks split over two threads, chunks over a cached prefix), alone and in a
@@ -25,7 +25,8 @@ NUM_NEW = 24
 
 
 # each family's windowed layers: Gemma 3's local ones (0, 2), every Mistral layer, Qwen2's upper half (max_window_layers)
-WINDOWS = {"gemma3": [WINDOW, 0, WINDOW, 0], "mistral": [WINDOW] * 4, "qwen2": [0, 0, WINDOW, WINDOW]}
+WINDOWS = {"gemma3": [WINDOW, 0, WINDOW, 0], "mistral": [WINDOW] * 4, "qwen2": [0, 0, WINDOW, WINDOW],
+           "phi3": [WINDOW] * 4}
 
 
 @pytest.fixture(scope="module", params=list(WINDOWS))

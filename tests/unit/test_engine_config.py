@@ -64,6 +64,18 @@ def test_unsupported_rope_scaling_is_named():
         ModelConfig.from_dict({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
+@pytest.mark.parametrize("extra, message", [
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "unsupported rope scaling 'longrope'"),  # Phi-3's 128k variants
+    ({"partial_rotary_factor": 0.75}, r"unsupported partial_rotary_factor 0.75; the engine rotates whole heads"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "unsupported partial_rotary_factor 0.5"),
+])
+def test_phi3_rope_variants_the_engine_lacks_are_named(extra, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**LLAMA, "architectures": ["Phi3ForCausalLM"], **extra})
+
+
 def test_reads_both_rope_spellings_and_defaults():
     old = ModelConfig.from_dict({**LLAMA, "rope_theta": 5e5})
     new = ModelConfig.from_dict({**LLAMA, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
@@ -83,6 +95,8 @@ def test_reads_both_rope_spellings_and_defaults():
     ("Qwen2ForCausalLM", {"sliding_window": 32, "use_sliding_window": True,
                           "layer_types": ["sliding_attention", "full_attention"]}, [32, 0]),
     ("LlamaForCausalLM", {"sliding_window": 32}, [0, 0]),  # Llama has none, whatever config.json says
+    ("Phi3ForCausalLM", {"sliding_window": 32}, [32, 32]),
+    ("Phi3ForCausalLM", {}, [0, 0]),  # Phi3Config's default: none
 ])
 def test_sliding_windows_by_layer_as_transformers_reads_them(arch, extra, windows):
     config = ModelConfig.from_dict({**LLAMA, "architectures": [arch], **extra})
