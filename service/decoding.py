@@ -31,6 +31,20 @@ from .logs import RateLimitedLog
 log = logging.getLogger("tokenloop.service")
 
 
+# grpc's method handler constructors by (request streaming, response streaming)
+METHOD_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                   (False, True): grpc.unary_stream_rpc_method_handler,
+                   (True, False): grpc.stream_unary_rpc_method_handler,
+                   (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def handler_like(handler, behaviour, deserializer):
+    """A method handler of `handler`'s kind (and response serializer) that runs `behaviour`, its requests read by
+    `deserializer`."""
+    make = METHOD_HANDLERS[handler.request_streaming, handler.response_streaming]
+    return make(behaviour, deserializer, handler.response_serializer)
+
+
 class Undecodable:
     """What the wrapped deserializer returns for a payload that is not a valid message."""
 
@@ -99,15 +113,14 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
         if method in self.own_checks:  # only the deserializer: grpc runs the handler itself, no frame per message
             async def refuse(request: Undecodable, context) -> None:
                 await self._refuse(request, method, context)
-            return _with_deserializer(handler, fn, decoder(handler.request_deserializer, refuse))
-        de, ser = decoder(handler.request_deserializer), handler.response_serializer
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, method), de, ser)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(self._unary_stream(handler.unary_stream, method), de, ser)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(self._stream_in(handler.stream_unary, method), de, ser)
-        return grpc.stream_stream_rpc_method_handler(self._stream_in(handler.stream_stream, method), de, ser)
+            return handler_like(handler, fn, decoder(handler.request_deserializer, refuse))
+        if handler.request_streaming:
+            behaviour = self._stream_in(fn, method)
+        elif handler.response_streaming:
+            behaviour = self._unary_stream(fn, method)
+        else:
+            behaviour = self._unary(fn, method)
+        return handler_like(handler, behaviour, decoder(handler.request_deserializer))
 
     def _unary(self, fn, method: str):
         async def behaviour(request, context):
@@ -133,18 +146,6 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
         async def behaviour(requests, context):
             return await _respond(fn, checked(requests, context), context)
         return behaviour
-
-
-def _with_deserializer(handler, fn, de):
-    """`handler` as it is (its behaviour `fn`, its serializer) with the deserializer `de`."""
-    ser = handler.response_serializer
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(fn, de, ser)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(fn, de, ser)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(fn, de, ser)
-    return grpc.stream_stream_rpc_method_handler(fn, de, ser)
 
 
 async def _respond(fn, request, context):

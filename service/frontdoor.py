@@ -53,7 +53,7 @@ from google.protobuf.message_factory import GetMessageClass
 from tokenloop.core.request import ValidRequest
 from tokenloop.looper.stream import Complete, RequestFailed
 
-from .decoding import Undecodable
+from .decoding import METHOD_HANDLERS, Undecodable
 from .delivery import Delivery
 from .errors import AlreadyExists, ServiceError, abort_with, status_of
 from .logs import RequestRecord
@@ -84,17 +84,13 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return time.monotonic() + remaining if remaining is not None else None
 
 
-_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-
-
 def add_service(server, servicer, service, raw_responses: str) -> None:
     """Register every method of `service` (a ServiceDescriptor) on `server`, as the generated
     `add_..._to_server` does, except that the method named `raw_responses` has no response serializer: its handler
     yields messages already serialized (a SequenceWriter's `encode`), which grpc sends as they are."""
     handlers = {}
     for method in service.methods:
-        make = _HANDLERS[method.client_streaming, method.server_streaming]
+        make = METHOD_HANDLERS[method.client_streaming, method.server_streaming]
         response = None if method.name == raw_responses else GetMessageClass(method.output_type).SerializeToString
         handlers[method.name] = make(getattr(servicer, method.name),
                                      request_deserializer=GetMessageClass(method.input_type).FromString,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from .decoding import handler_like
 from .logs import RateLimitedLog
 
 log = logging.getLogger("tokenloop.security")
@@ -78,14 +79,8 @@ def _refusal(handler, code: grpc.StatusCode, message: str):
         await context.abort(code, message)
         yield  # pragma: no cover (an async generator, like the handler it replaces)
 
-    ser, de = handler.response_serializer, _unread  # a refused payload is never parsed
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(refuse, de, ser)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, de, ser)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse, de, ser)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, de, ser)
+    # a refused payload is never parsed
+    return handler_like(handler, refuse_stream if handler.response_streaming else refuse, _unread)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
