@@ -2,6 +2,7 @@
 kernels' code paths this CPU runs and torch's kernels), for int8 and int4 weights, against float32.
 
     .venv/bin/tokenloop-bench quant_kernels [--weights int8,int4] [--tokens 1,8,32] [--rounds 3] [--out FILE]
+    .venv/bin/tokenloop-bench quant_kernels --weights int8 --layers 1 --lm-head 262144x640   # Gemma 3's lm_head
 
 For each tokens-per-step, the products of all decoder layers (qkv, o, gate_up, down with the model's shapes, a
 separate random weight per layer so they stream from memory as in a real step) and the lm_head, the best of
@@ -11,10 +12,12 @@ one candidate's runs only):
   fp32 torch 2t         F.linear on the float32 weights, torch on two threads: the reference class of kernel
   fp32 native2          int8_linear.c's f32_linear_f32 on two threads (the engine's fp32 path for few tokens; at
                         one token memory-bound, so its bytes per second are what two threads stream here)
-  MODE-ISA              the engine's C kernel (int8_linear.c / int4_linear.c) on code path ISA, split over its
+  MODE-ISA[+h16]        the engine's C kernel (int8_linear.c / int4_linear.c) on code path ISA, split over its
                         worker thread as the engine runs it: portable, avx2, avx512 (same bits as avx2), vnni (int8
                         activations per row and group of 32, vpdpbusd); portable timed up to 8 tokens; int4 also
-                        x22-portable, x22-avx2, x22-vnni (22-bit integer activations, identical bits to each other)
+                        x22-portable, x22-avx2, x22-vnni (22-bit integer activations, identical bits to each other);
+                        +h16: the lm_head on int8's x16 path (16-bit integer activations, vpmaddwd), the layers as
+                        without the suffix
   torch-fp32            F.linear on the dequantized weights, one torch thread (as the engine runs torch)
   torch-dynq [2t]       torch.ops.quantized.linear_dynamic (x86 / fbgemm engine: activations quantized per call,
                         VNNI), the weights requantized per channel; one torch thread, and two ("2t")
@@ -64,11 +67,12 @@ def torch_threads(n: int, fn):
     return run
 
 
-def candidates(mode: str, weights: list[torch.Tensor]) -> dict[str, tuple[callable, int]]:
-    """name -> (fn(x) running x through every weight, bytes of weights that reads)."""
+def candidates(mode: str, weights: list[torch.Tensor], head: bool = False) -> dict[str, tuple[callable, int]]:
+    """name -> (fn(x) running x through every weight, bytes of weights that reads); `head`: the weights are the
+    lm_head (QWeight.head: the +h16 routes multiply it on int8's x16 path)."""
     from tokenloop.engine import kernels
     from tokenloop.engine.matmul import Backend, MatmulPolicy
-    from tokenloop.engine.quant import quantize, quantize4
+    from tokenloop.engine.quant import as_head, quantize, quantize4
     from tokenloop.engine.quant_routes import quant_routes
 
     out: dict[str, tuple[callable, int]] = {}
@@ -81,6 +85,7 @@ def candidates(mode: str, weights: list[torch.Tensor]) -> dict[str, tuple[callab
                                    dense)
         return out
     quantized = [(quantize4 if mode == "int4" else quantize)(w) for w in weights]
+    quantized = [as_head(w) for w in quantized] if head else quantized
     size = sum(nbytes(w) for w in quantized)
     for name, route in quant_routes(mode, kernels.load_int8(), kernels.load_int4()).items():
         split = route.int8 is not None or route.int4 is not None
@@ -236,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="time this checkout's C kernels against git REF's, cold, on the model's weights")
     parser.add_argument("--rows", default="1,32", help="--compare: rows (tokens) per product")
     parser.add_argument("--isa", default=None, help="--compare: the code path (default: the fastest exact one)")
+    parser.add_argument("--lm-head", default=None, metavar="NxK",
+                        help="the lm_head's shape instead of the model's (Gemma 3 270M's: 262144x640)")
     add_out_argument(parser, "results-quant-kernels.json")
     args = parser.parse_args(argv)
     modes = [m for m in args.weights.split(",") if m]
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         return compare(args, modes)
     torch.set_num_threads(1)
     layer_shapes, head_shape, num_layers = shapes(Path(args.model))
+    if args.lm_head:
+        head_shape = tuple(int(v) for v in args.lm_head.lower().split("x"))
     num_layers = args.layers or num_layers
     tokens = [int(t) for t in args.tokens.split(",")]
     gen = torch.Generator().manual_seed(0)
@@ -256,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         for part, weights in (("layers", layers), ("lm_head", head)):
             if part == "lm_head" and mode == "int4":
                 continue
-            fns = candidates(mode, weights)
+            fns = candidates(mode, weights, head=part == "lm_head")
             figures.setdefault(mode, {})[part] = measure(fns, width, tokens, args.rounds)
             sizes.setdefault(mode, {})[part] = {name: size for name, (_, size) in fns.items()}
             del fns

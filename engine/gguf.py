@@ -26,7 +26,7 @@ from gguf import quants
 from tokenloop.core.gguf_file import ARCHITECTURES, GGUFError, GGUFFile, TensorInfo, check_servable
 
 from . import hugepages
-from .quant import Q4Weight, QWeight, pack4, pack8, quantize, quantize4
+from .quant import Q4Weight, QWeight, as_head, pack4, pack8, quantize, quantize4
 
 PERMUTED_QK = ("llama",)  # architectures whose q / k rows llama.cpp's converter interleaves
 
@@ -195,7 +195,7 @@ def load_gguf_weights(path: str | Path, config, dtype: torch.dtype,
     out = {"embed": r.cast("token_embd.weight"), "norm": r.cast("output_norm.weight")}
     head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
     if weights in ("int8", "int4"):  # int4 keeps an int8 lm_head, as loader.load_weights does
-        out["lm_head"] = r.matrix([head], "int8")
+        out["lm_head"] = as_head(r.matrix([head], "int8"))
     else:
         out["lm_head"] = out["embed"] if head == "token_embd.weight" else r.cast(head)
     for i in range(config.num_layers):

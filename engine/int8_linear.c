@@ -29,6 +29,15 @@
  *   fbgemm's row offsets); then total += float(dot) * (scale * sx) (one FMA). Its weights are packed for
  *   vpdpbusd, four columns of a channel in one 32-bit lane: qv [N32, K/4, 32, 4] (kernels.py packs them from q).
  *   Numerics differ from the float32-activation paths; the quality tests force this route to check its contract.
+ * - x16-avx2 (path 8, AVX2): activations quantized to 16-bit integers, integer dot products with vpmaddwd (two
+ *   products summed per 32-bit lane, twice the multiplies per instruction of the float path's FMAs, and no
+ *   conversion of each weight to float), on vnni's packing qv [N32, K/4, 32, 4]. G must be a multiple of 4 and at
+ *   most 512 (else -1). Per row m and group g: amax = max |x| over the group (fmaxf in column order),
+ *   sx = amax / 32767.0f, inv = amax > 0 ? 32767.0f / amax : 0, xi[k] = lrintf(x[k] * inv) clamped to +-32767
+ *   (once per call, shared by both threads); per output channel isum = the sum of xi[k] * q[k] over the group,
+ *   exact in int32 (|isum| <= 32767 * 127 * 512 < 2^31); total = fmaf((float)isum, scale * sx, total) for each
+ *   group in order. The activations' error is 2^-16 of the group's max (rounding), far below the int8 weights'
+ *   own (2^-8 of theirs); a row's bits depend only on that row (any batch, any thread split).
  *
  * Two threads: *_2t runs channels [n_begin, mid) on the calling thread and [mid, n_end) on the process's kernel
  * worker thread (kernel_worker.c, shared by every kernel library), in one call; the same arithmetic per output channel either way.
@@ -224,6 +233,154 @@ AVX2_FN static int64_t f32_linear_avx2(const float *x, int64_t M, int64_t K, con
 
 #endif /* HAVE_X86 */
 
+/* ---- x16-avx2: 16-bit integer activations, vpmaddwd on vnni's packing (the header says the arithmetic) ---- */
+
+#define X16_MAX 32767
+#define X16_MAX_GROUP 512
+
+/* the operands of an x16 product, prepared once for both threads */
+typedef struct {
+    const int16_t *xi; /* [M, K] the rows quantized per group */
+    const float *sx;   /* [M, NG] amax / X16_MAX */
+    const int8_t *qv;  /* [N32, K/4, 32, 4] */
+    const float *scale;
+    int64_t K, G;
+} x16_t;
+
+/* x [M, K] -> xi int16 [M, K] and sx [M, NG]: one function for every row count, so a row's integers do not depend
+ * on its batch */
+static void quantize16(const float *x, int64_t M, int64_t K, int64_t G, int16_t *xi, float *sx) {
+    const int64_t NG = K / G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < NG; g++) {
+            const float *v = x + m * K + g * G;
+            float inv;
+            sx[m * NG + g] = group_scale(v, G, 32767.0f, &inv);
+            int16_t *o = xi + m * K + g * G;
+            for (int64_t k = 0; k < G; k++) {
+                long r = lrintf(v[k] * inv);
+                o[k] = (int16_t)(r > X16_MAX ? X16_MAX : r < -X16_MAX ? -X16_MAX : r);
+            }
+        }
+}
+
+#if HAVE_X86
+/* row m against block b; out [32]. A 4-column chunk of the block is 128 bytes: channel l's four columns at 4l.
+ * vpmovsxbw of 16 bytes gives channels 4j .. 4j+3, each as two 32-bit lanes of two columns (columns 0-1, 2-3);
+ * vpmaddwd against the chunk's four activations (broadcast as one 64-bit pair of pairs) sums each lane's two
+ * products. At the group's end vphaddd adds each channel's two lanes and a permutation puts the channels in order. */
+AVX2_FN INLINE void x16_row_avx2(const x16_t *c, int64_t m, int64_t b, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4, bytes = K * PACK;
+    const int16_t *x = c->xi + m * K;
+    const int8_t *q = c->qv + b * bytes;
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    __m256 t[4];
+    for (int i = 0; i < 4; i++) t[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < NG; g++) {
+        __m256i a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_si256();
+        for (int64_t i = 0; i < C; i++) {
+            const int64_t k = g * G + 4 * i;
+            const int8_t *w = q + k * PACK;
+            /* T0, not the one-row nta of the AVX-512 paths: on the AVX2-only Zen 3 VM nta made the one-row
+             * Gemma 3 lm_head ~2x slower (loaded machine, one run) */
+            _mm_prefetch((const char *)(w + PREFETCH_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + PREFETCH_AHEAD + 64), _MM_HINT_T0);
+            int64_t four;
+            memcpy(&four, x + k, 8);
+            const __m256i xb = _mm256_set1_epi64x(four);
+            for (int j = 0; j < 8; j++)
+                a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16 * j))), xb));
+        }
+        const __m256 sr = _mm256_set1_ps(c->sx[m * NG + g]);
+        const float *s = c->scale + (b * NG + g) * PACK;
+        for (int p = 0; p < 4; p++) {
+            const __m256i is = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a[2 * p], a[2 * p + 1]), order);
+            t[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(_mm256_loadu_ps(s + 8 * p), sr), t[p]);
+        }
+    }
+    for (int p = 0; p < 4; p++) _mm256_storeu_ps(out + 8 * p, t[p]);
+}
+
+/* rows m .. m+R-1 (R <= 6) against block b, eight channels at a time: each chunk's 32 bytes of them widened once
+ * (two vpmovsxbw) for every row (12 accumulators); out [R, 32]. The same integers and epilogue per channel as
+ * x16_row_avx2, so the same bits. */
+AVX2_FN INLINE void x16_tile_rows(const x16_t *c, int64_t m, int64_t b, const int R, float *out) {
+    const int64_t K = c->K, G = c->G, NG = K / G, C = G / 4;
+    const int8_t *q = c->qv + b * K * PACK;
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int h = 0; h < 4; h++) {
+        __m256 t[ROWS];
+        for (int r = 0; r < R; r++) t[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < NG; g++) {
+            __m256i a[2 * ROWS];
+            for (int i = 0; i < 2 * R; i++) a[i] = _mm256_setzero_si256();
+            for (int64_t i = 0; i < C; i++) {
+                const int64_t k = g * G + 4 * i;
+                const int8_t *w = q + k * PACK + 8 * 4 * h;
+                if (h == 0) /* the first pass brings the block in; the others find it in L1 */
+                    _mm_prefetch((const char *)(w + PREFETCH_AHEAD), _MM_HINT_T0),
+                        _mm_prefetch((const char *)(w + PREFETCH_AHEAD + 64), _MM_HINT_T0);
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
+                for (int r = 0; r < R; r++) {
+                    int64_t four;
+                    memcpy(&four, c->xi + (m + r) * K + k, 8);
+                    const __m256i xb = _mm256_set1_epi64x(four);
+                    a[2 * r] = _mm256_add_epi32(a[2 * r], _mm256_madd_epi16(w0, xb));
+                    a[2 * r + 1] = _mm256_add_epi32(a[2 * r + 1], _mm256_madd_epi16(w1, xb));
+                }
+            }
+            const __m256 s = _mm256_loadu_ps(c->scale + (b * NG + g) * PACK + 8 * h);
+            for (int r = 0; r < R; r++) {
+                const __m256i is = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a[2 * r], a[2 * r + 1]), order);
+                const __m256 sr = _mm256_set1_ps(c->sx[(m + r) * NG + g]);
+                t[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(s, sr), t[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * PACK + 8 * h, t[r]);
+    }
+}
+
+#define X16_TILE(r) x16_tile_rows(ctx, m, b, r, out)
+AVX2_FN static void tile_x16_avx2(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) {
+    (void)wf, (void)h;
+    SWITCH_ROWS(R, X16_TILE)
+}
+
+AVX2_FN static void rows_x16_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
+    for (int j = 0; j < nb; j++) x16_row_avx2(ctx, m, b + j, out + j * PACK);
+}
+
+static const steps_t X16_AVX2_STEPS = {PACK, 4, NULL, tile_x16_avx2, rows_x16_avx2, 2};
+#endif
+
+/* the x16 product on activations quantized already */
+static int x16_quantized(const int16_t *xi, const float *sx, int64_t M, int64_t K, const int8_t *qv,
+                         const float *scale, int64_t G, float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (bad_args(M, K, G, N, n_begin, n_end) || G % 4 != 0 || G > X16_MAX_GROUP) return -1;
+    if (!path_supported(PATH_AVX2)) return -3;
+    if (M == 0 || n_begin == n_end) return 0;
+#if HAVE_X86
+    const x16_t ctx = {xi, sx, qv, scale, K, G};
+    return drive(&X16_AVX2_STEPS, &ctx, M, K, y, N, n_begin / PACK, (n_end + PACK - 1) / PACK, n_end);
+#else
+    (void)xi, (void)sx, (void)qv, (void)scale, (void)y;
+    return -3;
+#endif
+}
+
+/* x quantized for x16 into one buffer: xi [M * K] int16 then sx [M * NG]; NULL on no memory or bad shapes */
+static int16_t *quantize_x16(const float *x, int64_t M, int64_t K, int64_t G, float **sx) {
+    if (K < 1 || G < 1 || K % G != 0 || M < 0) return NULL;
+    const size_t bytes = (size_t)(2 * M * K + 64) / 64 * 64;
+    uint8_t *buf = malloc(bytes + sizeof(float) * (size_t)(M * (K / G) + 1));
+    if (!buf) return NULL;
+    *sx = (float *)(buf + bytes);
+    quantize16(x, M, K, G, (int16_t *)buf, *sx);
+    return (int16_t *)buf;
+}
+
 /* y[:, n_begin:n_end] = x @ w.T for float32 weights w [N, K] (rows contiguous), a few rows x at a time (a decode
  * step of one to a few sequences): four output channels at a time, each a dot product of two 8-lane FMA chains
  * summed at the end. Memory-bound at one row, where it reads the weight once at the machine's bandwidth. */
@@ -247,10 +404,18 @@ int f32_linear_f32(const float *x, int64_t M, int64_t K, const float *w, float *
 
 /* ---- the exported products ---- */
 
-int int8_path_supported(int path) { return path_supported(path); }
+int int8_path_supported(int path) { return path == PATH_X16_AVX2 ? path_supported(PATH_AVX2) : path_supported(path); }
 
 int int8_linear_f32(int path, const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
                     float *y, int64_t N, int64_t n_begin, int64_t n_end) {
+    if (path == PATH_X16_AVX2) { /* q is vnni's packing qv */
+        float *sx;
+        int16_t *xi = quantize_x16(x, M, K, G, &sx);
+        if (!xi) return bad_args(M, K, G, N, n_begin, n_end) ? -1 : -2;
+        const int rc = x16_quantized(xi, sx, M, K, q, scale, G, y, N, n_begin, n_end);
+        free(xi);
+        return rc;
+    }
     if (bad_args(M, K, G, N, n_begin, n_end) || path == PATH_VNNI) return -1;
     if (!path_supported(path)) return -3;
     if (M == 0 || n_begin == n_end) return 0;
@@ -307,7 +472,7 @@ int int8_vnni_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *qv,
 /* ---- the second half of the *_2t products, on the process's kernel worker (kernel_worker.h) ---- */
 
 typedef struct {
-    int kind; /* 0: int8_linear_f32 on `path`, 1: f32_linear_f32 (w in `fw`), 2: vnni_quantized */
+    int kind; /* 0: int8_linear_f32 on `path`, 1: f32_linear_f32 (w in `fw`), 2: vnni_quantized, 3: x16_quantized */
     int path;
     const float *x;
     int64_t M, K;
@@ -327,6 +492,9 @@ static int run_job(const job_t *j);
 
 static int run_job(const job_t *j) {
     if (j->kind == 1) return f32_linear_f32(j->x, j->M, j->K, j->fw, j->y, j->N, j->n_begin, j->n_end);
+    if (j->kind == 3)
+        return x16_quantized((const int16_t *)j->xu, j->sx, j->M, j->K, j->q, j->scale, j->G, j->y, j->N, j->n_begin,
+                             j->n_end);
     if (j->kind == 2)
         return vnni_quantized(j->xu, j->sx, j->M, j->K, j->q, j->comp, j->scale, j->G, j->y, j->N, j->n_begin,
                               j->n_end);
@@ -344,6 +512,15 @@ static int split_at(job_t mine, int64_t mid) {
  * [mid, n_end) on the worker thread. */
 int int8_linear_f32_2t(int path, const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t G,
                        float *y, int64_t N, int64_t n_begin, int64_t mid, int64_t n_end) {
+    if (path == PATH_X16_AVX2) { /* x quantized once, here, for both threads */
+        float *sx;
+        int16_t *xi = quantize_x16(x, M, K, G, &sx);
+        if (!xi) return bad_args(M, K, G, N, n_begin, n_end) ? -1 : -2;
+        const job_t job = {3, path, x, M, K, NULL, q, scale, G, (const uint8_t *)xi, sx, NULL, y, N, n_begin, n_end};
+        const int rc = split_at(job, mid);
+        free(xi);
+        return rc;
+    }
     const job_t job = {0, path, x, M, K, NULL, q, scale, G, NULL, NULL, NULL, y, N, n_begin, n_end};
     return split_at(job, mid);
 }

@@ -11,6 +11,8 @@
  *   5 x22-portable, 6 x22-avx2 (AVX2 + FMA + F16C), 7 x22-vnni (AVX-512 F/BW/VL + VNNI): int4_linear.c only,
  *               activations quantized to 22-bit integers per row and group (three int8 planes), on vnni's packing;
  *               the three give identical bits (int4_linear.c's header says the arithmetic).
+ *   8 x16-avx2  int8_linear.c only (AVX2 + FMA + F16C): activations quantized to 16-bit integers per row and group,
+ *               vpmaddwd on vnni's packing (int8_linear.c's header says the arithmetic).
  * Each x86 path is compiled with a target attribute, so the library is built for baseline x86-64 and runs a path
  * only where __builtin_cpu_supports says the CPU has it (a path it lacks returns -3).
  */
@@ -27,7 +29,7 @@
 #define ROWS 6   /* rows of one register tile */
 
 enum { PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_VNNI = 4, PATH_X22_PORTABLE = 5, PATH_X22_AVX2 = 6,
-       PATH_X22_VNNI = 7 };
+       PATH_X22_VNNI = 7, PATH_X16_AVX2 = 8 };
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_X86 1
@@ -67,6 +69,15 @@ static inline void store_n(float *y, int64_t n, int64_t n_end, const float *out,
     if (count > 0) memcpy(y + n, out, sizeof(float) * (size_t)count);
 }
 
+/* a group of G activations' scale max |v| / top (fmaxf in column order) and its inverse in *inv (0 for a zero group):
+ * the vnni paths' (top 127) and int8's x16 (top 32767) */
+static inline float group_scale(const float *v, int64_t G, float top, float *inv) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < G; k++) amax = fmaxf(amax, fabsf(v[k]));
+    *inv = amax > 0.0f ? top / amax : 0.0f;
+    return amax / top;
+}
+
 /* x [M, K] -> int8 per row and group of G columns, symmetric: sx[m, g] = max |x| / 127, xq = round(x / sx); with
  * `bias` each value is stored + 128 as uint8 (the unsigned operand of vpdpbusd). One function for every row count,
  * so a row's quantized values do not depend on the batch. */
@@ -75,10 +86,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int b
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < NG; g++) {
             const float *v = x + m * K + g * G;
-            float amax = 0.0f;
-            for (int64_t k = 0; k < G; k++) amax = fmaxf(amax, fabsf(v[k]));
-            const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            sx[m * NG + g] = s;
+            float inv;
+            sx[m * NG + g] = group_scale(v, G, 127.0f, &inv);
             int8_t *o = xq + m * K + g * G;
             for (int64_t k = 0; k < G; k++) {
                 const int32_t q = (int32_t)lrintf(v[k] * inv);
@@ -97,14 +106,16 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int b
  *                               out [nb * 32]
  * drive() runs six rows at a time over each widened part of a block while it sits in L1/L2, the rows left over
  * (M % 6) in one smaller tile over the same widened part (32 rows: five tiles of six and one of two, the weights
- * widened and read once), and writes only the channels below n_end; fewer than six rows go one by one through the
- * rows step, which reads the weights once without a buffer. A path whose tile and rows steps do the same
- * arithmetic per output keeps rows batch invariant. */
+ * widened and read once), and writes only the channels below n_end; fewer than six rows (fewer than tile_from,
+ * where a path sets it) go one by one through the rows step, which reads the weights once without a buffer. A path
+ * whose tile and rows steps do the same arithmetic per output keeps rows batch invariant. */
 typedef struct {
     int width, nb_max;
     void (*widen)(const void *ctx, int64_t b, int h, float *wf);
     void (*tile)(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out);
     void (*rows)(const void *ctx, int64_t m, int64_t b, int nb, float *out);
+    int tile_from; /* rows from which every row goes through tiles (0: ROWS); a path whose tiles read each block once
+                      for all their rows sets 2, so two to five rows read a weight too big for the caches once */
 } steps_t;
 
 /* the operands of a float32-activation product, for the steps: int8 weights (q, scale) or 4-bit ones (q, sm, and xs,
@@ -134,7 +145,7 @@ static float *thread_buffer(size_t floats) {
 
 static int drive(const steps_t *s, const void *ctx, int64_t M, int64_t K, float *y, int64_t N, int64_t b_begin,
                  int64_t b_end, int64_t n_end) {
-    const int64_t tiled = M >= ROWS ? M : 0; /* rows that go through tiles: all of them, or none */
+    const int64_t tiled = M >= (s->tile_from ? s->tile_from : ROWS) ? M : 0; /* through tiles: all rows, or none */
     if (tiled > 0) {
         float *wf = s->widen ? thread_buffer((size_t)(K * s->width)) : NULL;
         if (s->widen && !wf) return -2;

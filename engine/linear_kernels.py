@@ -12,6 +12,8 @@ import torch
 
 from .kernel_lib import CodePaths, bind_function, set_spin_us
 
+X16_MAX_GROUP = 512  # int8_linear.c's x16 path: the largest group its int32 sums hold (32767 * 127 * 512 < 2^31)
+
 
 def pack_vnni(q: torch.Tensor, lanes: int, group_size: int) -> torch.Tensor:
     """[N32, K, lanes] bytes (a block's channels at each column) -> [N32, K/4, lanes, 4]: four columns of a channel
@@ -32,6 +34,7 @@ class QuantKernel(CodePaths):
     EXACT = ("portable", "avx2", "avx512")  # float32 activations; avx2 and avx512 give identical bits
     NEEDS = {"avx2": "avx2, fma, f16c", "avx512": "avx512f, avx512bw, avx512vl", "vnni": "avx512_vnni"}
     X22: tuple[str, ...] = ()  # int4's paths with 22-bit integer activations (the same bits on each)
+    X16: tuple[str, ...] = ()  # int8's paths with 16-bit integer activations
     PREFIX = ""
 
     def __init__(self, path: Path, isa: str | None = None):
@@ -109,9 +112,9 @@ class QuantKernel(CodePaths):
         if self.isa == "vnni":
             fn = self._vnni2 if split else self._vnni
             args = (x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in self.packed(w)])
-        else:  # the exact entry points with the path's code; an x22 path multiplies the vnni packing
+        else:  # the exact entry points with the path's code; an x22 or x16 path multiplies the vnni packing
             fn = self._linear2 if split else self._linear
-            operands = self.packed(w) if self.isa in self.X22 else self._operands(w)
+            operands = self._packed_operands(w) if self.isa in self.X22 + self.X16 else self._operands(w)
             args = (self.code, x.data_ptr(), x.shape[0], x.shape[1], *[t.data_ptr() for t in operands])
         rc = fn(*args, w.group_size, out.data_ptr(), w.num_out, begin, *((mid,) if split else ()), end)
         if rc != 0:
@@ -119,8 +122,13 @@ class QuantKernel(CodePaths):
 
 
 class Int8Linear(QuantKernel):
-    """int8_linear.c: products of int8 weights (quant.QWeight), and the float32 one-row product (f32_linear2)."""
+    """int8_linear.c: products of int8 weights (quant.QWeight), and the float32 one-row product (f32_linear2). Beside
+    QuantKernel's paths, x16-avx2 (int8_linear.c's header): activations quantized to 16-bit integers per row and
+    group, vpmaddwd on vnni's packing."""
 
+    X16 = ("x16-avx2",)
+    PATHS = {**QuantKernel.PATHS, "x16-avx2": 8}
+    NEEDS = {**QuantKernel.NEEDS, "x16-avx2": "avx2, fma, f16c"}
     PREFIX = "int8"
 
     def _bind(self, lib) -> None:
@@ -133,6 +141,16 @@ class Int8Linear(QuantKernel):
     @staticmethod
     def _operands(w) -> tuple:
         return w.q, w.scale
+
+    def _packed_operands(self, w) -> tuple:
+        qv, _, scale = self.packed(w)
+        return qv, scale
+
+    @staticmethod
+    def x16_takes(w) -> bool:
+        """Whether the x16 path multiplies w: groups of a multiple of 4 columns, at most X16_MAX_GROUP (its int32
+        sums' bound, int8_linear.c)."""
+        return w.group_size % 4 == 0 and w.group_size <= X16_MAX_GROUP
 
     @staticmethod
     def _pack(w) -> tuple:
@@ -171,6 +189,9 @@ class Int4Linear(QuantKernel):
     @staticmethod
     def _operands(w) -> tuple:
         return w.plain_q(), w.sm  # a copy where w was repacked for the x22 paths (pack_all): not a serving path
+
+    def _packed_operands(self, w) -> tuple:
+        return self.packed(w)
 
     @staticmethod
     def _pack(w) -> tuple:

@@ -18,7 +18,7 @@ import torch
 from tokenloop.core.gguf_file import check_servable, is_gguf
 
 from . import hugepages
-from .quant import Q4Weight, QWeight, qweight, qweight4
+from .quant import Q4Weight, QWeight, as_head, qweight, qweight4
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM", "Phi3ForCausalLM")
@@ -287,7 +287,7 @@ def load_weights(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
     out = {"embed": cast(_take(raw, "model.embed_tokens.weight")), "norm": norm(_take(raw, "model.norm.weight"))}
     lm_head = raw.pop("lm_head.weight", None)
     if weights in ("int8", "int4"):
-        out["lm_head"] = qweight(out["embed"] if lm_head is None or config.tie_word_embeddings else lm_head)
+        out["lm_head"] = as_head(qweight(out["embed"] if lm_head is None or config.tie_word_embeddings else lm_head))
     else:
         out["lm_head"] = out["embed"] if lm_head is None or config.tie_word_embeddings else cast(lm_head)
     for i in range(config.num_layers):

@@ -74,9 +74,14 @@ def timed_weights(weights: list) -> list:
     """The first of `weights` (at least one) whose float32 copies take at most TIMED_COPY_BYTES: what a quantized
     mode's routes are timed over. The library routes multiply copies of the weights (torch-fp32 in float32, 8x
     int4's bytes), kept for the timing: over every layer's gate_up of an 8B model that was 15 GB, and the start-up
-    was killed for memory. A 1.7B model keeps 8 of its 24 layers, still far more bytes than any cache."""
-    per = weights[0].shape[0] * weights[0].shape[1] * 4
-    return weights[:max(1, min(len(weights), TIMED_COPY_BYTES // per))]
+    was killed for memory. A 1.7B model keeps 8 of its 24 layers, still far more bytes than any cache. The lm_head
+    (QWeight.head, last) is kept whatever the count: the torch routes skip it (quant_routes.time_routes)."""
+    head = [w for w in weights if getattr(w, "head", False)]  # the lm_head stays (quant_routes.HEAD_SUFFIX)
+    layers = [w for w in weights if not getattr(w, "head", False)]
+    if not layers:
+        return head
+    per = layers[0].shape[0] * layers[0].shape[1] * 4
+    return layers[:max(1, min(len(layers), TIMED_COPY_BYTES // per))] + head
 
 
 class MatmulPolicy:

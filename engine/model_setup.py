@@ -40,7 +40,8 @@ def build_model(model_dir: str | Path, config: EngineConfig, model_config: Model
     num_blocks = config.num_kv_blocks(Model.kv_bytes_per_token(model_config, kv_dtype))
     gate_ups = [weights[f"layers.{i}.gate_up"] for i in range(model_config.num_layers)]
     paged = paged_attention(config, dtype)
-    model = Model(model_config, weights, dtype, num_blocks, config.block_size, matmul_policy(config, gate_ups), paged,
+    model = Model(model_config, weights, dtype, num_blocks, config.block_size,
+                  matmul_policy(config, gate_ups, weights["lm_head"]), paged,
                   split_attention=(os.cpu_count() or 1) >= 2, ops=kernels.load_ops() if paged is not None else None,
                   kv_dtype=kv_dtype)
     hugepages.release_free_memory()  # the calibration's buffers
@@ -76,13 +77,19 @@ def paged_attention(config: EngineConfig, dtype: torch.dtype) -> PagedAttention 
     return paged
 
 
-def matmul_policy(config: EngineConfig, gate_ups: list) -> MatmulPolicy:
-    """How the products run, timed over every layer's gate_up (they stream from memory) unless config fixes it."""
+def matmul_policy(config: EngineConfig, gate_ups: list, lm_head=None) -> MatmulPolicy:
+    """How the products run, timed over every layer's gate_up (they stream from memory) unless config fixes it; a
+    quantized lm_head (QWeight.head) is timed with them (quant_routes.HEAD_SUFFIX: routes differ in its path)."""
     sample = gate_ups[0]
-    if isinstance(sample, Q4Weight):
-        return MatmulPolicy.calibrate_int4(gate_ups, kernels.load_int4(), kernels.load_int8())
-    if isinstance(sample, QWeight):
-        return MatmulPolicy.calibrate_int8(gate_ups, kernels.load_int8())
+    head = lm_head if isinstance(lm_head, QWeight) and lm_head.head else None
+    timed = gate_ups + [head] if head is not None else gate_ups
+    if isinstance(sample, (Q4Weight, QWeight)):
+        policy = (MatmulPolicy.calibrate_int4(timed, kernels.load_int4(), kernels.load_int8())
+                  if isinstance(sample, Q4Weight) else MatmulPolicy.calibrate_int8(timed, kernels.load_int8()))
+        route = policy.route(1)[0]
+        if head is not None and route.head is not None and route.head.x16_takes(head):
+            route.head.packed(head)  # at start-up, not in the first request (one packing for the family's routes)
+        return policy
     if config.matmul_backend == "auto":
         return MatmulPolicy.calibrate(gate_ups, kernels.load_int8())
     usable = sample.dtype in (torch.float32, torch.float64)

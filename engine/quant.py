@@ -14,6 +14,7 @@ the weight widened back to float.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +38,14 @@ class _Packed:
 
 @dataclass(frozen=True, slots=True)
 class QWeight(_Packed):
-    """An int8 weight of `num_out` x K: packed q [N32, K, 32] int8 and scale [N32, K // group_size, 32] float32."""
+    """An int8 weight of `num_out` x K: packed q [N32, K, 32] int8 and scale [N32, K // group_size, 32] float32.
+    `head`: the model's lm_head, which a route may multiply on its own path (quant_routes.QuantRoute.head)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     group_size: int
     num_out: int
+    head: bool = False
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, K] int8, scale [N, K // group_size] float32), one row per output channel."""
@@ -104,6 +107,11 @@ def pack8(q: torch.Tensor, scale: torch.Tensor) -> QWeight:
 
 def qweight(w: torch.Tensor) -> QWeight:
     return quantize(w)
+
+
+def as_head(w: QWeight) -> QWeight:
+    """w marked as the model's lm_head (QWeight.head)."""
+    return dataclasses.replace(w, head=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,8 @@
 Each rule runs on the route the start-up calibration chooses ("calibrated") and on every route forced with
 TOKENLOOP_MATMUL_ROUTE (docs/engine.md, "Kernels and calibration"): the C kernel's paths (avx2, avx512, and vnni,
 whose int8 activations change the numerics; for int4 also x22-avx2 / x22-vnni, activations as 22-bit integers, an
-eligible family of their own) and torch's kernels (fp32 on the dequantized weights, and torch-dynq, its
+eligible family of their own; and routes named with quant_routes.HEAD_SUFFIX, the lm_head on int8's x16 path:
+16-bit integer activations) and torch's kernels (fp32 on the dequantized weights, and torch-dynq, its
 dynamically quantized int8 Linear). The calibration never chooses torch-dynq (one activation scale per call: perplexity
 +70 %) nor vnni (perplexity holds, the greedy rules do not): for those the tests assert that the contract still fails,
 so a route cannot turn eligible unseen. A route this CPU cannot run skips with the reason. fp32's perplexity and
@@ -27,7 +28,7 @@ from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.perplexity import DEFAULT_TEXT, load_engine, perplexity
-from tokenloop.engine.quant_routes import ROUTE_ENV, route_missing
+from tokenloop.engine.quant_routes import HEAD_SUFFIX, ROUTE_ENV, route_missing
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -39,6 +40,8 @@ ROUTES = [(mode, route) for mode in ("int8", "int4")
           for route in (None, f"{mode}-avx2", f"{mode}-avx512", f"{mode}-vnni", f"{mode}-portable", "torch-fp32",
                         "torch-dynq")]
 ROUTES += [("int4", f"int4-x22-{isa}") for isa in ("vnni", "avx2", "portable")]
+# the lm_head on int8's x16 path (16-bit integer activations), the layers as the route without the suffix
+ROUTES += [(mode, f"{mode}-avx2{HEAD_SUFFIX}") for mode in ("int8", "int4")] + [("int4", f"int4-x22-avx2{HEAD_SUFFIX}")]
 PORTABLE = ("the portable C paths (the fallback where a CPU has no AVX2) take minutes for the perplexity text here; "
             "their arithmetic is checked against float64 and the SIMD paths in the unit tests")
 
