@@ -235,34 +235,16 @@ AVX2_FN static int64_t f32_linear_avx2(const float *x, int64_t M, int64_t K, con
 
 /* ---- x16-avx2: 16-bit integer activations, vpmaddwd on vnni's packing (the header says the arithmetic) ---- */
 
-#define X16_MAX 32767
 #define X16_MAX_GROUP 512
 
 /* the operands of an x16 product, prepared once for both threads */
 typedef struct {
     const int16_t *xi; /* [M, K] the rows quantized per group */
-    const float *sx;   /* [M, NG] amax / X16_MAX */
+    const float *sx;   /* [M, NG] amax / 32767 */
     const int8_t *qv;  /* [N32, K/4, 32, 4] */
     const float *scale;
     int64_t K, G;
 } x16_t;
-
-/* x [M, K] -> xi int16 [M, K] and sx [M, NG]: one function for every row count, so a row's integers do not depend
- * on its batch */
-static void quantize16(const float *x, int64_t M, int64_t K, int64_t G, int16_t *xi, float *sx) {
-    const int64_t NG = K / G;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < NG; g++) {
-            const float *v = x + m * K + g * G;
-            float inv;
-            sx[m * NG + g] = group_scale(v, G, 32767.0f, &inv);
-            int16_t *o = xi + m * K + g * G;
-            for (int64_t k = 0; k < G; k++) {
-                long r = lrintf(v[k] * inv);
-                o[k] = (int16_t)(r > X16_MAX ? X16_MAX : r < -X16_MAX ? -X16_MAX : r);
-            }
-        }
-}
 
 #if HAVE_X86
 /* row m against block b; out [32]. A 4-column chunk of the block is 128 bytes: channel l's four columns at 4l.
@@ -377,7 +359,7 @@ static int16_t *quantize_x16(const float *x, int64_t M, int64_t K, int64_t G, fl
     uint8_t *buf = malloc(bytes + sizeof(float) * (size_t)(M * (K / G) + 1));
     if (!buf) return NULL;
     *sx = (float *)(buf + bytes);
-    quantize16(x, M, K, G, (int16_t *)buf, *sx);
+    quantize_groups(x, M, K, G, 32767.0f, 2, buf, *sx);
     return (int16_t *)buf;
 }
 

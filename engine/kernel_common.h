@@ -78,22 +78,32 @@ static inline float group_scale(const float *v, int64_t G, float top, float *inv
     return amax / top;
 }
 
-/* x [M, K] -> int8 per row and group of G columns, symmetric: sx[m, g] = max |x| / 127, xq = round(x / sx); with
- * `bias` each value is stored + 128 as uint8 (the unsigned operand of vpdpbusd). One function for every row count,
- * so a row's quantized values do not depend on the batch. */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int bias, int8_t *xq, float *sx) {
+/* x [M, K] -> integers per row and group of G columns, symmetric: sx[m, g] = max |x| / top, xq = round(x / sx);
+ * `kind` 0: int8 (top 127), 1: int8 stored + 128 as uint8 (the unsigned operand of vpdpbusd), 2: int16 clamped to
+ * +-top (int8_linear.c's x16). One function for every row count, so a row's values do not depend on the batch. */
+static void quantize_groups(const float *x, int64_t M, int64_t K, int64_t G, float top, int kind, void *dst,
+                            float *sx) {
     const int64_t NG = K / G;
+    const long lim = (long)top;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < NG; g++) {
             const float *v = x + m * K + g * G;
             float inv;
-            sx[m * NG + g] = group_scale(v, G, 127.0f, &inv);
-            int8_t *o = xq + m * K + g * G;
+            sx[m * NG + g] = group_scale(v, G, top, &inv);
+            const int64_t at = m * K + g * G;
             for (int64_t k = 0; k < G; k++) {
-                const int32_t q = (int32_t)lrintf(v[k] * inv);
-                o[k] = (int8_t)(bias ? (uint8_t)(q + 128) : q);
+                const long q = lrintf(v[k] * inv);
+                if (kind == 2)
+                    ((int16_t *)dst)[at + k] = (int16_t)(q > lim ? lim : q < -lim ? -lim : q);
+                else
+                    ((int8_t *)dst)[at + k] = (int8_t)(kind ? (uint8_t)(q + 128) : q);
             }
         }
+}
+
+/* x [M, K] -> int8 per row and group of G columns (sx = max |x| / 127); with `bias` stored + 128 as uint8 */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int bias, int8_t *xq, float *sx) {
+    quantize_groups(x, M, K, G, 127.0f, bias ? 1 : 0, xq, sx);
 }
 
 /* ---- the loops around a product's kernels, shared by both libraries and every SIMD path ----

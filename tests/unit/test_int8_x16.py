@@ -108,17 +108,6 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_and_on_two_threads():
         assert torch.equal(product(batch, w, two_threads=True), alone[:rows]), rows
 
 
-def test_x16_writes_only_its_channels():
-    kernel = x16_kernel()
-    gen = torch.Generator().manual_seed(8)
-    w, x = quantize(torch.randn(100, 576, generator=gen), 32), torch.randn(7, 576, generator=gen)
-    whole, part = torch.empty(7, 100), torch.full((7, 100), -7.0)
-    kernel.linear(x, w, whole)
-    kernel.linear(x, w, part, 32, 97)
-    assert torch.equal(part[:, 32:97], whole[:, 32:97])
-    assert (part[:, :32] == -7.0).all() and (part[:, 97:] == -7.0).all()
-
-
 def test_groups_past_512_columns_or_not_a_multiple_of_4_are_refused_and_the_route_falls_back():
     """G = 1024 could overflow the int32 sums and G = 42 does not fit four-column lanes: the kernel refuses (code -1)
     or the packing does; a HEAD_SUFFIX route multiplies such an lm_head on its layers' path instead."""
