@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # general.architecture -> the Hugging Face architecture it is served as (engine/loader.py's ModelConfig)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 READ_VERSIONS = (2, 3)
 T = GGMLQuantizationType
 # tensor types we read, and the smallest weights mode that holds their values without losing precision (`--weights

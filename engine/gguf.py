@@ -74,6 +74,9 @@ def config_dict(g: GGUFFile) -> dict:
                       layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                    for i in range(config["num_hidden_layers"])])
         del config["hidden_act"]
+    if "rope_factors_long.weight" in names:  # Phi-3's 128k variants
+        raise GGUFError(f"{g.path}: tensor 'rope_factors_long.weight' (Phi-3's longrope scaling) is not one we serve; "
+                        "we serve linear rope scaling (and Llama 3's rope_freqs.weight)")
     if "rope_freqs.weight" in names:  # Llama 3.x: llama.cpp divides each rotary frequency by its factor
         config["rope_freq_factors"] = _read_float(g, names["rope_freqs.weight"]).reshape(-1).tolist()
     return config
@@ -200,11 +203,14 @@ def load_gguf_weights(path: str | Path, config, dtype: torch.dtype,
         out["lm_head"] = out["embed"] if head == "token_embd.weight" else r.cast(head)
     for i in range(config.num_layers):
         b = f"blk.{i}."
-        out[f"layers.{i}.qkv"] = r.matrix([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"])
+        fused = b + "attn_qkv.weight" in g.tensors  # Phi-3: q/k/v in one tensor, gate/up in ffn_up (no ffn_gate)
+        out[f"layers.{i}.qkv"] = r.matrix([b + "attn_qkv.weight"] if fused else
+                                          [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"])
         if config.qkv_bias:
             out[f"layers.{i}.qkv_bias"] = torch.cat([r.cast(b + f"attn_{x}.bias") for x in "qkv"])
         out[f"layers.{i}.o"] = r.matrix([b + "attn_output.weight"])
-        out[f"layers.{i}.gate_up"] = r.matrix([b + "ffn_gate.weight", b + "ffn_up.weight"])
+        out[f"layers.{i}.gate_up"] = r.matrix([b + "ffn_up.weight"] if fused else
+                                              [b + "ffn_gate.weight", b + "ffn_up.weight"])
         out[f"layers.{i}.down"] = r.matrix([b + "ffn_down.weight"])
         out[f"layers.{i}.input_norm"] = r.cast(b + "attn_norm.weight")  # Gemma 3's norms: 1 + w in the file already
         out[f"layers.{i}.post_norm"] = r.cast(b + "ffn_norm.weight")

@@ -18,7 +18,7 @@ from tokenloop.bench.shape_gguf import add_key
 
 T = GGMLQuantizationType
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
 GEMMA3_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
@@ -28,7 +28,8 @@ LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
                "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
                "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+               "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}  # Phi-3
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -48,8 +49,10 @@ def gguf_name(name: str, gemma: bool = False) -> str:
 
 
 def write_gguf(model_dir: str | Path, path: str | Path, matrix_type: T = T.F32, embed_type: T = T.F32,
-               metadata: dict | None = None, arch: str | None = None, types: dict[str, T] | None = None) -> Path:
-    """The checkpoint in `model_dir` as one GGUF file at `path`; `types` {gguf tensor name: type} overrides."""
+               metadata: dict | None = None, arch: str | None = None, types: dict[str, T] | None = None,
+               extra: dict[str, np.ndarray] | None = None) -> Path:
+    """The checkpoint in `model_dir` as one GGUF file at `path`; `types` {gguf tensor name: type} overrides; `extra`
+    {gguf tensor name: array} adds float32 tensors."""
     model_dir, path = Path(model_dir), Path(path)
     config = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
@@ -70,6 +73,8 @@ def write_gguf(model_dir: str | Path, path: str | Path, matrix_type: T = T.F32, 
     if arch == "gemma3":
         keys |= {f"{arch}.attention.sliding_window": config["sliding_window"],
                  f"{arch}.attention.key_length": config["head_dim"]}
+    if arch == "phi3" and config.get("sliding_window"):
+        keys[f"{arch}.attention.sliding_window"] = config["sliding_window"]
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     tokens = [t for t, _ in vocab]
     specials = {a["id"] for a in tok["added_tokens"] if a["special"]}
@@ -93,6 +98,8 @@ def write_gguf(model_dir: str | Path, path: str | Path, matrix_type: T = T.F32, 
                                  matrix_type if t.ndim == 2 else T.F32)
         data = t if kind == T.F32 else t.astype(np.int8) if kind == T.I8 else quants.quantize(t, kind)
         w.add_tensor(out, data, raw_dtype=kind)
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, t.astype(np.float32), raw_dtype=T.F32)
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(config), raw_dtype=T.F32)

@@ -104,7 +104,7 @@ def test_unsupported_architecture(tiny, tmp_path):
     model = copy_model(tiny, tmp_path, config__json=json.dumps(config).encode())
     assert_refused(serve("--model", str(model)),
                    f"--model {model}: unsupported architecture 'GPT2LMHeadModel'; the engine supports "
-                   "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM (--backend engine)")
+                   "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM (--backend engine)")
 
 
 def test_port_in_use(tiny):

@@ -15,7 +15,7 @@ from gguf import quants
 from tests.engine_helpers import greedy_request, run_all, tokens
 from tests.tiny_gguf import T, write_gguf
 from tests.tiny_model import make_tiny_model
-from tokenloop.core.gguf_file import open_gguf
+from tokenloop.core.gguf_file import GGUFError, open_gguf
 from tokenloop.core.tokenizer import ModelCard, Tokenizer
 from tokenloop.engine import kernels
 from tokenloop.engine.config import EngineConfig
@@ -202,3 +202,24 @@ def test_gemma3_file_gives_the_checkpoints_weights_and_serves(tmp_path):
     for name in theirs:
         assert torch.equal(mine[name], theirs[name]), name
     assert all(len(t) == 8 for t in greedy_tokens(gguf, 8))
+
+
+def test_phi3_file_gives_the_checkpoints_weights_and_serves(tmp_path):
+    """A Phi-3 file (llama.cpp's names: q/k/v fused in attn_qkv, gate/up in ffn_up, no row permutation; its sliding
+    window as a key) loads the checkpoint's weights bit for bit and its shape, and serves its greedy tokens past the
+    window; a longrope file (rope_factors_long.weight) is refused by name."""
+    model = make_tiny_model(tmp_path / "model", "phi3", tied=False, num_layers=2, sliding_window=6)
+    gguf = write_gguf(model, tmp_path / "phi3.gguf")
+    ours, ref = ModelConfig.from_dir(gguf), ModelConfig.from_dir(model)
+    assert ours.local_layers == (True, True) and ours.sliding_window == 6
+    assert dataclasses.replace(ours, rms_norm_eps=1e-5) == ref
+    mine, theirs = load_weights(gguf, ours, torch.float32), load_weights(model, ref, torch.float32)
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(mine[name], theirs[name]), name
+    assert greedy_tokens(model, 16, dtype="float32") == greedy_tokens(gguf, 16, dtype="float32")
+    factors = np.ones(ref.head_dim // 2, dtype=np.float32)
+    longrope = write_gguf(model, tmp_path / "longrope.gguf",
+                          extra={"rope_factors_long.weight": factors, "rope_factors_short.weight": factors})
+    with pytest.raises(GGUFError, match="tensor 'rope_factors_long.weight' \\(Phi-3's longrope scaling\\) is not one we"):
+        ModelConfig.from_dir(longrope)

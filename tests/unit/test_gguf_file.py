@@ -71,7 +71,7 @@ def test_not_gguf(tmp_path):
 def test_architecture_refused_by_name_with_the_list(model, tmp_path):
     path = write_gguf(model, tmp_path / "phi.gguf", arch="phi2")
     assert refused(path) == (f"--model {path}: architecture 'phi2' (general.architecture) is not one we serve; "
-                             "we serve llama, mistral, qwen2, qwen3, gemma3")
+                             "we serve llama, mistral, qwen2, qwen3, gemma3, phi3")
 
 
 def test_tensor_type_refused_by_name(model, tmp_path):
