@@ -138,13 +138,14 @@ def stop_process(proc: subprocess.Popen, timeout: float = 60) -> int:
 @dataclass
 class StreamRun:
     """What a batch of streams did: wall seconds, and per request (in completion order) its TTFT, tokens, the
-    prompt tokens its server took from a cache and its finish reason."""
+    prompt tokens its server took from a cache, its finish reason and the tokens speculation drafted for it."""
 
     wall_s: float
     ttft_s: list[float] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     cached_prompt_tokens: list[int] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    draft_tokens: list[int] = field(default_factory=list)
 
 
 async def stream_generate(port: int, prompts: list[list[int]], num_new: list[int], concurrency: int,
@@ -175,6 +176,7 @@ async def stream_generate(port: int, prompts: list[list[int]], num_new: list[int
                     elif response.HasField("complete"):
                         run.cached_prompt_tokens.append(response.complete.usage.cached_prompt_tokens)
                         run.finish_reasons.append(pb.FinishReason.Name(response.complete.finish_reason))
+                        run.draft_tokens.append(response.complete.usage.draft_tokens)
                 run.ttft_s.append(first - sent if first else float("nan"))
                 run.num_tokens.append(count)
 
