@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .calibration import BUCKETS, COLD_TOKENS, cache_key, cached_choice, fastest
+from .calibration import BUCKETS, COLD_TOKENS, cache_key, cached_choice, fastest, provisional
 from .helper_thread import HelperThread
 from .kernels import cache_dir, load_f32, load_int8
 from .linear_kernels import F32Linear, Int4Linear, Int8Linear
@@ -104,6 +104,7 @@ class MatmulPolicy:
         self.qroutes = qroutes or {b: (default, self.int8_split.get(b, False)) for b in BUCKETS}
         self.timings = timings or {}  # bucket -> {candidate: best seconds} from the calibration
         self.chosen = chosen  # how the routes were chosen (timed now, read from the cache, forced)
+        self.timed_under_load = False  # the timings are a provisional record's (calibration.provisional)
         wants_helper = Backend.NUMPY_TWO_THREADS in buckets.values()
         self._helper = helper or (HelperThread() if wants_helper else None)
 
@@ -214,8 +215,10 @@ class MatmulPolicy:
         record, chosen = cached_choice(path, lambda p: read_route_record(p, routes),
                                         lambda: choose_routes(time_routes(routes, weights), routes), use_cache)
         qroutes = {b: (routes[name], split) for b, (name, split) in record["buckets"].items()}
-        return cls(dict.fromkeys(BUCKETS, Backend.TORCH), int8=int8, int4=int4, qroutes=qroutes,
-                   timings=record["times"], chosen=chosen)
+        policy = cls(dict.fromkeys(BUCKETS, Backend.TORCH), int8=int8, int4=int4, qroutes=qroutes,
+                     timings=record["times"], chosen=chosen)
+        policy.timed_under_load = bool(provisional(record))
+        return policy
 
     def _bucket(self, num_tokens: int) -> int:
         for b in BUCKETS:
@@ -256,7 +259,11 @@ class MatmulPolicy:
     def row_timing(self, rows: int = COLD_TOKENS) -> tuple[float, float, int, str] | None:
         """The quantized products' calibration times for one row and for `rows` rows (a bucket) on the routes chosen
         for them (seconds over every layer's gate_up), `rows` and the routes' names; None where nothing was timed
-        (float weights, a forced route, no C kernel): speculation's row cost (speculation.row_cost_from_times)."""
+        (float weights, a forced route, no C kernel) or the times were taken on a busy machine (a provisional record:
+        there one row and four time at the mercy of the other processes, 0.1 or 0.9 of a step a row):
+        speculation's row cost (speculation.row_cost_from_times)."""
+        if self.timed_under_load:
+            return None
         one, several = self.timings.get(1, {}), self.timings.get(rows, {})
         (route1, split1), (route_n, split_n) = self.route(1), self.route(rows)
         name1, name_n = candidate_name(route1.name, split1), candidate_name(route_n.name, split_n)

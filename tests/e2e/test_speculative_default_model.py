@@ -46,4 +46,5 @@ def test_greedy_output_is_the_same_with_speculation(default_model_dir, prompts, 
     assert on_alone == off_alone
     assert on_batched == off_batched
     if kind == "grounded":  # the output copies the passage: most drafts are the model's own tokens
-        assert stats.spec_num_accepted_tokens > NUM_NEW and stats.spec_tokens_per_step > 2
+        # how long the drafts are follows the row cost measured on this machine; that they are accepted does not
+        assert stats.spec_num_drafts > 0 and stats.spec_acceptance_rate > 0.7

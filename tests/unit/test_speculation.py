@@ -131,6 +131,10 @@ def test_the_row_cost_is_measured_from_the_calibration_and_sets_the_draft_length
 def test_a_row_cost_without_timings_or_out_of_range_is_assumed_or_clamped():
     policy = MatmulPolicy(dict.fromkeys(BUCKETS, Backend.TORCH))  # float weights: no route timings
     assert policy.row_timing() is None
+    policy.timings = {1: {"torch/1t": 6.3e-3}, 4: {"torch/1t": 14.9e-3}}
+    assert policy.row_timing() is not None
+    policy.timed_under_load = True  # a provisional calibration: its ratio is the other processes' noise
+    assert policy.row_timing() is None
     config = SpeculativeConfig(mode="ngram")
     assert config.with_measured_row_cost(None) is config and config.row_cost == DEFAULT_ROW_COST
     assert row_cost_from_times(1.0, 1.0, 4) == ROW_COST_RANGE[0]  # noise: four rows no slower than one
