@@ -1,6 +1,6 @@
 """Steady speed after a loaded start (issue 40, item 7): one stream's tok/s over the first minutes of serving, for a
 server started on a quiet machine and for servers started while a CPU-heavy process ran (stopped once they are
-ready), with and without `--route-retiming`.
+ready), with and without `--route-retiming` (on by default: the arms without it pass `--no-route-retiming`).
 
     .venv/bin/tokenloop-bench route_retiming [--weights int4] [--seconds 90] [--window 10] [--rounds 2]
 
@@ -75,8 +75,7 @@ def per_window(arrivals: list[float], window: float, seconds: float) -> list[flo
 
 def run_arm(name: str, args, prompt: list[int]) -> dict:
     loaded, flags = name.startswith("loaded"), ["--weights", args.weights]
-    if name.endswith("retiming"):
-        flags.append("--route-retiming")
+    flags.append("--route-retiming" if name.endswith("retiming") else "--no-route-retiming")  # on by default
     hog = start_hog() if loaded else []
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:

@@ -51,13 +51,14 @@ class EngineConfig:
     embed_pooling: str | None = None  # --embed-pooling: last | mean
     embed_normalize: bool | None = None  # --embed-normalize / --no-embed-normalize
     # speculative decoding (engine/speculation.py): off | ngram (prompt lookup), the most tokens one sequence drafts
-    # in a step, and the decoding sequences above which a step drafts nothing
-    speculative: str = "off"
+    # in a step, and the decoding sequences above which a step drafts nothing. On by default (docs/engine.md,
+    # "Speculative decoding", the rule that made it so): the output is the same, and it drafts only where it pays
+    speculative: str = "ngram"
     num_speculative_tokens: int = 4
     speculative_max_batch_size: int = 4
     # --route-retiming: re-time the quantized products' routes of one family on real steps and switch to a faster one
-    # (engine/route_timing.py); off until measured
-    route_retiming: bool = False
+    # (engine/route_timing.py; same bits, so the same tokens); on by default, --no-route-retiming turns it off
+    route_retiming: bool = True
 
     def __post_init__(self):
         if self.max_batch_size < 1:

@@ -77,7 +77,7 @@ class Engine:
         self.mailbox = Mailbox(ExecutorStats(kv_blocks_total=num_blocks, tokens_per_block=self.config.block_size))
         self.num_failed_steps = 0  # steps in a row that failed for a fault of the engine (StepRun.fault)
         self._latencies: collections.deque[float] = collections.deque(maxlen=32)
-        # engine/speculation.py; off unless --speculative ngram; a verified row's cost from the calibration's timings
+        # engine/speculation.py; ngram unless --speculative off; a verified row's cost from the calibration's timings
         self.speculative = self.config.speculative_config.with_measured_row_cost(self.model.matmul.row_timing())
         self.spec_stats = SpecStats()
         # --route-retiming: quantized routes re-timed on real steps (route_timing.py); only where the calibration chose

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-threads", type=int, default=None, help="torch threads")
     e.add_argument("--route-retiming", action=argparse.BooleanOptionalAction, default=None,
                    help="with --weights int8/int4: now and then run a step on another route of the calibrated family "
-                        "(same bits) and switch to one that measures faster (docs/engine.md; default off)")
+                        "(same bits) and switch to one that measures faster (docs/engine.md; default on)")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of a prompt prefix seen before (default on)")
@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = s.add_argument_group("speculative decoding (docs/engine.md#speculative-decoding, docs/trtllm.md)")
     sp.add_argument("--speculative", choices=("off", "ngram", "lookahead", "draft_target"), default=None,
                     help="draft tokens and verify them in one step, with output unchanged. ngram: prompt lookup "
-                         "(both backends); lookahead, draft_target: TensorRT-LLM's own (default off)")
+                         "(both backends); lookahead, draft_target: TensorRT-LLM's own (default: ngram on the engine, off "
+                         "on TensorRT-LLM)")
     sp.add_argument("--num-speculative-tokens", type=int, default=None,
                     help="the most tokens one sequence drafts per step (default 4; the engine adapts it per sequence)")
     sp.add_argument("--speculative-max-batch-size", type=int, default=None,

@@ -44,7 +44,8 @@ def test_engine_config_rejects_bad_values(kwargs, message):
 def test_speculative_settings_become_the_speculative_config():
     spec = EngineConfig(speculative="ngram", num_speculative_tokens=6, speculative_max_batch_size=2).speculative_config
     assert (spec.mode, spec.num_speculative_tokens, spec.max_batch_size, spec.enabled) == ("ngram", 6, 2, True)
-    assert not EngineConfig().speculative_config.enabled  # off by default
+    assert EngineConfig().speculative_config.mode == "ngram"  # on by default (docs/engine.md's rule)
+    assert not EngineConfig(speculative="off").speculative_config.enabled
 
 
 def test_kv_blocks_from_tokens_fraction_or_default():
