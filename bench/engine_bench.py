@@ -19,6 +19,9 @@ Prints a Markdown table, then the figures issue 32 asks for; `--out FILE` also w
 Every system gets the same warm-up (one 4-token request) before its timed runs, and the one-stream scenario is the
 median of `--single-repeats` repeats on every system, transformers included. Each result keeps the CPU seconds of
 the server (by thread), of this client and of the rest of the machine while it ran.
+Flags this script does not know go to `tokenloop serve`; speculation is off unless one of them names it
+(`--speculative ngram`): the engine table compares one token per step with llama-server's plain decoding, and
+speculation has its own table (`tokenloop-bench spec`, beside llama-server's n-gram drafting).
 """
 
 from __future__ import annotations
@@ -386,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the one-stream scenario this many times per system and report the median (every "
                              "repeat is printed and recorded)")
     args, engine_flags = parser.parse_known_args(argv)  # the rest goes to `tokenloop serve`
+    if not any(flag.startswith("--speculative") for flag in engine_flags):
+        engine_flags += ["--speculative", "off"]  # on by default since 7df3cef: this table is one token per step
     from tokenloop.core.tokenizer import Tokenizer
 
     corpus = Tokenizer.from_dir(args.model).encode(TEXT)
