@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from tests.engine_helpers import engine_on, greedy_batch, hf_greedy
+from tests.engine_helpers import engine_on, greedy_batch, hf_greedy, quantized_and_reference, served_weights_copy
+from tests.lora_helpers import write_adapter
 from tests.tiny_model import make_tiny_model
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
@@ -70,3 +71,21 @@ def test_equals_transformers_past_the_window_alone_and_batched(checkpoint, hf, b
             assert [greedy_batch(engine, [p], NUM_NEW)[0] for p in batch[:3]] == expected[:3]
             assert greedy_batch(engine, batch, NUM_NEW) == expected, max_num_tokens
             assert engine.block_manager.num_hit_tokens > 0
+
+
+def test_the_fused_int8_step_takes_each_layers_window(checkpoint, tmp_path):
+    """The one-call fused decode step (int8 on its exact route) runs each family's windows: its greedy tokens past
+    the window, alone and batched, are those of float32 on the weights it serves (which differ from the window's
+    absence: the first test)."""
+    copy = tmp_path / "served"
+    copy.mkdir()
+    served_weights_copy(checkpoint, "int8", copy)
+    adapter = write_adapter(checkpoint, tmp_path / "adapter", seed=1, scale=0.3)
+    config = dict(kv_cache_tokens=4096, max_num_tokens=32, max_batch_size=8, block_size=4, max_lora_rank=8)
+    batch = prompts(6, seed=5)
+    with quantized_and_reference(checkpoint, copy, "int8", adapter, config) as (quant, ref):
+        if quant.model.plan is None:
+            pytest.skip("no fused step on this machine (no C compiler or native attention)")
+        expected = greedy_batch(ref, batch, NUM_NEW)
+        assert greedy_batch(quant, batch[:1], NUM_NEW) == expected[:1]
+        assert greedy_batch(quant, batch, NUM_NEW) == expected
