@@ -233,8 +233,10 @@ def _size_row(d: dict, model: str) -> dict:
 
 def size_table(d: dict) -> str:
     """The size table: the fastest tokenloop mode against llama-server on the same files, 1 and 8 streams."""
-    intro = (f"One run, {_when(d)}, every row on the same {d['cpus']}-vCPU {describe(d)}, code at `{d['commit']}`: "
-             f"`{d['command']}`. 128 new tokens, EOS ignored; one stream the median of {d['single_repeats']}.")
+    rerun = [row for row in d["rows"] if row.get("date") and row.get("commit") != d["commit"]]
+    intro = (f"One run, {_when(d)}, every row{' but those noted below' if rerun else ''} on the same {d['cpus']}-vCPU "
+             f"{describe(d)}, code at `{d['commit']}`: `{d['command']}`. 128 new tokens, EOS ignored; one stream the "
+             f"median of {d['single_repeats']}.")
     lines = [textwrap.fill(intro, 118, break_on_hyphens=False, break_long_words=False), "",
              "| model | one stream: tokenloop / llama-server tok/s | ratio | eight streams: tokenloop / llama-server "
              "tok/s | ratio | int4 one stream: share of the bandwidth limit |", "| --- | --- | --- | --- | --- | --- |"]
@@ -246,6 +248,10 @@ def size_table(d: dict) -> str:
                       f"{vs['ratio']:.2f}x"] if vs else ["—", "—"]
         share = row.get("int4_decode_bandwidth_share")
         lines.append(f"| {row['model']} | " + " | ".join(cells) + f" | {f'{100 * share:.0f} %' if share else '—'} |")
+    for row in rerun:  # a row measured again later (size_table --only) keeps its own date, commit and command
+        note = (f"The {row['model']} row was measured again, {_when(row)}, same machine, code at `{row['commit']}`: "
+                f"`{row['command']}`.")
+        lines += ["", textwrap.fill(note, 118, break_on_hyphens=False, break_long_words=False)]
     return "\n".join(lines)
 
 
