@@ -162,8 +162,7 @@ STAMP = ("date", "commit", "cpu", "command")  # what harness.write adds to every
 # Benchmarks whose results files were written before harness.write stamped every run (or put together by hand from
 # several runs): each needs a rerun on a quiet machine, all of them in one command (RERUN, given in bench/README.md),
 # which writes each file stamped; a benchmark whose file is stamped leaves this list.
-AWAITING_RERUN = ("structured", "shared_prefix", "lora", "engine_gil", "prompt_stall", "quant_kernels", "grammar_libs",
-                  "service_overhead", "clients")
+AWAITING_RERUN: tuple[str, ...] = ()  # the nine rerun on the quiet VM, 2026-12-07 07:22-07:36 UTC (tokenloop-bench record)
 RERUN = "tokenloop-bench record " + " ".join(AWAITING_RERUN)
 
 
