@@ -260,8 +260,18 @@ FIGURES |= {
        for m in ("135M", "360M", "1.7B", "gemma3-270m") for sc in ("single", "eight")},
     "size.1.7B_int4_share": Figure(SZ, lambda d: f"{100 * _size_row(d, '1.7B')['int4_decode_bandwidth_share']:.0f} %"),
 }
+def model_load_table(d: dict) -> str:
+    """Seconds to SERVING and resident memory per model (bench/model_load.py --serve)."""
+    from tokenloop.bench.model_load import table
+
+    intro = (f"One run, {_when(d)}, the {d['cpus']}-vCPU {describe(d)}, code at `{d['commit']}`: `{d['command']}` "
+             "(after a first start of each model, which timed its routes; this start read them from the cache).")
+    return textwrap.fill(intro, 118, break_on_hyphens=False, break_long_words=False) + "\n\n" + table(d["rows"])
+
+
 TABLES = {"engine": (E, engine_table), "spec": (SP, spec_table), "size": (SZ, size_table),
-          "overhead": ("results-overhead.json", overhead_table)}
+          "overhead": ("results-overhead.json", overhead_table), "model-load": ("results-model-load.json",
+                                                                              model_load_table)}
 
 
 def value(name: str) -> str:
