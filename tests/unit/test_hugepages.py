@@ -53,7 +53,8 @@ def test_arena_and_zeros_are_on_huge_pages():
     arena.place(torch.ones(8 << 20, dtype=torch.uint8))
     assert hugepages.huge_bytes(arena.buffer) > 0, "the kernel gave the madvised arena no huge page"
     cache = hugepages.zeros((4, 1024, 2, 128), torch.float32)  # 4 MiB
-    assert cache.abs().sum() == 0 and cache.shape == (4, 1024, 2, 128)
+    assert cache.abs().sum() == 0 and cache.shape == (4, 1024, 2, 128)  # zeros without being written
+    cache[:, :, :, :] = 1.0  # its pages fault in as they are written, huge
     assert hugepages.huge_bytes(cache) > 0
 
 
