@@ -12,8 +12,9 @@ values" burst: good streams beside a burst of requests whose values once failed 
 structure that stop rules leave no token, a prompt the engine's forward fails on): every good stream must complete
 with the tokens it gets without the burst, each bad one must get its own status, and the server must stay up
 (GetLoad idle, engine alive). Afterwards the first
-server must answer normally, GetLoad must show nothing running, waiting or holding KV blocks, its RSS
-must be within 10% of the pre-soak level, and every Generate must have had exactly one terminal status
+server must answer normally, GetLoad must show nothing running, waiting or holding KV blocks, its RSS outside
+the KV cache (whose pages fault in as blocks are first written, up to its fixed size) must be within 10% of the
+pre-soak level, and every Generate must have had exactly one terminal status
 (checked on the client and in the server's JSON request-end log). Exit code 1 when a leak is found.
 """
 
@@ -24,6 +25,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -34,6 +36,7 @@ from pathlib import Path
 import grpc
 
 from tokenloop.bench.harness import DEFAULT_MODEL, ROOT, describe, free_port, machine, stop_process
+from tokenloop.engine.hugepages import HUGE_PAGE, PAGE
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
@@ -50,6 +53,25 @@ PROMPTS = ["Tell me a story about a cat.", "List three colours:", "What is 2 + 2
 
 
 @dataclass
+class Rss:
+    """The soak server's resident bytes before and after, and of them the KV cache's backed pages: the leak check
+    compares what lies outside the cache (its pages fault in as blocks are first written, up to its fixed size)."""
+
+    rss0: int
+    rss1: int
+    kv0: int
+    kv1: int
+
+    @property
+    def outside0(self) -> int:
+        return self.rss0 - self.kv0
+
+    @property
+    def outside1(self) -> int:
+        return self.rss1 - self.kv1
+
+
+@dataclass
 class Outcome:
     """What one Generate call ended with, as the client saw it."""
 
@@ -60,6 +82,15 @@ class Outcome:
     num_terminal: int = 1  # terminal statuses seen: must be exactly one
     reached_server: bool = True
     abort_errors: int = 0
+
+
+KV_LOG = re.compile(r"KV cache [0-9.]+ GiB \((\d+) bytes")  # engine/model_setup.py's start-up line
+
+
+def kv_arena_bytes(nbytes: int) -> int:
+    """The huge-page region hugepages.zeros maps for a tensor of nbytes: whole pages, in whole 2 MiB."""
+    pages = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    return -(-pages // HUGE_PAGE) * HUGE_PAGE
 
 
 class ServerProcess:
@@ -89,6 +120,27 @@ class ServerProcess:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return 0
+
+    def kv_resident_bytes(self) -> int:
+        """Bytes of the KV cache backed by memory: the server maps its K and V caches unbacked (huge-page arenas,
+        engine/hugepages.py `zeros`) and pages fault in as blocks are first written, so a soak that reaches blocks
+        no earlier request wrote grows the RSS by up to the cache's size, bounded, not a leak. Found in
+        /proc/PID/smaps as the two huge-page mappings of the size the start-up log gives; 0 where the cache is on
+        torch's pages (written whole at allocation) or the log line is missing."""
+        kv = next((int(m.group(1)) for line in self.lines if (m := KV_LOG.search(line))), None)
+        if kv is None:
+            return 0
+        size_kb = kv_arena_bytes(kv // 2) >> 10
+        resident, size, rss = 0, 0, 0
+        for line in Path(f"/proc/{self.proc.pid}/smaps").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key == "Size":
+                size, rss = int(rest.split()[0]), 0
+            elif key == "Rss":
+                rss = int(rest.split()[0])
+            elif key == "VmFlags" and size == size_kb and "hg" in rest.split():
+                resident += rss << 10
+        return resident
 
     def request_ends(self) -> list[dict]:
         out = []
@@ -328,13 +380,13 @@ async def run(args) -> tuple[str, bool]:
                            "--shutdown-grace", "5")
     try:
         await warm_up(server.port, 48)
-        rss0, t0 = server.rss_bytes(), time.monotonic()
+        rss0, kv0, t0 = server.rss_bytes(), server.kv_resident_bytes(), time.monotonic()
         outcomes, abort_errors = await soak(server.port, args.num, args.seed, args.limit)
         soak_s = time.monotonic() - t0
         burst = await bad_sampling(server.port, args.bad_good, args.bad_num, args.bad_in_a_row)
         load, answers = await settle(server.port)
         await asyncio.sleep(1.5)  # the last request-end lines; the allocator settles
-        rss1 = server.rss_bytes()
+        rss1, kv1 = server.rss_bytes(), server.kv_resident_bytes()
         log_leaks = server_terminal_counts(server, outcomes)
     finally:
         exit_code = await asyncio.to_thread(server.stop)
@@ -345,7 +397,9 @@ async def run(args) -> tuple[str, bool]:
     leaks += [f"GetLoad after the soak: {str(load).strip()}"] if (load.num_running or load.num_waiting or
                                                                     load.num_in_flight or load.kv_blocks_used) else []
     leaks += ["the server did not answer normally afterwards"] if not answers else []
-    leaks += [f"RSS {rss0 >> 20} MiB -> {rss1 >> 20} MiB (> 10%)"] if rss1 > rss0 * 1.10 else []
+    rss = Rss(rss0, rss1, kv0, kv1)
+    leaks += [f"RSS outside the KV cache {rss.outside0 >> 20} MiB -> {rss.outside1 >> 20} MiB (> 10%)"] \
+        if rss.outside1 > rss.outside0 * 1.10 else []
     leaks += [f"SIGTERM exit code {exit_code}"] if exit_code != 0 else []
     leaks += [f"engine death: exit code {death_exit}"] if death_exit != 1 else []
     leaks += [f"bad sampling values: {burst['complete']}/{burst['num_good']} good streams complete"] \
@@ -355,11 +409,11 @@ async def run(args) -> tuple[str, bool]:
         if burst["after"] != "OK" else []
     leaks += [f"engine death: statuses {dict(death)}"] if set(death) - {"UNAVAILABLE", "CANCELLED", "OK"} or \
         not death["UNAVAILABLE"] else []
-    table = summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, burst)
+    table = summary(args, outcomes, soak_s, load, rss, death, death_exit, leaks, burst)
     return table, not leaks
 
 
-def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, burst) -> str:
+def summary(args, outcomes, soak_s, load, rss, death, death_exit, leaks, burst) -> str:
     by_status = collections.Counter(o.code for o in outcomes)
     by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for o in outcomes:
@@ -380,7 +434,10 @@ def summary(args, outcomes, soak_s, load, rss0, rss1, death, death_exit, leaks, 
     lines += ["", f"- After: GetLoad running {load.num_running}, waiting {load.num_waiting}, in flight "
               f"{load.num_in_flight}, KV blocks used {load.kv_blocks_used}/{load.kv_blocks_total} "
               "(prefix-cached blocks are evictable and count as free)",
-              f"- RSS: {rss0 / 2**20:.0f} MiB before, {rss1 / 2**20:.0f} MiB after ({(rss1 / rss0 - 1) * 100:+.1f}%)",
+              f"- RSS: {rss.rss0 / 2**20:.0f} MiB before, {rss.rss1 / 2**20:.0f} MiB after; outside the KV cache "
+              f"{rss.outside0 / 2**20:.0f} MiB before, {rss.outside1 / 2**20:.0f} MiB after "
+              f"({(rss.outside1 / rss.outside0 - 1) * 100:+.1f}%; the KV cache's backed pages "
+              f"{rss.kv0 / 2**20:.0f} -> {rss.kv1 / 2**20:.0f} MiB, as blocks are first written)",
               f"- Engine death (TOKENLOOP_DEBUG_FAULT=step:20): streams {dict(death)}, exit code {death_exit}",
               f"- Bad sampling values: {burst['num_good']} good streams beside {burst['num_bad']} bad requests: "
               f"{burst['complete']}/{burst['num_good']} good complete, tokens identical to a run without them "
