@@ -11,17 +11,9 @@ from pathlib import Path
 import torch
 
 from .kernel_lib import CodePaths, bind_function, set_spin_us
+from .quant import pack_vnni
 
 X16_MAX_GROUP = 512  # int8_linear.c's x16 path: the largest group its int32 sums hold (32767 * 127 * 512 < 2^31)
-
-
-def pack_vnni(q: torch.Tensor, lanes: int, group_size: int) -> torch.Tensor:
-    """[N32, K, lanes] bytes (a block's channels at each column) -> [N32, K/4, lanes, 4]: four columns of a channel
-    in one 32-bit lane, what vpdpbusd multiplies (int8_linear.c / int4_linear.c, path vnni)."""
-    nb, k, _ = q.shape
-    if group_size % 4:
-        raise ValueError(f"the vnni path needs groups of a multiple of 4 columns, not {group_size}")
-    return q.view(nb, k // 4, 4, lanes).permute(0, 1, 3, 2).contiguous()
 
 
 class QuantKernel(CodePaths):

@@ -36,6 +36,15 @@ class _Packed:
         return torch.Size((self.num_out, self.q.shape[1] * (self.q.shape[3] if self.q.dim() == 4 else 1)))
 
 
+def pack_vnni(q: torch.Tensor, lanes: int, group_size: int) -> torch.Tensor:
+    """[N32, K, lanes] bytes (a block's channels at each column) -> [N32, K/4, lanes, 4]: four columns of a channel
+    in one 32-bit lane, what vpdpbusd multiplies (int8_linear.c / int4_linear.c, path vnni)."""
+    nb, k, _ = q.shape
+    if group_size % 4:
+        raise ValueError(f"the vnni path needs groups of a multiple of 4 columns, not {group_size}")
+    return q.view(nb, k // 4, 4, lanes).permute(0, 1, 3, 2).contiguous()
+
+
 @dataclass(frozen=True, slots=True)
 class QWeight(_Packed):
     """An int8 weight of `num_out` x K: packed q [N32, K, 32] int8 and scale [N32, K // group_size, 32] float32.
@@ -153,13 +162,9 @@ class Q4Weight(_Packed):
         two. Idempotent."""
         if self.q.dim() == 4:
             return self.q
-        nb, k, lanes = self.q.shape
-        if k % 4 or self.group_size % 4:
-            raise ValueError(f"the vnni packing needs groups of a multiple of 4 columns, not {self.group_size}")
-        packed = self.q.view(nb, k // 4, 4, lanes).permute(0, 1, 3, 2).contiguous()
-        flat = self.q.view(-1)
-        flat.copy_(packed.view(-1))
-        object.__setattr__(self, "q", flat.view(nb, k // 4, lanes, 4))
+        packed = pack_vnni(self.q, self.q.shape[2], self.group_size)
+        self.q.view(-1).copy_(packed.view(-1))
+        object.__setattr__(self, "q", self.q.view(-1).view(packed.shape))
         return self.q
 
     def dequantize(self) -> torch.Tensor:
