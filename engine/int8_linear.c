@@ -145,10 +145,7 @@ AVX2_FN INLINE void tile_rows_avx2(const ctx_t *c, int64_t m, const int R, const
     for (int i = 0; i < 2 * R; i++) _mm256_storeu_ps(out + i * 8, t[i]);
 }
 
-#define TILE_AVX2(r) tile_rows_avx2(ctx, m, r, wf, b, h, out)
-AVX2_FN static void tile_avx2(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) {
-    SWITCH_ROWS(R, TILE_AVX2)
-}
+DEFINE_AVX2_TILE()
 
 AVX2_FN static void rows_avx2(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
     const ctx_t *c = ctx;
@@ -184,16 +181,7 @@ AVX512_FN INLINE void tile_rows_512(const ctx_t *c, int64_t m, const int R, cons
     for (int i = 0; i < 2 * R; i++) _mm512_storeu_ps(out + i * 16, t[i]);
 }
 
-#define TILE_512(r) tile_rows_512(ctx, m, r, wf, b, h, out)
-AVX512_FN static void tile_512(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) {
-    SWITCH_ROWS(R, TILE_512)
-}
-
-AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {
-    rows512(ctx, m, b, nb, 0, out);
-}
-
-static const steps_t AVX512_STEPS = {PACK, 4, widen_512, tile_512, rows_512};
+DEFINE_512_STEPS(0)
 
 /* ---- AVX-512 VNNI: int8 activations, integer dot products per group ---- */
 

@@ -354,6 +354,25 @@ VNNI_FN INLINE void vnni_rows(const vnni_t *c, int64_t m, int64_t b, const int R
     }                                                                                                               \
     static const steps_t VNNI_STEPS = {PACK, 4, NULL, tile_vnni, rows_vnni};
 
+/* the avx2 tile step of drive(): the file's own tile_rows_avx2 (a widened half block, 16 channels) for R rows */
+#define TILE_AVX2(r) tile_rows_avx2(ctx, m, r, wf, b, h, out)
+#define DEFINE_AVX2_TILE()                                                                                          \
+    AVX2_FN static void tile_avx2(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) { \
+        SWITCH_ROWS(R, TILE_AVX2)                                                                                   \
+    }
+
+/* the AVX-512 steps of drive() around the file's own tile_rows_512 (its float32 tile over a widened block) and the
+ * shared rows512, for int8 (nibbles 0) or 4-bit weights (1) */
+#define TILE_512(r) tile_rows_512(ctx, m, r, wf, b, h, out)
+#define DEFINE_512_STEPS(nibbles)                                                                                   \
+    AVX512_FN static void tile_512(const void *ctx, int64_t m, int R, const float *wf, int64_t b, int h, float *out) { \
+        SWITCH_ROWS(R, TILE_512)                                                                                    \
+    }                                                                                                               \
+    AVX512_FN static void rows_512(const void *ctx, int64_t m, int64_t b, int nb, float *out) {                    \
+        rows512(ctx, m, b, nb, nibbles, out);                                                                       \
+    }                                                                                                               \
+    static const steps_t AVX512_STEPS = {PACK, 4, widen_512, tile_512, rows_512};
+
 /* a[2r], a[2r+1] += x[r, k] * wf[k, 0..15] over k0 <= k < k1 for R <= 6 rows x (stride K): the float32 GEMM inner
  * kernel of the avx2 tiles (12 partial sums, two weight vectors, one broadcast: 15 of 16 registers) */
 AVX2_FN INLINE void tile6_sums_avx2(const float *x, const float *wf, int64_t K, int64_t k0, int64_t k1, const int R,
