@@ -129,7 +129,7 @@ def test_help_fits_a_screen():
 
 
 def completion(reason: FinishReason, text: str) -> Completion:
-    return Completion(0, text, (), reason, Usage(3, 7), Timing())
+    return Completion(index=0, text=text, finish_reason=reason, usage=Usage(3, 7), timing=Timing())
 
 
 def test_a_structure_cut_off_at_length_raises_on_json():

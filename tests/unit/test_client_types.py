@@ -1,25 +1,28 @@
 """The Python client's types against their one source, the proto: the client imports nothing of the server, so its
-dataclasses (clients/python/tokenloop_client/types.py) and generation options (`GenerationParams`) are checked here,
-field for field, against the messages the server fills (service/convert.py and service/app.py map the server's own
-types, looper/stream.py's events and core/executor.py's stats, onto the same messages)."""
+typed results are generated from the proto (clients/python/generate.py writes tokenloop_client/_gen/messages.py,
+which the package exports beside types.py's own) and its generation options (`GenerationParams`) are checked
+here, field for field, against the messages the server fills (service/convert.py and service/app.py map the
+server's own types, looper/stream.py's events and core/executor.py's stats, onto the same messages)."""
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from google.protobuf.descriptor import FieldDescriptor
 
+import tokenloop_client as client  # the package exports every typed result
 from tokenloop.v1 import tokenloop_pb2 as server_pb
-from tokenloop_client import types
 from tokenloop_client._gen import tokenloop_pb2 as pb
 from tokenloop_client._request import GenerationParams
 
 MIRRORS = [  # client type, the message it is built from
-    (types.ChatMessage, pb.ChatMessage), (types.TopLogprob, pb.TopLogprob), (types.TokenLogprob, pb.TokenLogprob),
-    (types.Usage, pb.Usage), (types.Timing, pb.Timing), (types.Delta, pb.Chunk), (types.Completion, pb.Complete),
-    (types.TokenizeResult, pb.TokenizeResponse), (types.EmbedResult, pb.EmbedResponse),
-    (types.ModelInfo, pb.ModelInfo), (types.LoraAdapter, pb.LoraAdapter), (types.Load, pb.Load),
+    (client.ChatMessage, pb.ChatMessage), (client.TopLogprob, pb.TopLogprob), (client.TokenLogprob, pb.TokenLogprob),
+    (client.Usage, pb.Usage), (client.Timing, pb.Timing), (client.Delta, pb.Chunk), (client.Completion, pb.Complete),
+    (client.TokenizeResult, pb.TokenizeResponse), (client.EmbedResult, pb.EmbedResponse),
+    (client.ModelInfo, pb.ModelInfo), (client.LoraAdapter, pb.LoraAdapter), (client.Load, pb.Load),
 ]
 
 
@@ -35,22 +38,33 @@ def proto_fields(message) -> list[str]:
     return out
 
 
-def proto_default(field: FieldDescriptor):
-    if field.is_repeated:
-        return ()
-    if field.type == FieldDescriptor.TYPE_ENUM:
-        return field.enum_type.values[0].number
-    return field.default_value
-
-
 @pytest.mark.parametrize("client_type, message", MIRRORS, ids=[c.__name__ for c, _ in MIRRORS])
 def test_each_client_type_has_the_fields_of_its_message_with_its_defaults(client_type, message):
-    fields = dataclasses.fields(client_type)
-    assert sorted(f.name for f in fields) == sorted(proto_fields(message))
-    by_name = message.DESCRIPTOR.fields_by_name
-    for f in fields:
-        if f.default is not dataclasses.MISSING and f.name in by_name:
-            assert f.default == proto_default(by_name[f.name]), f.name
+    assert [f.name for f in dataclasses.fields(client_type)] == proto_fields(message)
+    assert client_type.from_pb(message()) == client_type()  # an unset field reads as the type's default
+
+
+def test_the_generated_types_are_those_of_the_proto_as_it_is():
+    """`generate.py --check` (also run by `make proto-check`) regenerates the stubs and the typed results from the
+    .proto and compares them with the committed ones: a field added to the proto fails here until `make proto`."""
+    script = Path(__file__).resolve().parents[2] / "clients" / "python" / "generate.py"
+    run = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_typed_results_are_built_from_their_messages():
+    msg = pb.Complete(index=1, text="ab", token_ids=[3, 4], finish_reason=pb.STOP_SEQUENCE, matched_stop_str="b",
+                      usage=pb.Usage(prompt_tokens=5, completion_tokens=2), seed=7)
+    done = client.Completion.from_pb(msg)
+    assert (done.index, done.text, done.token_ids, done.finish_reason) == (1, "ab", (3, 4), client.FinishReason.STOP_SEQUENCE)
+    assert (done.matched_stop, done.usage, done.seed, done.timing) == ("b", client.Usage(5, 2), 7, client.Timing())
+    assert client.Completion.from_pb(pb.Complete(matched_stop_token_id=9)).matched_stop == 9
+    assert client.Completion.from_pb(pb.Complete()).matched_stop is None
+    assert client.ModelInfo.from_pb(pb.ModelInfo()).bos_token_id is None
+    assert client.ModelInfo.from_pb(pb.ModelInfo(bos_token_id=0)).bos_token_id == 0
+    assert client.EmbedResult.from_pb(pb.EmbedResponse(pooling=pb.MEAN)).pooling == "mean"
+    assert client.Load.from_pb(pb.Load(num_running=3, spec_tokens_per_step=1.5)) == client.Load(num_running=3,
+                                                                                              spec_tokens_per_step=1.5)
 
 
 def test_the_clients_copy_of_the_proto_is_the_servers():
@@ -67,7 +81,7 @@ def test_generation_params_are_the_proto_options_in_order():
 
 
 def test_finish_reasons_are_the_protos():
-    assert [r.value for r in types.FinishReason] == [v.name for v in pb.FinishReason.DESCRIPTOR.values]
+    assert [r.value for r in client.FinishReason] == [v.name for v in pb.FinishReason.DESCRIPTOR.values]
 
 
 def test_the_check_sees_a_missing_field():

@@ -2,6 +2,20 @@
 
 from . import _grpc_log  # noqa: F401  (first: sets gRPC's log level before grpc is imported)
 from ._channel import RetryPolicy
+from ._gen.messages import (
+    ChatMessage,
+    Delta,
+    EmbedResult,
+    FinishReason,
+    Load,
+    LoraAdapter,
+    ModelInfo,
+    Timing,
+    TokenizeResult,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from .aio import AsyncClient, AsyncTextStream
 from .client import Client, TextStream
 from .errors import (
@@ -19,22 +33,7 @@ from .errors import (
     UnavailableError,
     UnimplementedError,
 )
-from .types import (
-    ChatMessage,
-    Completion,
-    Delta,
-    EmbedResult,
-    FinishReason,
-    GenerateResult,
-    Load,
-    LoraAdapter,
-    ModelInfo,
-    Timing,
-    TokenizeResult,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-)
+from .types import Completion, GenerateResult
 
 __version__ = "0.1.0"
 

@@ -11,8 +11,9 @@ import grpc
 
 from . import _params
 from ._gen import tokenloop_pb2 as pb
+from ._gen.messages import ChatMessage, Delta
 from .errors import ParameterError, TokenloopError
-from .types import ChatMessage, Completion, Delta, GenerateResult
+from .types import Completion, GenerateResult
 
 _REQUEST = pb.GenerateRequest.DESCRIPTOR
 # The options of each group, read from the proto (GenerationParams has a field of each name, in this order:

@@ -16,8 +16,9 @@ from ._channel import (
     encode_health_request,
 )
 from ._gen import tokenloop_pb2 as pb
+from ._gen.messages import Delta, EmbedResult, Load, LoraAdapter, ModelInfo, TokenizeResult
 from .errors import from_retried
-from .types import Delta, EmbedResult, GenerateResult, Load, LoraAdapter, ModelInfo, TokenizeResult
+from .types import GenerateResult
 
 
 class AsyncTextStream(_request.StreamState):
@@ -115,7 +116,7 @@ class AsyncClient(Connection):
     async def tokenize(self, text: str | None = None, *, messages: Iterable | None = None) -> TokenizeResult:
         """Token ids of a text, or of a chat rendered with the model's template."""
         res = await self._unary(self._stub.Tokenize, _request.build_tokenize(text, messages))
-        return TokenizeResult(tuple(res.token_ids), tuple(res.tokens), res.text)
+        return TokenizeResult.from_pb(res)
 
     async def embed(self, text: str | None = None, *, token_ids: Sequence[int] | None = None,
               pooling: str | None = None, normalize: bool | None = None,

@@ -24,9 +24,10 @@ from ._cli_help import (
     report,
     short,
 )
+from ._gen.messages import ChatMessage
 from .client import Client
 from .errors import ParameterError, TokenloopError, UnavailableError
-from .types import ChatMessage, GenerateResult
+from .types import GenerateResult
 
 HEALTH_POLL_S = 0.5  # health --wait: seconds between checks
 HEALTH_REPORT_S = 5.0  # health --wait: seconds between progress lines on stderr

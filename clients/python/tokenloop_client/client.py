@@ -16,8 +16,9 @@ from ._channel import (
     sync_channel,
 )
 from ._gen import tokenloop_pb2 as pb
+from ._gen.messages import Delta, EmbedResult, Load, LoraAdapter, ModelInfo, TokenizeResult
 from .errors import from_retried
-from .types import Delta, EmbedResult, GenerateResult, Load, LoraAdapter, ModelInfo, TokenizeResult
+from .types import GenerateResult
 
 
 class TextStream(_request.StreamState):
@@ -109,7 +110,7 @@ class Client(Connection):
     def tokenize(self, text: str | None = None, *, messages: Iterable | None = None) -> TokenizeResult:
         """Token ids of a text, or of a chat rendered with the model's template."""
         res = self._unary(self._stub.Tokenize, _request.build_tokenize(text, messages))
-        return TokenizeResult(tuple(res.token_ids), tuple(res.tokens), res.text)
+        return TokenizeResult.from_pb(res)
 
     def embed(self, text: str | None = None, *, token_ids: Sequence[int] | None = None,
               pooling: str | None = None, normalize: bool | None = None,
