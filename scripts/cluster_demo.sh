@@ -25,21 +25,15 @@ SMG_VERSION="${SMG_VERSION:-1.13.0}"
 WORK="$(mktemp -d)"
 PIDS=()
 
+DEMO=cluster-demo
+# shellcheck source=scripts/demo_common.sh
+source scripts/demo_common.sh  # fail, need_model_and_venv, stop_processes
+
 cleanup() {
-    for pid in "${PIDS[@]}"; do
-        kill -TERM "$pid" 2>/dev/null || true
-    done
-    for pid in "${PIDS[@]}"; do
-        for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-        kill -KILL "$pid" 2>/dev/null || true
-    done
+    stop_processes "${PIDS[@]}"
     rm -rf "$WORK"
 }
 trap cleanup EXIT INT TERM
-
-DEMO=cluster-demo
-# shellcheck source=scripts/demo_common.sh
-source scripts/demo_common.sh  # fail, need_model_and_venv
 
 need_model_and_venv
 [ -x "$VENV/bin/smg" ] || "$VENV/bin/pip" install --quiet "smg==$SMG_VERSION"

@@ -24,21 +24,16 @@ WORK="$(mktemp -d)"
 TOKENLOOP_PID=""
 SMG_PID=""
 
+DEMO=router-demo
+# shellcheck source=scripts/demo_common.sh
+source scripts/demo_common.sh  # fail, need_model_and_venv, stop_processes
+
 cleanup() {
-    for pid in "$SMG_PID" "$TOKENLOOP_PID"; do
-        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
-            kill -TERM "$pid" 2>/dev/null || true
-            for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-            kill -KILL "$pid" 2>/dev/null || true
-        fi
-    done
+    stop_processes "$SMG_PID"  # the router first, so that it never sees its worker go
+    stop_processes "$TOKENLOOP_PID"
     rm -rf "$WORK"
 }
 trap cleanup EXIT INT TERM
-
-DEMO=router-demo
-# shellcheck source=scripts/demo_common.sh
-source scripts/demo_common.sh  # fail, need_model_and_venv
 
 wait_for() {  # wait_for DESCRIPTION SECONDS PID COMMAND...
     local what="$1" seconds="$2" pid="$3"
