@@ -195,12 +195,14 @@ def load_gguf_weights(path: str | Path, config, dtype: torch.dtype,
     time, so at most one matrix is ever held in float32 beside the finished weights."""
     g = check_servable(path)
     r = _Reader(g, config, dtype, weights)
-    out = {"embed": r.cast("token_embd.weight"), "norm": r.cast("output_norm.weight")}
     head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-    if weights in ("int8", "int4"):  # int4 keeps an int8 lm_head, as loader.load_weights does
-        out["lm_head"] = as_head(r.matrix([head], "int8"))
-    else:
-        out["lm_head"] = out["embed"] if head == "token_embd.weight" else r.cast(head)
+    quantized = weights in ("int8", "int4")
+    lm_head = as_head(r.matrix([head], "int8")) if quantized else None  # int4 keeps an int8 lm_head, as loader does
+    # a tied Q8_0 embedding (Gemma 3's files) is the int8 lm_head itself: its rows dequantize to the very float32
+    # values the file's table does (quant.embedding_rows), so no float32 copy of the table is kept (671 MB, Gemma 3 270M)
+    tied_q8 = quantized and head == "token_embd.weight" and r.info(head).kind == T.Q8_0
+    out = {"embed": lm_head if tied_q8 else r.cast("token_embd.weight"), "norm": r.cast("output_norm.weight")}
+    out["lm_head"] = lm_head if quantized else out["embed"] if head == "token_embd.weight" else r.cast(head)
     for i in range(config.num_layers):
         b = f"blk.{i}."
         fused = b + "attn_qkv.weight" in g.tensors  # Phi-3: q/k/v in one tensor, gate/up in ffn_up (no ffn_gate)

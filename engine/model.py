@@ -21,7 +21,7 @@ from .layer_kernels import LayerOps, PagedAttention, PlanShape, StepKernels
 from .linear_kernels import Int4Linear, QuantKernel
 from .loader import ModelConfig, rope_inv_freq
 from .matmul import MatmulPolicy
-from .quant import Q4Weight
+from .quant import Q4Weight, embedding_rows
 from .torch_ops import TorchLayerOps, rms_norm
 
 MIN_SPLIT_PREFILL = 64  # prompt chunks at least this long split their attention over two threads
@@ -84,7 +84,7 @@ class Model:
         self.scale = config.attn_scale or config.head_dim ** -0.5
         self.sdpa_scale = config.attn_scale  # None: SDPA's own 1/sqrt(E)
         self.embed_scale = None if config.embed_scale is None else torch.tensor(config.embed_scale, dtype=dtype)
-        self.embed = weights["embed"]  # [V, D]
+        self.embed = weights["embed"]  # [V, D]: a tensor, or the int8 lm_head's QWeight (quant.embedding_rows)
         self.norm = weights["norm"]
         self.lm_head = weights["lm_head"]  # [V, D], the embedding itself when tied
         self.layers = [LayerWeights(
@@ -127,7 +127,8 @@ class Model:
                 self.plan_for(route.int4)
         self.fuse_decode = True  # False: every step takes the layer loop (tests and benchmarks)
         self.reused_batch = ReusedBatch()  # runner.prepare's plain-decode batch, refilled step after step
-        self._embed_np = self.embed.numpy() if self.plan is not None else None  # [V, D]: fused steps' embeddings
+        self._embed_np = self.embed.numpy() if self.plan is not None and isinstance(self.embed, torch.Tensor) \
+            else None  # [V, D]: the fused steps' embeddings, gathered by numpy
         # the fused step's residual rows h, h's numpy view, and x (the final norm's rows), reused while T stays
         self.fused_rows: tuple[torch.Tensor, np.ndarray, torch.Tensor] | None = None
         self._step_kernels: dict[tuple[object, bool], StepKernels | None] = {}  # by (QuantRoute, split)
@@ -160,7 +161,7 @@ class Model:
             return self._logits(h, batch, self.ops, x)
         with torch.inference_mode():
             ops = self.ops if self.ops is not None else TORCH_OPS
-            h = self.embed[batch.input_ids]  # [T, D], the residual stream: a new tensor, updated in place
+            h = embedding_rows(self.embed, batch.input_ids)  # [T, D], the residual stream: a new tensor, updated in place
             if self.embed_scale is not None:  # Gemma 3: embeddings times sqrt(D)
                 h.mul_(self.embed_scale)
             x = torch.empty_like(h) if self.ops is not None else None  # the norms' rows, which the C ops write
@@ -219,7 +220,10 @@ class Model:
             h = torch.empty(num_tokens, self.config.hidden_size)
             self.fused_rows = (h, h.numpy(), torch.empty_like(h))
         h, h_np, x = self.fused_rows
-        np.take(self._embed_np, batch.input_ids.numpy(), axis=0, out=h_np)  # the embeddings, in place
+        if self._embed_np is not None:
+            np.take(self._embed_np, batch.input_ids.numpy(), axis=0, out=h_np)  # the embeddings, in place
+        else:
+            h.copy_(embedding_rows(self.embed, batch.input_ids))
         return h, x
 
     def _logits(self, h: torch.Tensor, batch: ForwardBatch, ops: LayerOps | TorchLayerOps,

@@ -118,6 +118,17 @@ def qweight(w: torch.Tensor) -> QWeight:
     return quantize(w)
 
 
+def embedding_rows(embed: torch.Tensor | QWeight, ids: torch.Tensor) -> torch.Tensor:
+    """The rows of `ids` [T] of an embedding table [V, D]: a float tensor's own rows (a new tensor), or a QWeight's
+    dequantized (a GGUF file's tied Q8_0 token_embd, which serves as the int8 lm_head too: q * scale per group in
+    float32, the same values the file's dequantized table holds, without a float32 copy of the table)."""
+    if isinstance(embed, torch.Tensor):
+        return embed[ids]
+    blocks, lanes = ids // PACK, ids % PACK
+    q, scale = embed.q[blocks, :, lanes], embed.scale[blocks, :, lanes]  # [T, K], [T, K / G]
+    return (q.float().view(len(ids), -1, embed.group_size) * scale[:, :, None]).view(len(ids), -1)
+
+
 def as_head(w: QWeight) -> QWeight:
     """w marked as the model's lm_head (QWeight.head)."""
     return dataclasses.replace(w, head=True)

@@ -22,7 +22,7 @@ from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.loader import ModelConfig, load_weights
 from tokenloop.engine.matmul import ROUTE_ENV
-from tokenloop.engine.quant import quantize4
+from tokenloop.engine.quant import QWeight, embedding_rows, quantize4
 
 PROMPTS = [[1, 40, 41, 42, 43], [5, 6, 7, 8, 9, 10, 11, 12], [100, 3, 77]]
 TEXTS = ["Hello, world!", " leading space", "The capital of France is Paris.", "Emoji 😀 and 你好",
@@ -86,6 +86,22 @@ def test_q8_blocks_go_into_int8_unchanged(llama, tmp_path):
     fp32, int8 = load_weights(gguf, config, torch.float32), load_weights(gguf, config, torch.float32, "int8")
     for name in ("layers.0.qkv", "layers.0.o", "layers.1.gate_up", "layers.0.down", "lm_head"):
         assert torch.equal(int8[name].dequantize(), fp32[name]), name
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_tied_q8_0_embedding_is_the_int8_lm_head(tmp_path, mode):
+    """A tied Q8_0 token_embd (Gemma 3's files) under int8 / int4 is served from the int8 lm_head's rows: no float32
+    copy of the table is loaded, and every row equals what fp32 reads from the file, bit for bit. An F16 table (not
+    the lm_head's own values) stays float32."""
+    model = make_tiny_model(tmp_path / "model", "llama", tied=True)
+    gguf = write_gguf(model, tmp_path / "q8.gguf", T.Q4_1, T.Q8_0)
+    config = ModelConfig.from_dir(gguf)
+    fp32, quantized = load_weights(gguf, config, torch.float32), load_weights(gguf, config, torch.float32, mode)
+    assert isinstance(quantized["embed"], QWeight) and quantized["embed"].q is quantized["lm_head"].q
+    ids = torch.cat([torch.arange(config.vocab_size), torch.tensor([5, 5, 383, 0])])
+    assert torch.equal(embedding_rows(quantized["embed"], ids), fp32["embed"][ids])
+    f16 = write_gguf(model, tmp_path / "f16.gguf", T.Q4_1, T.F16)
+    assert isinstance(load_weights(f16, ModelConfig.from_dir(f16), torch.float32, mode)["embed"], torch.Tensor)
 
 
 def test_other_types_are_dequantized_then_quantized_to_the_mode(llama, tmp_path):
