@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -223,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The server's config from `tokenloop serve`'s flags: a server flag sets the ServerConfig field of its name, the
+    executor's flags (ENGINE_FLAGS or TRTLLM_FLAGS) that were given go into executor_options."""
     names = TRTLLM_FLAGS if args.backend == "trtllm" else ENGINE_FLAGS
     options = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
     if args.backend != "trtllm" and options.get("weights", "auto") == "auto":
@@ -232,30 +235,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             options["weights"] = mode
     if args.backend == "trtllm" and args.lora:  # TensorRT-LLM sets LoRA up at construction (trtllm/lora.py)
         options.update(lora_dirs=tuple(v.partition("=")[2] for v in args.lora), max_loras=args.max_loras)
-    return ServerConfig(
-        model=args.model or str(DEFAULT_MODEL_DIR), backend=args.backend, host=args.host, port=args.port,
-        metrics_port=args.metrics_port, max_concurrent_requests=args.max_concurrent_requests,
-        max_queue=args.max_queue, shutdown_grace=args.shutdown_grace, max_new_tokens=args.max_new_tokens,
-        default_max_new_tokens=args.default_max_new_tokens if args.default_max_new_tokens is not None else
-        min(ServerConfig.__dataclass_fields__["default_max_new_tokens"].default, args.max_new_tokens),
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_n=args.max_n, max_message_bytes=args.max_message_bytes, stall_timeout=args.stall_timeout,
-        slow_reader_grace=args.slow_reader_grace, max_queue_wait=args.max_queue_wait,
-        kv_events_heartbeat=args.kv_events_heartbeat, router_protocol=args.router_protocol,
-        stream_interval=args.stream_interval, tokenize_inline_chars=args.tokenize_inline_chars,
-        front_cpu=args.front_cpu, model_id=args.model_id, log_level=args.log_level, executor_options=options,
-        log_format=args.log_format, max_stop_strings=args.max_stop_strings,
-        max_stop_string_length=args.max_stop_string_length, max_stop_token_ids=args.max_stop_token_ids,
-        max_detokenize_ids=args.max_detokenize_ids, allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
-        max_grammar_bytes=args.max_grammar_bytes,
-        grammar_compile_timeout=args.grammar_compile_timeout, grammar_cache_size=args.grammar_cache_size,
-        grammar_compile_workers=args.grammar_compile_workers,
-        max_grammar_compiles_waiting=args.max_grammar_compiles_waiting,
-        tls_cert=args.tls_cert, tls_key=args.tls_key,
-        loras=tuple(args.lora), max_loras=args.max_loras, lora_roots=tuple(args.lora_root),
-        admin_key_file=args.admin_key_file, handshake_timeout=args.handshake_timeout,
-        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer,
-        tls_client_ca=args.tls_client_ca, api_key_file=args.api_key_file, otel_endpoint=args.otel_endpoint)
+    flags = vars(args)
+    server = {f.name: flags[f.name] for f in dataclasses.fields(ServerConfig) if f.name in flags}
+    server.update(model=args.model or str(DEFAULT_MODEL_DIR), loras=tuple(args.lora), lora_roots=tuple(args.lora_root),
+                  executor_options=options)
+    if args.default_max_new_tokens is None:  # the default, or --max-new-tokens when that is smaller
+        server["default_max_new_tokens"] = min(ServerConfig().default_max_new_tokens, args.max_new_tokens)
+    return ServerConfig(**server)
 
 
 def weights_for(model: str) -> str | None:

@@ -3,10 +3,12 @@ setting is refused with a message naming the flag (more flags: tests/unit/test_s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tokenloop.service.cli import build_parser, config_from_args
-from tokenloop.service.config import ServerConfig
+from tokenloop.service.config import DEFAULT_MODEL_DIR, ServerConfig
 
 
 def test_security_and_limit_flags_reach_the_config():
@@ -65,3 +67,18 @@ def test_config_checks_the_connection_bounds(kw, message):
     with pytest.raises(ValueError) as exc:
         ServerConfig(**kw)
     assert str(exc.value) == message
+
+
+def test_each_server_flag_sets_the_field_of_its_name():
+    """config_from_args passes a server flag to the ServerConfig field of its name: with no flags the config is the
+    default one, and every number field that has a flag, given another value on the command line, has it."""
+    assert config_from_args(build_parser().parse_args(["serve"])) == ServerConfig(model=str(DEFAULT_MODEL_DIR))
+    d = ServerConfig()
+    others = {f.name: getattr(d, f.name) + 1 for f in dataclasses.fields(ServerConfig)
+              if type(getattr(d, f.name)) in (int, float)}
+    words = [word for name, value in others.items() for word in ("--" + name.replace("_", "-"), str(value))]
+    args, unknown = build_parser().parse_known_args(["serve", *words])
+    flagged = {name: value for name, value in others.items() if "--" + name.replace("_", "-") not in unknown}
+    assert len(flagged) > 20 and len(unknown) == 2 * (len(others) - len(flagged))  # the rest: fields with no flag
+    c = config_from_args(args)
+    assert {name: getattr(c, name) for name in flagged} == flagged
