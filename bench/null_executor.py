@@ -67,6 +67,7 @@ class NullExecutor:
         self._names: dict[int, str] = {}  # executor id -> request id
         self._cancelled: set[int] = set()
         self._heap: list[tuple[float, int, int]] = []  # paced: (next due time, executor id, sequence index)
+        self._running: list[_Seq] = []  # unlimited: the sequences that have not sent their final step, in order
         self._next_id = 1
         self._lock = threading.Lock()  # only stats() runs on another thread
         self._wake = threading.Event()
@@ -83,7 +84,9 @@ class NullExecutor:
             self._seqs[rid] = [_Seq(rid, i, request.stopping.max_new_tokens, now, stamps if i == 0 else None)
                                for i in range(request.n)]
             self._names[rid] = request.request_id
-        if self.rate is not None:
+        if self.rate is None:
+            self._running += self._seqs[rid]
+        else:
             for i in range(request.n):
                 heapq.heappush(self._heap, (now + 1.0 / self.rate, rid, i))
         return rid
@@ -125,6 +128,7 @@ class NullExecutor:
         """Forget every request."""
         with self._lock:
             self._seqs.clear()
+        self._running = []
 
     # -- emission --------------------------------------------------------------------------
     def _emit_paced(self, now: float) -> list[Step]:
@@ -163,42 +167,42 @@ class NullExecutor:
             self._names.pop(rid, None)
 
     def _emit(self, now: float) -> list[Step]:
+        """Every running sequence's next `tokens_per_step` tokens (one Step each), after the cancellations."""
         self.num_steps += 1
-        steps: list[Step] = []
-        done: list[int] = []
-        per_step, cancelled_ids, advance = self.tokens_per_step, self._cancelled, self._advance
-        ids, num_ids, append, inline = self.token_ids, len(self.token_ids), steps.append, 0
-        for rid, seqs in self._seqs.items():
-            cancelled = rid in cancelled_ids
-            running = False
-            for seq in seqs:
-                if seq.final_sent:
-                    continue
-                if cancelled:
-                    seq.final_sent = True
-                    append(Step(rid, seq.index, [], is_final=True, finish_reason=FinishReason.CANCELLED))
-                    continue
-                pos = seq.pos
-                left = seq.max_tokens - pos  # > 0 while the final step is not sent
-                if per_step == 1 and left > 1:  # the common step, inline: one token, not the last
-                    seq.pos = pos + 1
-                    if seq.stamps is not None:
-                        seq.stamps.append(now)
-                    append(Step(rid, seq.index, [ids[pos % num_ids]]))
-                    running = True
-                    inline += 1
-                    continue
-                append(advance(seq, per_step if per_step < left else left, now))
-                running = running or not seq.final_sent
-            if not running:
-                done.append(rid)
-        self.num_tokens += inline  # advance() counts its own
-        with self._lock:
-            for rid in done:
-                del self._seqs[rid]
-                self._cancelled.discard(rid)
-                self._names.pop(rid, None)
+        steps = []
+        if self._cancelled:
+            steps = self._cancel_steps()
+            self._drop_ended()
+        append, per_step, ids, num_ids = steps.append, self.tokens_per_step, self.token_ids, len(self.token_ids)
+        first, advanced, ended = len(steps), 0, False
+        for seq in self._running:
+            pos = seq.pos
+            if per_step == 1 and pos + 1 < seq.max_tokens:  # the common step, inline: one token, not the last
+                seq.pos = pos + 1
+                if seq.stamps is not None:
+                    seq.stamps.append(now)
+                append(Step(seq.request_id, seq.index, [ids[pos % num_ids]]))
+            else:
+                append(self._advance(seq, min(per_step, seq.max_tokens - pos), now))
+                advanced += 1
+                ended = ended or seq.final_sent
+        self.num_tokens += len(steps) - first - advanced  # the inline steps' tokens (_advance counts its own)
+        if ended:
+            self._drop_ended()
         return steps
+
+    def _drop_ended(self) -> None:
+        """Forget the sequences that sent their final step, and the requests all of whose sequences did."""
+        running, done = [], set()
+        for seq in self._running:
+            if seq.final_sent:
+                done.add(seq.request_id)
+            else:
+                running.append(seq)
+        self._running = running
+        for rid in done:
+            if all(s.final_sent for s in self._seqs.get(rid, ())):
+                self._forget(rid)
 
     def _advance(self, seq: _Seq, num: int, now: float) -> Step:
         ids, n, pos = self.token_ids, len(self.token_ids), seq.pos

@@ -23,7 +23,7 @@ from tokenloop.core.threads import name_this_thread
 from .commands import Cancel, Command, ExecutorDied, FailAll, Pause, Stop, Submit
 from .detokenizer import Decoder
 from .outputs import Outbox, RequestState
-from .stream import ErrorKind, Event, RequestFailed, RequestStream
+from .stream import Chunk, ErrorKind, Event, RequestFailed, RequestStream
 
 log = logging.getLogger("tokenloop.looper")
 
@@ -233,10 +233,29 @@ class Looper:
         if len(steps) > len(in_flight):  # some request got several steps (the merge is optional)
             steps = merge_steps(steps)
         now = time.monotonic()
+        queued = self._outbox.events
         for step in steps:
             state = in_flight.get(step.executor_id)
             if state is None:
                 continue  # the request already left (it failed)
+            if (state.decoding and not step.is_final and step.error is None and step.num_cached_prompt_tokens is None
+                    and step.num_draft_tokens is None):
+                # decode (the common step): a plain request's new tokens, nothing ends: text and a Chunk, in line
+                ids = step.token_ids
+                if ids:
+                    seq = state.seqs[0]
+                    text = seq.detok.push(ids)
+                    seq.token_ids += ids
+                    if text:
+                        seq.text_parts.append(text)
+                    chunk = Chunk(0, text, ids, None, seq.cached_prompt_tokens)
+                    events = queued.get(state.stream)
+                    if events is None:
+                        queued[state.stream] = [chunk]
+                    else:
+                        events.append(chunk)
+                continue
+            # general: a request's first tokens, stop strings, logprobs, n > 1, a sequence's end, an error
             if step.error is not None:
                 self._fail_request(state, step)
                 continue
@@ -276,7 +295,7 @@ class Looper:
         end = error is not None or state.num_open == 0
         self._outbox.add(state.stream, events, end, error)
         if end:
-            state.closed = True
+            state.close()
 
     def _fan_out(self) -> None:
         """Hand this poll's events to the event loop; merged into the pending hand-off if it has not run yet."""

@@ -2,7 +2,9 @@
 
 Runs on the looper thread. Each sequence keeps its detokenizer, stop matcher and the
 output so far; `apply(step)` returns the events the step produced (a `Chunk` when
-streaming, a `Complete` when the sequence ends).
+streaming, a `Complete` when the sequence ends). The commonest step, a token of a plain
+request (`RequestState.decoding`), the looper decodes in line as it goes through a poll's
+steps (`Looper._pull_steps`); `apply` takes every other, and any step at all.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class RequestState:
     """Everything the looper tracks for one submitted request."""
 
     __slots__ = ("stream", "request", "executor_id", "seqs", "arrival", "t_enqueued", "t_first",
-                 "num_open", "num_exec_open", "closed", "streaming")
+                 "num_open", "num_exec_open", "closed", "streaming", "plain", "decoding")
 
     def __init__(self, stream: RequestStream, tokenizer: Decoder, arrival: float):
         self.stream = stream
@@ -110,6 +112,15 @@ class RequestState:
         self.num_exec_open = self.request.n  # sequences the executor has not yet ended
         self.closed = False  # every Complete (or an error) was sent; waiting only for the executor
         self.streaming = self.request.stream
+        # one streaming sequence, no stop strings, no logprobs: its token steps need only the detokenizer
+        self.plain = self.streaming and self.request.n == 1 and not self.seqs[0].per_token and \
+            self.seqs[0].logprobs is None
+        self.decoding = False  # plain, its first token seen, not closed: Looper._pull_steps decodes its steps in line
+
+    def close(self) -> None:
+        """Every Complete (or an error) was sent: later steps are the executor's, for nobody."""
+        self.closed = True
+        self.decoding = False
 
     def timing(self, now: float) -> Timing:
         first = self.t_first or now
@@ -129,16 +140,8 @@ class RequestState:
         ids = step.token_ids
         if ids and not self.t_first:
             self.t_first = now
-        if not (step.is_final or seq.per_token or step.logprobs is not None):
-            # decode (the common step): new ids, no end, no stop string to look for, no logprobs
-            if not ids:
-                return []
-            text = seq.detok.push(ids)
-            seq.token_ids += ids
-            if text:
-                seq.text_parts.append(text)
-            return [Chunk(seq.index, text, ids, None, seq.cached_prompt_tokens)] if self.streaming else []
-        # general: stop strings token by token, logprobs, the sequence's end
+            self.decoding = self.plain and not self.closed  # the looper takes its next token steps in line
+        # stop strings token by token, logprobs, the sequence's end
         text, used, matched = seq.feed(ids) if ids else ("", 0, None)
         new_ids = ids[:used]
         new_lps = self._logprobs(step, used)
@@ -183,7 +186,8 @@ class RequestState:
         if finish is not None:
             seq.finished = True
             self.num_open -= 1
-            self.closed = self.num_open == 0  # its last Complete: the request ends for the client
+            if self.num_open == 0:  # its last Complete: the request ends for the client
+                self.close()
             events.append(Complete(
                 index=seq.index, text="".join(seq.text_parts), token_ids=seq.token_ids,
                 finish_reason=finish, prompt_tokens=len(self.request.prompt_token_ids),

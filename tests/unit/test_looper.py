@@ -9,10 +9,10 @@ import pytest
 
 from tests.conftest import run
 from tests.scripted_executor import ScriptedExecutor
-from tokenloop.core.executor import ErrorKind
+from tokenloop.core.executor import ErrorKind, ExecutorStats, Step
 from tokenloop.core.request import FinishReason, OutputParams, StoppingParams, ValidRequest
 from tokenloop.looper.looper import Looper
-from tokenloop.looper.outputs import Outbox
+from tokenloop.looper.outputs import Outbox, RequestState
 from tokenloop.looper.stream import Chunk, Complete, RequestFailed, RequestStream
 
 
@@ -266,3 +266,55 @@ def test_take_hands_over_what_arrived_without_waiting(tokenizer):
     stream.push([Chunk(0, "b", [2])])
     assert [e.text for e in stream.take()] == ["a", "b"]
     assert stream.take() == [] and stream.pending() == 0
+
+
+class ScriptedPolls:
+    """An executor whose every `await_responses` returns the next scripted poll of steps (then nothing)."""
+
+    def __init__(self, polls):
+        self.polls = list(polls)
+
+    def enqueue(self, request):
+        return 1
+
+    def await_responses(self, timeout):
+        if self.polls:
+            return self.polls.pop(0)
+        time.sleep(timeout)
+        return []
+
+    def cancel(self, executor_id):
+        pass
+
+    def stats(self):
+        return ExecutorStats()
+
+    def shutdown(self):
+        pass
+
+
+def test_a_plain_requests_token_steps_decoded_in_line_give_what_apply_gives(tokenizer):
+    """The looper decodes the token steps of a plain request (one streaming sequence, no stop strings, no logprobs)
+    in line as it goes through a poll; each step through RequestState.apply alone gives the same events: the first
+    step (with the executor's cached-prompt count), a speculative step's counts, several ids in one step, a character
+    split over tokens, the final step."""
+    ids = tokenizer.encode(" the café 日本語 works, 🚀 and more words after it")
+
+    def polls():
+        return [[Step(1, 0, ids[:1], num_cached_prompt_tokens=2)], [Step(1, 0, ids[1:2])],
+                [Step(1, 0, ids[2:4], num_draft_tokens=2, num_accepted_draft_tokens=1)],
+                *[[Step(1, 0, [t])] for t in ids[4:-1]],
+                [Step(1, 0, ids[-1:], is_final=True, finish_reason=FinishReason.LENGTH)]]
+    request = make_request(tokenizer, max_new=len(ids))
+
+    async def body(looper, ex, _):
+        return await collect(looper.submit(request))
+    got = run(with_looper(tokenizer, body, executor=ScriptedPolls(polls())))
+    state = RequestState(RequestStream(request, lambda stream: None), tokenizer, 0.0)
+    want = [e for poll in polls() for step in poll for e in state.apply(step, 1.0)]
+    for e in got + want:
+        if isinstance(e, Complete):
+            e.timing = None
+    assert got == want
+    assert "".join(e.text for e in got if isinstance(e, Chunk)) == tokenizer.decode(ids)
+    assert [e.cached_prompt_tokens for e in got[:2]] == [2, 2]
