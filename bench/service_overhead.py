@@ -102,15 +102,16 @@ async def _serve_bare(args) -> tuple[object, object]:
 
 def _install_trace(ex) -> None:
     """BENCH_TRACE=1 (diagnosis): at exit, print where the added latency goes, token by token: the time from
-    its emission (due time) to the executor's return of it (the looper thread awake), to the looper's
-    hand-off call, to the hand-off running on the event loop and to the servicer's `StreamWriter.encode`; each as
-    p50 from emission and p50 / p90 of the hop alone; and how many polls and hand-offs carried them."""
+    its emission (due time) to the executor's return of it (the looper thread awake), to the looper's hand-off
+    running on the event loop (`Outbox.deliver`) and to the servicer's `StreamWriter.encode`; each as p50 from
+    emission and p50 / p90 of the hop alone; and how many polls and hand-offs carried them. It wraps public
+    methods only: the executor's, `Outbox.deliver` and `StreamWriter.encode`."""
     import atexit
 
-    from tokenloop.looper.looper import Looper
+    from tokenloop.looper.outputs import Outbox
     from tokenloop.looper.stream import Chunk
     from tokenloop.service.convert import StreamWriter
-    hops = ("executor", "fan-out", "hand-off", "writer")
+    hops = ("executor", "hand-off", "writer")
     times: dict[tuple[str, int], list[float]] = {}  # (request id, token index) -> time at each hop
     seen: dict[tuple[str, str], int] = {}
 
@@ -122,14 +123,9 @@ def _install_trace(ex) -> None:
                 k += 1
         seen[(where, rid)] = k
 
-    deliver, fan_out, encode = Looper._deliver, Looper._fan_out, StreamWriter.encode
-    pull, enqueue, await_responses = Looper._pull_steps, ex.enqueue, ex.await_responses
+    deliver, encode, enqueue, await_responses = Outbox.deliver, StreamWriter.encode, ex.enqueue, ex.await_responses
     count = {"polls": 0, "hand-offs": 0}
     names: dict[int, str] = {}  # executor id -> request id (the executor forgets it at the final step)
-
-    def traced_pull(self):
-        count["polls"] += 1
-        return pull(self)
 
     def traced_enqueue(request):
         names[eid := enqueue(request)] = request.request_id
@@ -137,6 +133,7 @@ def _install_trace(ex) -> None:
 
     def traced_await(timeout):
         steps, t = await_responses(timeout), time.monotonic()
+        count["polls"] += 1
         for step in steps:
             if step.seq_index == 0 and step.token_ids:
                 rid = names[step.executor_id]
@@ -147,24 +144,17 @@ def _install_trace(ex) -> None:
         return steps
     ex.enqueue, ex.await_responses = traced_enqueue, traced_await
 
-    def traced_fan_out(self):
-        now = time.monotonic()
-        for stream, events in list(self._outbox.events.items()):
-            note("fan-out", stream.request.request_id, events, now)
-        return fan_out(self)
-
-    def traced_deliver(self):
+    def traced_deliver(outbox):
         count["hand-offs"] += 1
         now = time.monotonic()
-        for stream, events in list(self._handoff.events.items()):
+        for stream, events in list(outbox.events.items()):
             note("hand-off", stream.request.request_id, events, now)
-        return deliver(self)
+        return deliver(outbox)
 
     def traced_encode(self, batch):
         note("writer", self.request.request_id, batch, time.monotonic())
         return encode(self, batch)
-    Looper._deliver, Looper._fan_out, Looper._pull_steps = traced_deliver, traced_fan_out, traced_pull
-    StreamWriter.encode = traced_encode
+    Outbox.deliver, StreamWriter.encode = traced_deliver, traced_encode
 
     def report() -> None:
         rows = [t for t in times.values() if len(t) == len(hops) + 1]
