@@ -240,22 +240,24 @@ class Looper:
                 continue  # the request already left (it failed)
             if (state.decoding and not step.is_final and step.error is None and step.num_cached_prompt_tokens is None
                     and step.num_draft_tokens is None):
-                # decode (the common step): a plain request's new tokens, nothing ends: text and a Chunk, in line
+                # decode (the common step): a plain request's new tokens, nothing ends: the text, and a Chunk when
+                # the request streams, in line (a sequence of a plain request ends only at its final step)
                 ids = step.token_ids
                 if ids:
-                    seq = state.seqs[0]
+                    seq = state.seqs[step.seq_index]
                     text = seq.detok.push(ids)
                     seq.token_ids += ids
                     if text:
                         seq.text_parts.append(text)
-                    chunk = Chunk(0, text, ids, None, seq.cached_prompt_tokens)
-                    events = queued.get(state.stream)
-                    if events is None:
-                        queued[state.stream] = [chunk]
-                    else:
-                        events.append(chunk)
+                    if state.streaming:
+                        chunk = Chunk(seq.index, text, ids, None, seq.cached_prompt_tokens)
+                        events = queued.get(state.stream)
+                        if events is None:
+                            queued[state.stream] = [chunk]
+                        else:
+                            events.append(chunk)
                 continue
-            # general: a request's first tokens, stop strings, logprobs, n > 1, a sequence's end, an error
+            # general: a request's first tokens, stop strings, logprobs, a sequence's end, an error
             if step.error is not None:
                 self._fail_request(state, step)
                 continue

@@ -2,9 +2,10 @@
 
 Runs on the looper thread. Each sequence keeps its detokenizer, stop matcher and the
 output so far; `apply(step)` returns the events the step produced (a `Chunk` when
-streaming, a `Complete` when the sequence ends). The commonest step, a token of a plain
-request (`RequestState.decoding`), the looper decodes in line as it goes through a poll's
-steps (`Looper._pull_steps`); `apply` takes every other, and any step at all.
+streaming, a `Complete` when the sequence ends). The commonest step, tokens of a plain
+request (no stop strings, no logprobs: `RequestState.decoding`), the looper decodes in line
+as it goes through a poll's steps (`Looper._pull_steps`); `apply` takes every other, and
+any step at all.
 """
 
 from __future__ import annotations
@@ -112,9 +113,8 @@ class RequestState:
         self.num_exec_open = self.request.n  # sequences the executor has not yet ended
         self.closed = False  # every Complete (or an error) was sent; waiting only for the executor
         self.streaming = self.request.stream
-        # one streaming sequence, no stop strings, no logprobs: its token steps need only the detokenizer
-        self.plain = self.streaming and self.request.n == 1 and not self.seqs[0].per_token and \
-            self.seqs[0].logprobs is None
+        # no stop strings, no logprobs: its token steps need only the detokenizer (and a Chunk when streaming)
+        self.plain = not self.request.stopping.stop and not self.request.output.logprobs
         self.decoding = False  # plain, its first token seen, not closed: Looper._pull_steps decodes its steps in line
 
     def close(self) -> None:

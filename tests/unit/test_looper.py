@@ -293,19 +293,22 @@ class ScriptedPolls:
         pass
 
 
-def test_a_plain_requests_token_steps_decoded_in_line_give_what_apply_gives(tokenizer):
-    """The looper decodes the token steps of a plain request (one streaming sequence, no stop strings, no logprobs)
-    in line as it goes through a poll; each step through RequestState.apply alone gives the same events: the first
-    step (with the executor's cached-prompt count), a speculative step's counts, several ids in one step, a character
-    split over tokens, the final step."""
+@pytest.mark.parametrize("n,stream", [(1, True), (2, True), (1, False)])
+def test_a_plain_requests_token_steps_decoded_in_line_give_what_apply_gives(tokenizer, n, stream):
+    """The looper decodes the token steps of a plain request (no stop strings, no logprobs) in line as it goes
+    through a poll; each step through RequestState.apply alone gives the same events: the first step (with the
+    executor's cached-prompt count), a speculative step's counts, several ids in one step, a character split over
+    tokens, the final step; for one sequence or two, streaming or not."""
     ids = tokenizer.encode(" the café 日本語 works, 🚀 and more words after it")
 
     def polls():
-        return [[Step(1, 0, ids[:1], num_cached_prompt_tokens=2)], [Step(1, 0, ids[1:2])],
-                [Step(1, 0, ids[2:4], num_draft_tokens=2, num_accepted_draft_tokens=1)],
-                *[[Step(1, 0, [t])] for t in ids[4:-1]],
-                [Step(1, 0, ids[-1:], is_final=True, finish_reason=FinishReason.LENGTH)]]
-    request = make_request(tokenizer, max_new=len(ids))
+        def poll(seq_steps):
+            return [Step(1, i, list(seq_ids), **kw) for i in range(n) for seq_ids, kw in seq_steps]
+        return [poll([(ids[:1], {"num_cached_prompt_tokens": 2})]), poll([(ids[1:2], {})]),
+                poll([(ids[2:4], {"num_draft_tokens": 2, "num_accepted_draft_tokens": 1})]),
+                *[poll([([t], {})]) for t in ids[4:-1]],
+                poll([(ids[-1:], {"is_final": True, "finish_reason": FinishReason.LENGTH})])]
+    request = make_request(tokenizer, max_new=len(ids), n=n, stream=stream)
 
     async def body(looper, ex, _):
         return await collect(looper.submit(request))
@@ -316,5 +319,11 @@ def test_a_plain_requests_token_steps_decoded_in_line_give_what_apply_gives(toke
         if isinstance(e, Complete):
             e.timing = None
     assert got == want
-    assert "".join(e.text for e in got if isinstance(e, Chunk)) == tokenizer.decode(ids)
-    assert [e.cached_prompt_tokens for e in got[:2]] == [2, 2]
+    completes = [e for e in got if isinstance(e, Complete)]
+    assert [c.text for c in completes] == [tokenizer.decode(ids)] * n
+    assert [c.index for c in completes] == list(range(n))
+    if stream:
+        assert "".join(e.text for e in got if isinstance(e, Chunk) and e.index == n - 1) == tokenizer.decode(ids)
+        assert [e.cached_prompt_tokens for e in got if isinstance(e, Chunk)][-1] == 2
+    else:
+        assert all(isinstance(e, Complete) for e in got)
