@@ -34,7 +34,7 @@ def sample_token_ids(tokenizer) -> list[int]:
 
 
 class _Seq:
-    __slots__ = ("request_id", "index", "max_tokens", "pos", "start", "final_sent", "stamps")
+    __slots__ = ("request_id", "index", "max_tokens", "pos", "start", "final_sent", "stamps", "step")
 
     def __init__(self, request_id: int, index: int, max_tokens: int, start: float,
                  stamps: list[float] | None = None):
@@ -45,6 +45,9 @@ class _Seq:
         self.start = start
         self.final_sent = False
         self.stamps = stamps  # emission times of this sequence's tokens (recorded for sequence 0 only)
+        # the Step of this sequence's common (one token, not its last) steps, refilled each poll: the executor
+        # seam lets an executor hand the same Step object again once the poll that returned it is over
+        self.step = Step(request_id, index, [])
 
 
 class NullExecutor:
@@ -181,7 +184,9 @@ class NullExecutor:
                 seq.pos = pos + 1
                 if seq.stamps is not None:
                     seq.stamps.append(now)
-                append(Step(seq.request_id, seq.index, [ids[pos % num_ids]]))
+                step = seq.step
+                step.token_ids = [ids[pos % num_ids]]
+                append(step)
             else:
                 append(self._advance(seq, min(per_step, seq.max_tokens - pos), now))
                 advanced += 1

@@ -140,7 +140,9 @@ class Executor(Protocol):
 
     def await_responses(self, timeout: float) -> list[Step]:
         """Block up to `timeout` seconds for new steps, releasing the GIL while waiting.
-        Raises EngineDeadError when the executor has died."""
+        Raises EngineDeadError when the executor has died. The steps are the looper's until its next call: an
+        executor may then refill and return the same `Step` objects again (one object per sequence per poll),
+        and never changes a list it returned (the looper keeps `token_ids` lists)."""
         ...
 
     def cancel(self, executor_id: int) -> None:
