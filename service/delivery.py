@@ -21,16 +21,16 @@ class StallWatchdog:
     grpc.aio resumes a streaming handler only after its yielded message was accepted, so a reader
     that stops reading (and HTTP/2 flow control filling up) parks the handler at `yield`; the
     cancellation then runs its cleanup, which cancels the request and frees its KV blocks.
-    The handler (FrontDoor.generate) marks a batch of writes with `arm()` / `disarm()` and counts each accepted
-    message in `sent` (an attribute increment: nothing else runs per message). One timer per stream, started by
-    an `arm()` and re-armed only while writing, looks every `period` (a quarter of the grace, else the timeout);
-    a look that finds `sent` where the previous one left it counts one still period, so a write that stopped is
-    seen a grace to a grace and a quarter after its last progress, and cut off once the still periods add up to
-    `timeout` (without a grace: one to two timeouts).
+    The handler (FrontDoor.generate) sets `writing` while it writes a batch and counts each accepted message in
+    `sent`: two attribute writes per batch and an increment per message, no call. One timer per stream, from its
+    creation to `close()`, looks every `period` (a quarter of the grace, else the timeout): a look that finds the
+    handler writing, `sent` where the previous look left it, and the previous look writing too, counts one still
+    period; any other look starts over. So a write that stopped is seen a grace to a grace and a quarter after its
+    last progress, and cut off once the still periods add up to `timeout` (without a grace: one to two timeouts).
     """
 
     __slots__ = ("timeout", "grace", "period", "on_slow", "task", "timer", "loop", "writing", "sent", "seen",
-                 "still_s")
+                 "was_writing", "still_s")
 
     def __init__(self, timeout: float, grace: float = 0.0, on_slow: Callable[[], None] | None = None):
         self.timeout = timeout  # 0: never cancel
@@ -40,21 +40,12 @@ class StallWatchdog:
         self.on_slow = on_slow if use_grace else None
         self.task = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
-        self.timer = None
-        self.writing = False  # between arm() and disarm(): the handler is writing a batch
+        self.writing = False  # the handler is writing a batch (set and cleared by it)
         self.sent = 0  # messages grpc accepted (the handler counts them)
         self.seen = 0  # `sent` when the timer last looked
+        self.was_writing = False  # `writing` when the timer last looked
         self.still_s = 0.0  # seconds of looks in a row that found no progress
-
-    def arm(self) -> None:
-        self.writing = True
-        if self.timer is None and self.period > 0:
-            self.seen, self.still_s = self.sent, 0.0
-            self.period = self.grace / 4 or self.timeout
-            self.timer = self.loop.call_later(self.period, self._check)
-
-    def disarm(self) -> None:
-        self.writing = False
+        self.timer = self.loop.call_later(self.period, self._check) if self.period > 0 else None
 
     def close(self) -> None:
         if self.timer is not None:
@@ -63,9 +54,10 @@ class StallWatchdog:
 
     def _check(self) -> None:
         self.timer = None
-        if not self.writing or self.task.done():
-            return  # waiting for tokens, not writing (the next arm() starts a timer), or the handler is gone
-        if self.sent != self.seen:  # progress since the last look: look again one period later
+        if self.task.done():
+            return  # the handler is gone
+        if not (self.writing and self.was_writing) or self.sent != self.seen:
+            # waiting for tokens, a write that began since the last look, or progress: look again one period later
             self.seen, self.still_s = self.sent, 0.0
             self.period = self.grace / 4 or self.timeout
         else:
@@ -77,9 +69,8 @@ class StallWatchdog:
                 return
             if slow and self.still_s >= self.grace - 1e-9:
                 self.on_slow()
-                if self.timeout == 0:
-                    return  # nothing more to do for this stall: the next arm() looks again
-                self.period = self.grace  # till the timeout, look less often
+                self.period = self.grace if self.timeout > 0 else self.grace / 4  # till the timeout, look less often
+        self.was_writing = self.writing
         self.timer = self.loop.call_later(self.period, self._check)
 
 

@@ -20,7 +20,7 @@ message), request log record (`RequestRecord`), request id (the request's
 `request_id`, else `x-request-id`, else a new one), ready check, admission slot (in line, --max-queue-wait),
 `validate` (the API's mapping), grammar (`app.grammars.admit`; `grammar_field` names the field in its errors), LoRA
 (`app.loras.admit`), duplicate id, Abort-while-waiting check, the writer, submit, then delivery: per batch of events
-the writer's messages are yielded while the stall watchdog is armed (it counts them), a reader that stalls past
+the writer's messages are yielded while the stall watchdog watches (it counts them), a reader that stalls past
 --slow-reader-grace gives its slot back and takes it again when it reads (service.delivery). ONE error policy:
 `ServiceError` and the executor's `RequestFailed` end the call with their status (`errors.status_of`); anything
 else is a bug: logged once with its traceback, the client gets INTERNAL naming only the exception's type, and the
@@ -125,11 +125,11 @@ class FrontDoor:
                     watchdog = delivery.watchdog
                     # what is there, else wait for it (a reader behind the looper finds its next batch waiting)
                     while (batch := stream.take() or await stream.next_batch()) is not None:
-                        watchdog.arm()  # armed while a batch is written: waiting for tokens is not a stall
+                        watchdog.writing = True  # watched while a batch is written: waiting for tokens is no stall
                         for msg in writer.encode(batch):
                             yield msg  # returns once grpc took the message: a stalled reader blocks here
                             watchdog.sent += 1
-                        watchdog.disarm()
+                        watchdog.writing = False
                         delivery.delivered(batch)
                         if delivery.paused:  # it stalled past --slow-reader-grace and now reads again
                             await delivery.resume()

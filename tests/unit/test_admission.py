@@ -239,7 +239,7 @@ def test_stall_watchdog_gives_back_after_the_grace_then_cancels_after_the_timeou
 
         async def handler(progress: bool):
             dog = StallWatchdog(timeout=0.6, grace=0.1, on_slow=lambda: slow.append(progress))
-            dog.arm()  # a write that never completes (or, with progress, completes every 20 ms for a while)
+            dog.writing = True  # a write that never completes (or, with progress, completes every 20 ms for a while)
             for _ in range(25 if progress else 0):
                 await asyncio.sleep(0.02)
                 dog.sent += 1
@@ -265,7 +265,7 @@ def test_stall_watchdog_without_a_grace_only_cancels():
 
         async def handler():
             dog = StallWatchdog(timeout=0.1, grace=0.5, on_slow=lambda: slow.append(1))  # grace >= timeout: unused
-            dog.arm()
+            dog.writing = True
             await asyncio.sleep(30)
 
         with pytest.raises(asyncio.CancelledError):
