@@ -84,10 +84,15 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return time.monotonic() + remaining if remaining is not None else None
 
 
-def add_service(server, servicer, service, raw_responses: str) -> None:
-    """Register every method of `service` (a ServiceDescriptor) on `server`, as the generated
-    `add_..._to_server` does, except that the method named `raw_responses` has no response serializer: its handler
-    yields messages already serialized (a SequenceWriter's `encode`), which grpc sends as they are."""
+def add_service(server, servicer, service, raw_responses: str | None = None) -> None:
+    """Register every method of `service` (a ServiceDescriptor) on `server`, as the generated `add_..._to_server`
+    does, with two differences. The method named `raw_responses` has no response serializer: its handler yields
+    messages already serialized (a SequenceWriter's `encode`), which grpc sends as they are. And the methods are
+    served by a generic handler only, not also registered with grpc core (`add_registered_method_handlers`):
+    grpc.aio's server loop keeps one pending request-call per registered method and `asyncio.wait`s on all of them
+    again for every call it accepts, work per RPC that grows with the methods served (this server's three
+    generation APIs, health and reflection: tens of them); with none registered it waits on one
+    (docs/performance.md: ~190,000 instructions less per request)."""
     handlers = {}
     for method in service.methods:
         make = METHOD_HANDLERS[method.client_streaming, method.server_streaming]
@@ -96,7 +101,6 @@ def add_service(server, servicer, service, raw_responses: str) -> None:
                                      request_deserializer=GetMessageClass(method.input_type).FromString,
                                      response_serializer=response)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 class FrontDoor:

@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from tokenloop.core.executor import Executor
 from tokenloop.v1 import tokenloop_pb2
@@ -20,6 +20,7 @@ from .connections import ConnectionWatch, check_fd_limit, grpc_connection_option
 from .corelog import CoreLogRelay
 from .decoding import DecodingInterceptor
 from .executors import default_executor_factory
+from .frontdoor import add_service
 from .logs import RequestLogInterceptor, RequestLogObserver
 from .security import ApiKeyInterceptor, load_api_keys, server_credentials
 from .servicer import TextGenerationServicer, add_text_generation
@@ -88,7 +89,7 @@ class Server:
 
     def _add_services(self) -> None:
         add_text_generation(TextGenerationServicer(self.app), self.grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.app.health, self.grpc)
+        add_service(self.grpc, self.app.health, health_pb2.DESCRIPTOR.services_by_name["Health"])
         names = [tokenloop_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name,
                  health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         protocol = self.config.router_protocol  # smg's worker APIs (docs/router.md)
