@@ -28,13 +28,14 @@ from .errors import (
     DataLoss,
     OutOfRange,
     Unimplemented,
+    ValidationError,
     abort_with,
 )
 from .frontdoor import FrontDoor, add_service, unary
 from .kv_events import FellBehind, kv_event_stream
 from .structured import structured_of_guided
 from .trtllm_convert import TrtllmWriter
-from .validation import MAX_TOP_LOGPROBS, check
+from .validation import MAX_TOP_LOGPROBS
 
 log = logging.getLogger("tokenloop.service")
 SERVICE = tpb.DESCRIPTOR.services_by_name["TrtllmService"]
@@ -58,7 +59,7 @@ UNSUPPORTED_SAMPLING = ("top_p_min", "top_p_reset_ids", "top_p_decay", "beam_sea
 
 
 def refuse(field: str, why: str) -> None:
-    check(False, "unsupported_field", f"`{field}` cannot be honoured: {why}")
+    raise ValidationError("unsupported_field", f"`{field}` cannot be honoured: {why}")
 
 
 def check_supported(request) -> None:
@@ -73,8 +74,9 @@ def check_supported(request) -> None:
     if request.tokenized.query_token_ids:
         refuse("tokenized.query_token_ids", "star attention is not supported by this executor")
     s = request.sampling_config
-    check(s.beam_width >= 0, "beam_width",
-           f"`sampling_config.beam_width` must be >= 1 (0, unset, means 1); got {s.beam_width}")
+    if s.beam_width < 0:
+        raise ValidationError("beam_width",
+                              f"`sampling_config.beam_width` must be >= 1 (0, unset, means 1); got {s.beam_width}")
     if s.beam_width > 1 or s.beam_width_array:
         refuse(f"sampling_config.beam_width{'_array' if s.beam_width_array else ''}",
                "beam search is not supported by this executor")
@@ -120,12 +122,14 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
     check_supported(request)
     lim = validator.limits
     n = request.sampling_config.num_return_sequences or 1
-    check(n <= lim.max_n, "n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")
+    if n > lim.max_n:
+        raise ValidationError("n", f"`sampling_config.num_return_sequences` must be between 1 and {lim.max_n}; got {n}")
     ids = validator.prompt_ids(request.tokenized.input_token_ids, "tokenized.input_token_ids")
     o = request.output_config
     top = o.logprobs if o.HasField("logprobs") else 0
-    check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",
-           f"`output_config.logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {top}")
+    if not (0 <= top <= MAX_TOP_LOGPROBS):
+        raise ValidationError("top_logprobs",
+                              f"`output_config.logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {top}")
     return ValidRequest(
         request_id=validator.request_id(request_id), prompt_token_ids=ids,
         sampling=validator.sampling_from(request.sampling_config, "sampling_config."), stopping=_stopping(validator, request, len(ids)),

@@ -64,13 +64,9 @@ def text_size(request) -> int:
     return 0
 
 
-def check(ok: bool, rule: str, message: str) -> None:
-    if not ok:
-        raise ValidationError(rule, message)
-
-
 def _finite(value: float, name: str) -> float:
-    check(math.isfinite(value), f"{name}_not_finite", f"`{name}` must be a finite number")
+    if not math.isfinite(value):
+        raise ValidationError(f"{name}_not_finite", f"`{name}` must be a finite number")
     return value
 
 
@@ -85,16 +81,20 @@ class Validator:
 
     # -- inputs ----------------------------------------------------------------------------
     def chat_messages(self, chat) -> list[dict[str, str]]:
-        check(len(chat.messages) > 0, "empty_chat", "`chat.messages` must not be empty")
+        if not chat.messages:
+            raise ValidationError("empty_chat", "`chat.messages` must not be empty")
         # before any per-message work: rendering 100,000 messages holds the GIL for ~0.4 s, and 16 MiB holds millions
         limit = self.limits.max_prompt_tokens
-        check(len(chat.messages) <= limit, "too_many_chat_messages",
-               f"`chat.messages` may hold at most {limit} messages (the prompt limit in tokens); "
-               f"got {len(chat.messages)}")
+        if len(chat.messages) > limit:
+            raise ValidationError("too_many_chat_messages",
+                                  f"`chat.messages` may hold at most {limit} messages (the prompt limit in tokens); "
+                                  f"got {len(chat.messages)}")
         messages = []
         for i, m in enumerate(chat.messages):
-            check(m.role in CHAT_ROLES, "unknown_chat_role",
-                   f"`chat.messages[{i}].role` must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}")
+            if m.role not in CHAT_ROLES:
+                raise ValidationError("unknown_chat_role",
+                                      f"`chat.messages[{i}].role` must be one of {', '.join(CHAT_ROLES)}; "
+                                      f"got {m.role!r}")
             messages.append({"role": m.role, "content": m.content})
         return messages
 
@@ -102,8 +102,9 @@ class Validator:
         """The conversation rendered; special-token text in content stays text unless
         `--allow-special-tokens-in-chat` (`Tokenizer.render_chat`)."""
         messages = self.chat_messages(chat)
-        check(self.tokenizer.chat_template is not None, "no_chat_template",
-               "`chat` input needs a model with a chat template; this model has none (send `text`)")
+        if self.tokenizer.chat_template is None:
+            raise ValidationError("no_chat_template",
+                                  "`chat` input needs a model with a chat template; this model has none (send `text`)")
         try:
             return self.tokenizer.render_chat(messages, self.limits.allow_special_tokens_in_chat)
         except ChatTemplateError as exc:
@@ -113,9 +114,11 @@ class Validator:
         """(prompt token ids, prompt text) of a request with a `text` / `token_ids` / `chat` input, within the
         prompt limit."""
         which = request.WhichOneof("input")
-        check(which is not None, "empty_input", "`input` must be set: one of `text`, `token_ids`, `chat`")
+        if which is None:
+            raise ValidationError("empty_input", "`input` must be set: one of `text`, `token_ids`, `chat`")
         if which == "text":
-            check(len(request.text) > 0, "empty_text", "`text` must not be empty")
+            if not request.text:
+                raise ValidationError("empty_text", "`text` must not be empty")
             chat = None
             text = request.text
         elif which == "chat":
@@ -129,7 +132,8 @@ class Validator:
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_bos))
         else:  # special-token text in a message's content: encoded as text
             ids = tuple(self.tokenizer.encode_chat(chat, add_special_tokens=add_bos)[0])
-        check(len(ids) > 0, "empty_prompt", f"`{which}` encodes to no tokens")
+        if not ids:
+            raise ValidationError("empty_prompt", f"`{which}` encodes to no tokens")
         self.check_prompt_length(len(ids), which)
         return ids, text
 
@@ -150,17 +154,22 @@ class Validator:
     def prompt_ids(self, token_ids, field: str) -> tuple[int, ...]:
         """A prompt given as token ids (`field` names them): not empty, within the prompt limit, in the vocabulary."""
         ids = tuple(token_ids)
-        check(len(ids) > 0, "empty_token_ids", f"`{field}` must not be empty")
+        if not ids:
+            raise ValidationError("empty_token_ids", f"`{field}` must not be empty")
         self.check_prompt_length(len(ids), field)  # before looking at every id
         bad = next((t for t in ids if t >= self.vocab_size), None)
-        check(bad is None, "token_id_out_of_range", f"`{field}` must be < the vocabulary size {self.vocab_size}; got {bad}")
+        if bad is not None:
+            raise ValidationError("token_id_out_of_range",
+                                  f"`{field}` must be < the vocabulary size {self.vocab_size}; got {bad}")
         return ids
 
     def check_prompt_length(self, num: int, field: str) -> None:
         """The prompt limit, for a prompt of `num` tokens given in `field` (every API names its own)."""
-        check(num <= self.limits.max_prompt_tokens, "prompt_too_long",
-               f"the prompt (`{field}`) has {num} tokens; the limit is {self.limits.max_prompt_tokens} "
-               "(--max-prompt-tokens)")
+        if num > self.limits.max_prompt_tokens:
+            raise ValidationError("prompt_too_long",
+                                  f"the prompt (`{field}`) has {num} tokens; the limit is "
+                                  f"{self.limits.max_prompt_tokens} "
+                                  "(--max-prompt-tokens)")
 
     # -- parameters ------------------------------------------------------------------------
     def sampling(self, request) -> SamplingParams:
@@ -172,31 +181,38 @@ class Validator:
         card = self.card
         temperature = _finite(s.temperature, f"{prefix}temperature") if s.HasField("temperature") else (
             card.default_temperature if card.default_temperature is not None else 1.0)
-        check(temperature >= 0, "temperature", f"`{prefix}temperature` must be >= 0")
+        if temperature < 0:
+            raise ValidationError("temperature", f"`{prefix}temperature` must be >= 0")
         if temperature < GREEDY_BELOW_TEMPERATURE:
             temperature = 0.0  # greedy: the same token a tiny temperature would almost surely draw, computably
         top_p = _finite(s.top_p, f"{prefix}top_p") if s.HasField("top_p") else (card.default_top_p or 1.0)
-        check(0 < top_p <= 1, "top_p", f"`{prefix}top_p` must be > 0 and <= 1")
-        check(s.top_k >= 0, "top_k", f"`{prefix}top_k` must be >= 0 (0 disables it)")
-        check(0 <= _finite(s.min_p, f"{prefix}min_p") <= 1, "min_p", f"`{prefix}min_p` must be between 0 and 1")
+        if not (0 < top_p <= 1):
+            raise ValidationError("top_p", f"`{prefix}top_p` must be > 0 and <= 1")
+        if s.top_k < 0:
+            raise ValidationError("top_k", f"`{prefix}top_k` must be >= 0 (0 disables it)")
+        if not (0 <= _finite(s.min_p, f"{prefix}min_p") <= 1):
+            raise ValidationError("min_p", f"`{prefix}min_p` must be between 0 and 1")
         rep = _finite(s.repetition_penalty, f"{prefix}repetition_penalty") if s.HasField("repetition_penalty") else 1.0
         low, high = REPETITION_PENALTY_RANGE
-        check(low <= rep <= high, "repetition_penalty",
-               f"`{prefix}repetition_penalty` must be between {low:g} and {high:g} (1 disables it); got {rep:.3g}")
+        if not (low <= rep <= high):
+            raise ValidationError("repetition_penalty",
+                                  f"`{prefix}repetition_penalty` must be between {low:g} and {high:g} (1 disables it); "
+                                  f"got {rep:.3g}")
         for name in ("presence_penalty", "frequency_penalty"):
-            check(-2 <= _finite(getattr(s, name), f"{prefix}{name}") <= 2, name,
-                   f"`{prefix}{name}` must be between -2 and 2")
+            if not (-2 <= _finite(getattr(s, name), f"{prefix}{name}") <= 2):
+                raise ValidationError(name, f"`{prefix}{name}` must be between -2 and 2")
         seed = s.seed if s.HasField("seed") else random.getrandbits(63)
         return SamplingParams(temperature=temperature, top_k=s.top_k, top_p=top_p, min_p=s.min_p,
                               repetition_penalty=rep, presence_penalty=s.presence_penalty,
                               frequency_penalty=s.frequency_penalty, seed=seed)
 
     def stopping(self, request, num_prompt: int) -> StoppingParams:
+        """The stopping rules of a `GenerateRequest` whose stop lists `generate` checked (`stop_lists`, before
+        tokenizing)."""
         st = request.stopping
         max_new = self.new_token_limits(st.max_new_tokens if st.HasField("max_new_tokens") else None,
                                         st.min_new_tokens, num_prompt, "stopping.max_new_tokens",
                                         "stopping.min_new_tokens")
-        self.stop_lists(st.stop, st.stop_token_ids, "stopping.")
         params = StoppingParams(max_new_tokens=max_new, min_new_tokens=st.min_new_tokens, stop=tuple(st.stop),
                                 stop_token_ids=tuple(st.stop_token_ids), ignore_eos=st.ignore_eos,
                                 include_stop_str_in_output=st.include_stop_str_in_output)
@@ -210,9 +226,11 @@ class Validator:
             return
         vocab = self.card.vocab_size or self.vocab_size  # the width of the model's logits
         held = set(stopping.stop_token_ids) | (set() if stopping.ignore_eos else set(self.card.eos_token_ids))
-        check(sum(1 for t in held if t < vocab) < vocab, "no_token_allowed",
-               f"`{stop_field}`{'' if stopping.ignore_eos else ' with EOS'} cover the whole vocabulary ({vocab} "
-               f"tokens): with `{min_field}` {stopping.min_new_tokens} no token could be generated")
+        if sum(1 for t in held if t < vocab) >= vocab:
+            raise ValidationError("no_token_allowed",
+                                  f"`{stop_field}`{'' if stopping.ignore_eos else ' with EOS'} cover the whole "
+                                  f"vocabulary ({vocab} "
+                                  f"tokens): with `{min_field}` {stopping.min_new_tokens} no token could be generated")
 
     def new_token_limits(self, max_new: int | None, min_new: int, num_prompt: int, max_field: str,
                          min_field: str) -> int:
@@ -221,53 +239,66 @@ class Validator:
         lim = self.limits
         room = lim.max_context_length - num_prompt
         if max_new is not None:
-            check(1 <= max_new <= lim.max_new_tokens, "max_new_tokens",
-                   f"`{max_field}` must be between 1 and {lim.max_new_tokens}; got {max_new}")
-            check(max_new <= room, "context_exceeded",
-                   f"the prompt ({num_prompt} tokens) plus `{max_field}` ({max_new}) exceeds the "
-                   f"model's context of {lim.max_context_length} tokens")
+            if not (1 <= max_new <= lim.max_new_tokens):
+                raise ValidationError("max_new_tokens",
+                                      f"`{max_field}` must be between 1 and {lim.max_new_tokens}; got {max_new}")
+            if max_new > room:
+                raise ValidationError("context_exceeded",
+                                      f"the prompt ({num_prompt} tokens) plus `{max_field}` ({max_new}) exceeds the "
+                                      f"model's context of {lim.max_context_length} tokens")
         else:
             max_new = min(lim.default_max_new_tokens, room)
-        check(min_new <= max_new, "min_new_tokens",
-               f"`{min_field}` ({min_new}) must be <= {max_field.rsplit('.', 1)[-1]} ({max_new})")
+        if min_new > max_new:
+            raise ValidationError("min_new_tokens",
+                                  f"`{min_field}` ({min_new}) must be <= {max_field.rsplit('.', 1)[-1]} ({max_new})")
         return max_new
 
     def stop_lists(self, stop, stop_token_ids, prefix: str) -> None:
         """The rules on stop strings and stop token ids; `prefix` names the fields as the client's API does."""
         lim = self.limits
-        check(len(stop) <= lim.max_stop_strings, "too_many_stop_strings",
-               f"`{prefix}stop` may hold at most {lim.max_stop_strings} strings; got {len(stop)}")
+        if len(stop) > lim.max_stop_strings:
+            raise ValidationError("too_many_stop_strings",
+                                  f"`{prefix}stop` may hold at most {lim.max_stop_strings} strings; got {len(stop)}")
         for i, text in enumerate(stop):
-            check(0 < len(text) <= lim.max_stop_string_length, "stop_string_length",
-                   f"`{prefix}stop[{i}]` must be 1 to {lim.max_stop_string_length} characters long")
-        check(len(stop_token_ids) <= lim.max_stop_token_ids, "too_many_stop_token_ids",
-               f"`{prefix}stop_token_ids` may hold at most {lim.max_stop_token_ids} ids (--max-stop-token-ids); "
-               f"got {len(stop_token_ids)}")
+            if not (0 < len(text) <= lim.max_stop_string_length):
+                raise ValidationError("stop_string_length",
+                                      f"`{prefix}stop[{i}]` must be 1 to {lim.max_stop_string_length} characters long")
+        if len(stop_token_ids) > lim.max_stop_token_ids:
+            raise ValidationError("too_many_stop_token_ids",
+                                  f"`{prefix}stop_token_ids` may hold at most {lim.max_stop_token_ids} ids "
+                                  f"(--max-stop-token-ids); got {len(stop_token_ids)}")
         bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
-        check(bad is None, "stop_token_id_out_of_range",
-               f"`{prefix}stop_token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
+        if bad is not None:
+            raise ValidationError("stop_token_id_out_of_range",
+                                  f"`{prefix}stop_token_ids` must be < the vocabulary size {self.vocab_size}; "
+                                  f"got {bad}")
 
     def detokenize_ids(self, ids) -> None:
         """The rules on Detokenize's `token_ids`: how many (before looking at any), then each one's range."""
         limit = self.limits.max_detokenize_ids
-        check(len(ids) <= limit, "too_many_detokenize_ids",
-               f"`token_ids` may hold at most {limit} ids (--max-detokenize-ids); got {len(ids)}")
+        if len(ids) > limit:
+            raise ValidationError("too_many_detokenize_ids",
+                                  f"`token_ids` may hold at most {limit} ids (--max-detokenize-ids); got {len(ids)}")
         bad = next((t for t in ids if t >= self.vocab_size), None)
-        check(bad is None, "token_id_out_of_range",
-               f"`token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
+        if bad is not None:
+            raise ValidationError("token_id_out_of_range",
+                                  f"`token_ids` must be < the vocabulary size {self.vocab_size}; got {bad}")
 
     def output(self, request) -> OutputParams:
         o = request.output
-        check(o.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
-               f"`output.top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {o.top_logprobs}")
+        if o.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ValidationError("top_logprobs",
+                                  f"`output.top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; "
+                                  f"got {o.top_logprobs}")
         skip = o.skip_special_tokens if o.HasField("skip_special_tokens") else True
         return OutputParams(logprobs=o.logprobs or o.top_logprobs > 0, top_logprobs=o.top_logprobs,
                             skip_special_tokens=skip, echo=o.echo)
 
     def request_id(self, request_id: str) -> str:
-        check(len(request_id) <= self.limits.max_request_id_length and request_id.isprintable(),
-               "request_id", f"`request_id` must be printable and at most {self.limits.max_request_id_length} "
-               "characters")
+        if not (len(request_id) <= self.limits.max_request_id_length and request_id.isprintable()):
+            raise ValidationError("request_id",
+                                  f"`request_id` must be printable and at most {self.limits.max_request_id_length} "
+                                  "characters")
         return request_id
 
     # -- the whole request -----------------------------------------------------------------
@@ -275,7 +306,8 @@ class Validator:
         """Validate a `GenerateRequest`; raises ValidationError naming the first broken rule. A `structured`
         constraint is checked but not compiled (`App.grammars.admit` does that)."""
         n = request.n or 1
-        check(1 <= n <= self.limits.max_n, "n", f"`n` must be between 1 and {self.limits.max_n}; got {n}")
+        if not (1 <= n <= self.limits.max_n):
+            raise ValidationError("n", f"`n` must be between 1 and {self.limits.max_n}; got {n}")
         self.stop_lists(request.stopping.stop, request.stopping.stop_token_ids, "stopping.")  # before tokenizing
         structured = structured_of(request, self.limits.max_grammar_bytes)
         ids, text = self.prompt(request)
@@ -288,7 +320,8 @@ class Validator:
     @staticmethod
     def lora_name(name: str) -> str:
         """`lora`: empty (the base model) or an adapter's name (LORA_NAME), checked before it is looked up."""
-        check(not name or LORA_NAME.fullmatch(name) is not None, "lora_name",
-              "`lora` must be empty (the base model) or an adapter's name: 1-128 letters, digits, '.', '_' or '-' "
-              "starting with a letter or digit")
+        if name and LORA_NAME.fullmatch(name) is None:
+            raise ValidationError("lora_name",
+                                  "`lora` must be empty (the base model) or an adapter's name: 1-128 letters, digits, "
+                                  "'.', '_' or '-' starting with a letter or digit")
         return name

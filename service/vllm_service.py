@@ -33,7 +33,7 @@ from .frontdoor import FrontDoor, add_service, request_id_of, unary
 from .structured import check_size
 from .trtllm_convert import FINISH_REASONS
 from .trtllm_service import TrtllmServicer, read_model_config, refuse, server_version
-from .validation import MAX_TOP_LOGPROBS, check
+from .validation import MAX_TOP_LOGPROBS
 
 log = logging.getLogger("tokenloop.service")
 SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"]
@@ -117,8 +117,10 @@ def structured_of_constraint(s, max_bytes: int) -> StructuredOutput | None:
         return StructuredOutput("json_object")
     if kind == "choice":
         choices = list(s.choice.choices)
-        check(bool(choices), "empty_structure", f"`{field}.choices` must not be empty")
-        check(all(choices), "empty_structure", f"`{field}.choices` must not hold an empty string")
+        if not bool(choices):
+            raise ValidationError("empty_structure", f"`{field}.choices` must not be empty")
+        if not all(choices):
+            raise ValidationError("empty_structure", f"`{field}.choices` must not hold an empty string")
         spec = "start: " + " | ".join(json.dumps(c) for c in choices)
         check_size(spec, f"{field}.choices", max_bytes)
         return StructuredOutput("grammar", spec)
@@ -133,13 +135,16 @@ def prompt_ids(validator, request) -> tuple[int, ...]:
     """The prompt's token ids: `tokenized.input_ids` (smg sends these), or `text` encoded as tokenloop.v1's `text`
     is; `sampling_params.truncate_prompt_tokens` keeps the last N (-1: the prompt limit), as vLLM does."""
     which = request.WhichOneof("input")
-    check(which is not None, "empty_input", "`input` must be set: one of `tokenized`, `text`")
+    if which is None:
+        raise ValidationError("empty_input", "`input` must be set: one of `tokenized`, `text`")
     s = request.sampling_params
     keep = None
     if s.HasField("truncate_prompt_tokens"):
         keep = s.truncate_prompt_tokens
-        check(keep == -1 or keep >= 1, "truncate_prompt_tokens",
-               f"`sampling_params.truncate_prompt_tokens` must be >= 1, or -1 for the prompt limit; got {keep}")
+        if not (keep == -1 or keep >= 1):
+            raise ValidationError("truncate_prompt_tokens",
+                                  f"`sampling_params.truncate_prompt_tokens` must be >= 1, or -1 for the prompt limit; "
+                                  f"got {keep}")
         keep = validator.limits.max_prompt_tokens if keep == -1 else keep
     if which == "text":
         ids, _ = validator.prompt(request)  # the `text` rules of tokenloop.v1 (same field name)
@@ -157,11 +162,13 @@ def to_valid_request(validator, request, request_id: str, deadline: float | None
     defaults = defaults or {}
     lim, s = validator.limits, request.sampling_params
     n = s.n or 1
-    check(n <= lim.max_n, "n", f"`sampling_params.n` must be between 1 and {lim.max_n}; got {n}")
+    if n > lim.max_n:
+        raise ValidationError("n", f"`sampling_params.n` must be between 1 and {lim.max_n}; got {n}")
     top = s.logprobs if s.HasField("logprobs") else 0
-    check(0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs",
-           f"`sampling_params.logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {top}"
-           + (" (-1, every token of the vocabulary, is not supported)" if top == -1 else ""))
+    if not (0 <= top <= MAX_TOP_LOGPROBS):
+        raise ValidationError("top_logprobs",
+                              f"`sampling_params.logprobs` must be between 0 and {MAX_TOP_LOGPROBS}; got {top}"
+                              + (" (-1, every token of the vocabulary, is not supported)" if top == -1 else ""))
     validator.stop_lists(s.stop, s.stop_token_ids, "sampling_params.")  # before tokenizing
     structured = structured_of_constraint(s, lim.max_grammar_bytes)
     ids = prompt_ids(validator, request)
