@@ -109,7 +109,7 @@ def _install_trace(ex) -> None:
     import atexit
 
     from tokenloop.looper.outputs import Outbox
-    from tokenloop.looper.stream import Chunk
+    from tokenloop.looper.stream import Chunk, as_chunk
     from tokenloop.service.convert import StreamWriter
     hops = ("executor", "hand-off", "writer")
     times: dict[tuple[str, int], list[float]] = {}  # (request id, token index) -> time at each hop
@@ -117,7 +117,7 @@ def _install_trace(ex) -> None:
 
     def note(where: str, rid: str, events, now: float) -> None:
         k = seen.get((where, rid), 0)
-        for e in events:
+        for e in map(as_chunk, events):
             for _ in e.token_ids if type(e) is Chunk else ():
                 times.setdefault((rid, k), []).append(now)
                 k += 1

@@ -23,7 +23,7 @@ from tokenloop.core.threads import name_this_thread
 from .commands import Cancel, Command, ExecutorDied, FailAll, Pause, Stop, Submit
 from .detokenizer import Decoder
 from .outputs import Outbox, RequestState
-from .stream import Chunk, ErrorKind, Event, RequestFailed, RequestStream
+from .stream import ErrorKind, Event, RequestFailed, RequestStream
 
 log = logging.getLogger("tokenloop.looper")
 
@@ -240,8 +240,8 @@ class Looper:
                 continue  # the request already left (it failed)
             if (state.decoding and not step.is_final and step.error is None and step.num_cached_prompt_tokens is None
                     and step.num_draft_tokens is None):
-                # decode (the common step): a plain request's new tokens, nothing ends: the text, and a Chunk when
-                # the request streams, in line (a sequence of a plain request ends only at its final step)
+                # decode (the common step): a plain request's new tokens, nothing ends: the text, and a TokenDelta
+                # when the request streams, in line (a sequence of a plain request ends only at its final step)
                 ids = step.token_ids
                 if ids:
                     seq = state.seqs[step.seq_index]
@@ -250,12 +250,12 @@ class Looper:
                     if text:
                         seq.text_parts.append(text)
                     if state.streaming:
-                        chunk = Chunk(seq.index, text, ids, None, seq.cached_prompt_tokens)
+                        delta = (seq.index, text, ids, seq.cached_prompt_tokens)  # a TokenDelta: no Chunk per token
                         events = queued.get(state.stream)
                         if events is None:
-                            queued[state.stream] = [chunk]
+                            queued[state.stream] = [delta]
                         else:
-                            events.append(chunk)
+                            events.append(delta)
                 continue
             # general: a request's first tokens, stop strings, logprobs, a sequence's end, an error
             if step.error is not None:

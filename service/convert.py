@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokenloop.core.request import ValidRequest
-from tokenloop.looper.stream import Chunk, Complete, Event, TokenLogprob
+from tokenloop.looper.stream import Chunk, Complete, Event, TokenDelta, TokenLogprob, as_chunk
 from tokenloop.v1 import tokenloop_pb2 as pb
 
 
@@ -68,6 +68,8 @@ class SequenceWriter:
         encode_chunk(chunk, done) -> bytes | None   a chunk's serialized message (None: nothing to send); `done` is
                                                     its sequence's Complete when the chunk is that sequence's last
         encode_complete(done) -> bytes              a Complete's serialized message
+        encode_delta(delta) -> bytes | None         (optional) a TokenDelta's message sent on its own, the looper's
+                                                    commonest event: by default its Chunk's
 
     Every batch the looper handed over since the reader last asked is merged per sequence (a reader that fell
     behind gets all ready tokens at once, in one message); with `interval` N > 1 a sequence's chunks are held until
@@ -85,21 +87,25 @@ class SequenceWriter:
 
     def encode(self, batch: list[Event]) -> list[bytes]:
         """The serialized messages for one batch of events, in order per sequence."""
-        chunk, complete = self.encode_chunk, self.encode_complete
+        chunk, complete, delta = self.encode_chunk, self.encode_complete, self.encode_delta
         held = self._held
         if len(batch) == 1 and not held:  # the commonest batch: one chunk, ready to go (nothing to merge or hold)
             event = batch[0]
+            if type(event) is tuple and self.interval == 1:
+                msg = delta(event)
+                return [msg] if msg is not None else []
             if type(event) is Chunk and len(event.token_ids) >= self.interval:
                 msg = chunk(event, None)
                 return [msg] if msg is not None else []
         out = []
         if not self.coalesce:
             for event in batch:
-                msg = chunk(event, None) if type(event) is Chunk else complete(event)
+                kind = type(event)
+                msg = delta(event) if kind is tuple else chunk(event, None) if kind is Chunk else complete(event)
                 if msg is not None:
                     out.append(msg)
             return out
-        for event in batch:
+        for event in map(as_chunk, batch):
             if type(event) is Chunk:
                 held.setdefault(event.index, []).append(event)
                 continue
@@ -111,6 +117,10 @@ class SequenceWriter:
             if (msg := chunk(_merge(held.pop(index)), None)) is not None:
                 out.append(msg)
         return out
+
+    def encode_delta(self, delta: TokenDelta) -> bytes | None:
+        """A TokenDelta's message, sent on its own: its Chunk's (a subclass may make it without the Chunk)."""
+        return self.encode_chunk(as_chunk(delta), None)
 
     def encode_chunk(self, chunk: Chunk, done: Complete | None) -> bytes | None:
         raise NotImplementedError
@@ -136,6 +146,16 @@ class StreamWriter(SequenceWriter):
     @property
     def request(self) -> ValidRequest:
         return self.valid
+
+    def encode_delta(self, delta: TokenDelta) -> bytes:
+        """The commonest message of all, from the looper's TokenDelta with no Chunk made: one token of sequence 0
+        whose field `CHUNK_FIELDS` holds."""
+        index, text, ids, _ = delta
+        if not index and len(ids) == 1:
+            known = CHUNK_FIELDS.get(ids[0])
+            if known is not None and known[0] == text:
+                return self._prefix + known[1]
+        return self.encode_chunk(as_chunk(delta), None)
 
     def encode_chunk(self, event: Chunk, done: Complete | None) -> bytes:
         if not event.index and not event.logprobs and len(event.token_ids) == 1:

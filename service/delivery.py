@@ -98,7 +98,9 @@ class Delivery:
         """Every message of `batch` was written: its `Complete`s are kept (for `app.observe_end`), its streamed
         tokens counted per sequence."""
         for e in batch:
-            if type(e) is Complete:
+            if type(e) is tuple:  # a TokenDelta
+                self.streamed[e[0]] = self.streamed.get(e[0], 0) + len(e[2])
+            elif type(e) is Complete:
                 self.completes.append(e)
             else:
                 self.streamed[e.index] = self.streamed.get(e.index, 0) + len(e.token_ids)
