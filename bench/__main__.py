@@ -70,6 +70,11 @@ BENCHMARKS = {
                                   "results-overhead.json",
                                   ("--tokens", "256", "--repeat", "1", "--paced-repeat", "1", "--streams", "1,4",
                                    "--idle-seconds", "1")),
+    "front_ab": Benchmark("service_overhead", "the front's interleaved A/B at 256 streams: this checkout against "
+                          "another's (--ab-checkout DIR; recorded against /tmp/tl-old, docs/performance.md) and bare "
+                          "grpc.aio, medians of eight rounds", "results-front-ab.json",
+                          ("--ab-checkout", ".", "--streams", "4", "--ab-rounds", "1", "--tokens", "64"),
+                          ("--ab-checkout", "/tmp/tl-old", "--streams", "256", "--ab-rounds", "8")),
     "idle_cpu": Benchmark("idle_cpu", "an idle server's CPU, and its looper thread's", "",
                           ("--executor", "null", "--seconds", "1")),
     "engine_gil": Benchmark("engine_gil", "the engine's GIL use: a unary RPC's latency beside 16 and 32 streams",

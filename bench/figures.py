@@ -260,6 +260,12 @@ FIGURES |= {
        for m in ("135M", "360M", "1.7B", "gemma3-270m") for sc in ("single", "eight")},
     "size.1.7B_int4_share": Figure(SZ, lambda d: f"{100 * _size_row(d, '1.7B')['int4_decode_bandwidth_share']:.0f} %"),
 }
+# --- results-front-ab.json: `tokenloop-bench service_overhead --ab-checkout DIR --streams 256` (issue 42 item 5) ---
+AB = "results-front-ab.json"
+FIGURES |= {f"front_ab.{arm}_256": Figure(AB, lambda d, arm=arm: f"{d['median_ratio_256'][arm]:.3f}x")
+            for arm in ("A", "B")}
+
+
 def model_load_table(d: dict) -> str:
     """Seconds to SERVING and resident memory per model (bench/model_load.py --serve)."""
     from tokenloop.bench.model_load import table

@@ -322,10 +322,11 @@ class CpuMeter:
               file=sys.stderr, flush=True)
 
 
-def commit() -> str:
-    """The repository's commit (with `+dirty` when the tree has changes), or "unknown" outside a git checkout."""
+def commit(root: Path = ROOT) -> str:
+    """The commit of the checkout at `root` (this one by default; with `+dirty` when its tree has changes), or
+    "unknown" outside a git checkout."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
     try:
         sha = git("rev-parse", "--short", "HEAD")
         return (sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) or "unknown"

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import grpc
 
-from tokenloop.bench.harness import DEFAULT_MODEL, ROOT, add_out_argument, proc_cpu_s, threads_cpu_s, write
+from tokenloop.bench.harness import DEFAULT_MODEL, ROOT, add_out_argument, commit, proc_cpu_s, threads_cpu_s, write
 from tokenloop.v1 import tokenloop_pb2 as pb
 from tokenloop.v1 import tokenloop_pb2_grpc as pb_grpc
 
@@ -454,7 +454,8 @@ async def measure_ab(args) -> dict:
     finally:
         for srv in servers.values():
             srv.stop()
-    out = {"a": str(ROOT), "b": str(checkout), "rounds": {str(n): runs for n, runs in rounds.items()}}
+    out = {"a": str(ROOT), "b": str(checkout), "b_commit": commit(checkout),
+           "rounds": {str(n): runs for n, runs in rounds.items()}}
     for n, runs in rounds.items():
         a, b = (statistics.median(x[f"{arm}_ratio"] for x in runs) for arm in ("A", "B"))
         out[f"median_ratio_{n}"] = {"A": round(a, 3), "B": round(b, 3), "B_over_A": round(b / a, 3)}
