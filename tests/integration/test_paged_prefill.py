@@ -21,6 +21,11 @@ from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.engine import Engine
 from tokenloop.engine.runner import PAGED_PREFILL_CONTEXT, prepare
 
+# The fp32 tests compare attention, so every chunk's products run on one backend whose rows do not depend on the
+# batch: `auto` times the backends per bucket of rows (engine/matmul.py) and may give 16 rows one and 29 another
+# (numpy2's BLAS, whose rows do), as the machine's load decides; a fresh-clone CI run then failed both tests.
+FP32_PRODUCTS = "f32c2"
+
 
 def test_a_chunk_within_the_limit_is_one_row_per_sequence_over_its_block_table():
     s = Seq(list(range(3, 43)), 16, 5)  # 16 tokens cached, a 24-token chunk
@@ -72,9 +77,10 @@ def cached_kv(model, first_block: int, n: int) -> tuple[torch.Tensor, torch.Tens
 def test_a_prompt_gives_the_same_bits_however_it_is_chunked(tmp_path, weights):
     """fp32: the per-operation path; int4: the fused step on an x22 route (its products' rows do not depend on their
     batch either)."""
-    if weights == "fp32":
+    if weights == "fp32":  # one products backend for every chunk size (FP32_PRODUCTS)
         model = Engine(make_tiny_model(tmp_path / "f", "llama", num_layers=3),
-                       EngineConfig(kv_cache_tokens=1024, block_size=BLOCK), start=False).model
+                       EngineConfig(kv_cache_tokens=1024, block_size=BLOCK, matmul_backend=FP32_PRODUCTS),
+                       start=False).model
         assert model.paged is not None and model.plan is None
     else:
         isa = next((i for i in ("x22-vnni", "x22-avx2", "x22-portable") if not kernels.load_int4().missing(i)))
@@ -96,7 +102,8 @@ def test_a_prompt_gives_the_same_bits_however_it_is_chunked(tmp_path, weights):
 @needs_kernels
 def test_paged_prefill_matches_sdpa_to_float32_rounding(tmp_path):
     model = Engine(make_tiny_model(tmp_path / "f", "llama", num_layers=3),
-                   EngineConfig(kv_cache_tokens=1024, block_size=BLOCK), start=False).model
+                   EngineConfig(kv_cache_tokens=1024, block_size=BLOCK, matmul_backend=FP32_PRODUCTS),
+                   start=False).model
     tokens = torch.randint(3, 300, (50,), generator=torch.Generator().manual_seed(9)).tolist()
     for chunks in ([50], [20, 30]):  # a fresh chunk, and one over a cached prefix (SDPA: gather + mask)
         paged_logits = chunked_prefill(model, tokens, chunks, 1)
