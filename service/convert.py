@@ -148,27 +148,27 @@ class StreamWriter(SequenceWriter):
         return self.valid
 
     def encode_delta(self, delta: TokenDelta) -> bytes:
-        """The commonest message of all, from the looper's TokenDelta with no Chunk made: one token of sequence 0
-        whose field `CHUNK_FIELDS` holds."""
+        """The commonest message of all, from the looper's TokenDelta with no Chunk made."""
         index, text, ids, _ = delta
         if not index and len(ids) == 1:
-            known = CHUNK_FIELDS.get(ids[0])
-            if known is not None and known[0] == text:
-                return self._prefix + known[1]
+            return self._one_token(ids[0], text)
         return self.encode_chunk(as_chunk(delta), None)
 
     def encode_chunk(self, event: Chunk, done: Complete | None) -> bytes:
         if not event.index and not event.logprobs and len(event.token_ids) == 1:
-            fields = CHUNK_FIELDS
-            token_id = event.token_ids[0]
-            known = fields.get(token_id)
-            if known is not None and known[0] == event.text:  # the common message: no protobuf at all
-                return self._prefix + known[1]
-            field = _chunk_field(event.text, token_id)
-            if known is None and len(fields) < MAX_CHUNK_FIELDS:
-                fields[token_id] = (event.text, field)
-            return self._prefix + field
+            return self._one_token(event.token_ids[0], event.text)
         return self._refilled(event).SerializeToString()
+
+    def _one_token(self, token_id: int, text: str) -> bytes:
+        """One token of sequence 0 with no logprobs: the request's id field and the token's chunk field, from
+        `CHUNK_FIELDS` (made and kept there the first time the token is seen)."""
+        known = CHUNK_FIELDS.get(token_id)
+        if known is not None and known[0] == text:  # the common message: no protobuf at all
+            return self._prefix + known[1]
+        field = _chunk_field(text, token_id)
+        if known is None and len(CHUNK_FIELDS) < MAX_CHUNK_FIELDS:
+            CHUNK_FIELDS[token_id] = (text, field)
+        return self._prefix + field
 
     def encode_complete(self, done: Complete) -> bytes:
         return complete_message(self.valid.request_id, done, self.valid).SerializeToString()
