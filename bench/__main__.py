@@ -72,9 +72,9 @@ BENCHMARKS = {
                                    "--idle-seconds", "1")),
     "front_ab": Benchmark("service_overhead", "the front's interleaved A/B at 256 streams: this checkout against "
                           "another's (--ab-checkout DIR; recorded against /tmp/tl-old, docs/performance.md) and bare "
-                          "grpc.aio, medians of eight rounds", "results-front-ab.json",
+                          "grpc.aio, medians of 24 rounds", "results-front-ab.json",
                           ("--ab-checkout", ".", "--streams", "4", "--ab-rounds", "1", "--tokens", "64"),
-                          ("--ab-checkout", "/tmp/tl-old", "--streams", "256", "--ab-rounds", "8")),
+                          ("--ab-checkout", "/tmp/tl-old", "--streams", "256")),
     "idle_cpu": Benchmark("idle_cpu", "an idle server's CPU, and its looper thread's", "",
                           ("--executor", "null", "--seconds", "1")),
     "engine_gil": Benchmark("engine_gil", "the engine's GIL use: a unary RPC's latency beside 16 and 32 streams",

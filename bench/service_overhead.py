@@ -32,7 +32,10 @@ Then `bench/idle_cpu.py` measures an idle server over 10 s.
 other commit, with its own `.venv` from `make setup`) whose full server runs with DIR's code. Every round runs
 bare, A (this checkout) and B (DIR) one after another at each `--streams` count, the order of A and B swapped every
 other round, so that load from elsewhere lands on both alike; each arm's ratio is its tokens/s over the same
-round's bare messages/s, and the figures are the medians over `--ab-rounds` rounds (with every round kept).
+round's bare messages/s, and the figures are the medians over `--ab-rounds` rounds (with every round kept), with
+their quartiles and, as a second estimate, each arm's mean rate over bare's mean rate. One run's rate varies by ~15 %
+(its coefficient of variation on the 2-vCPU VM, 2026-12-07) from run to run of the same code, so the median of 8
+rounds is known to about ±7 % and of 24 (the default) to about ±4 %.
 """
 
 from __future__ import annotations
@@ -459,6 +462,11 @@ async def measure_ab(args) -> dict:
     for n, runs in rounds.items():
         a, b = (statistics.median(x[f"{arm}_ratio"] for x in runs) for arm in ("A", "B"))
         out[f"median_ratio_{n}"] = {"A": round(a, 3), "B": round(b, 3), "B_over_A": round(b / a, 3)}
+        out[f"quartiles_{n}"] = {arm: [round(q, 3) for q in statistics.quantiles(
+            [x[f"{arm}_ratio"] for x in runs], n=4)] if len(runs) > 1 else [] for arm in ("A", "B")}
+        bare = statistics.fmean(x["bare_messages_per_s"] for x in runs)
+        out[f"mean_rate_ratio_{n}"] = {arm: round(statistics.fmean(x[f"{arm}_ratio"] * x["bare_messages_per_s"]
+                                                                   for x in runs) / bare, 3) for arm in ("A", "B")}
     return out
 
 
@@ -537,7 +545,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     p.add_argument("--ab-checkout", default=None, metavar="DIR",
                    help="A/B instead: this checkout's full path against DIR's (another checkout with its own .venv)")
-    p.add_argument("--ab-rounds", type=int, default=8, help="--ab-checkout: interleaved rounds; medians reported")
+    p.add_argument("--ab-rounds", type=int, default=24, help="--ab-checkout: interleaved rounds; medians reported")
     add_out_argument(p, "results-overhead.json")
     args = p.parse_args(argv)
     if args.cmd != "serve" and min(args.repeat, args.paced_repeat) < 1:
@@ -551,10 +559,12 @@ def main(argv=None) -> int:
     if args.ab_checkout:
         res = uvloop.run(measure_ab(args))
         write(args.out, res)
-        print("| streams | A ÷ bare (median) | B ÷ bare (median) | B ÷ A | rounds |\n| --- | --- | --- | --- | --- |")
+        print("| streams | A ÷ bare (median) | B ÷ bare (median) | B ÷ A | A, B: mean rate ÷ bare's | rounds |\n"
+              "| --- | --- | --- | --- | --- | --- |")
         for n in args.streams:
-            m = res[f"median_ratio_{n}"]
-            print(f"| {n} | {m['A']:.3f} | {m['B']:.3f} | {m['B_over_A']:.3f} | {args.ab_rounds} |")
+            m, mean = res[f"median_ratio_{n}"], res[f"mean_rate_ratio_{n}"]
+            print(f"| {n} | {m['A']:.3f} | {m['B']:.3f} | {m['B_over_A']:.3f} | {mean['A']:.3f}, {mean['B']:.3f} "
+                  f"| {args.ab_rounds} |")
         return 0
     res = uvloop.run(measure(args))
     write(args.out, res)
