@@ -264,6 +264,10 @@ FIGURES |= {
 AB = "results-front-ab.json"
 FIGURES |= {f"front_ab.{arm}_256": Figure(AB, lambda d, arm=arm: f"{d['median_ratio_256'][arm]:.3f}x")
             for arm in ("A", "B")}
+FIGURES |= {f"front_ab.{arm}_256_{q}": Figure(AB, lambda d, arm=arm, i=i: f"{d['quartiles_256'][arm][i]:.3f}x")
+            for arm in ("A", "B") for i, q in ((0, "q1"), (2, "q3"))}
+FIGURES |= {f"front_ab.{arm}_256_mean": Figure(AB, lambda d, arm=arm: f"{d['mean_rate_ratio_256'][arm]:.3f}x")
+            for arm in ("A", "B")}
 
 
 def model_load_table(d: dict) -> str:
