@@ -65,7 +65,8 @@ def _mask(tid: int) -> set[int]:
 @needs_two_cpus
 def test_pin_puts_both_threads_on_one_cpu_and_restore_gives_every_cpu_back():
     """Real threads: the two pinned threads get one CPU (the same one); a thread started by a pinned thread
-    inherits its CPU unless it calls `release_this_thread` first; `restore` undoes the pinning."""
+    inherits its CPU unless it calls `release_this_thread` first; the looper runs as SCHED_BATCH; `restore` undoes
+    both."""
     release, started = threading.Event(), threading.Event()
     seen: dict[str, set[int]] = {}
 
@@ -80,6 +81,9 @@ def test_pin_puts_both_threads_on_one_cpu_and_restore_gives_every_cpu_back():
     try:
         assert front.pin(threading.get_native_id(), looper.native_id) == max(CPUS)
         assert _mask(0) == _mask(looper.native_id) == {max(CPUS)}
+        # the looper does not preempt the event loop when woken; the event loop keeps the normal policy
+        assert os.sched_getscheduler(looper.native_id) == os.SCHED_BATCH
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
         def child(key, widen):
             if widen:
@@ -92,8 +96,10 @@ def test_pin_puts_both_threads_on_one_cpu_and_restore_gives_every_cpu_back():
         assert seen == {"inherits": {max(CPUS)}, "released": CPUS}
     finally:
         front.restore()
+        policy = os.sched_getscheduler(looper.native_id)  # restored while it still runs
         release.set()
         looper.join(10)
+    assert policy == os.SCHED_OTHER
     assert _mask(0) == CPUS
     assert front.cpu is None
 
@@ -119,3 +125,17 @@ def test_a_refused_pin_is_a_warning_with_auto_and_an_error_with_a_cpu_number(mon
     calls.clear()
     with pytest.raises(ValueError, match=r"--front-cpu 0: cannot pin the threads \(.*not permitted"):
         FrontPlacement("0").pin(101, 102)
+
+
+def test_a_refused_batch_policy_is_a_warning_and_the_threads_stay_pinned(monkeypatch, caplog):
+    """Where the system refuses SCHED_BATCH for the looper thread, the server serves pinned and says so."""
+    def refuse(tid, policy, param):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: None)
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    monkeypatch.setattr(placement, "_current_cpu", lambda: 1)
+    front = FrontPlacement("auto")
+    assert front.pin(101, 102) == 1 and front.cpu == 1
+    assert "cannot run the looper thread as SCHED_BATCH" in caplog.text
+    front.restore()  # nothing to undo for the policy
