@@ -28,13 +28,19 @@ from .stream import ErrorKind, Event, RequestFailed, RequestStream
 log = logging.getLogger("tokenloop.looper")
 
 _DEADLINE_CHECK_S = 0.005  # deadlines are checked at most this often (a scan of the in-flight map)
+# the event loop is behind its readers when most streams a hand-off gives events to (and at least this many) had not
+# read the events of the hand-off before (Looper.readers_behind)
+_BEHIND_MIN = 4
 
 
 class Looper:
     """Drains the channel, drives the executor, fans steps out to request streams."""
 
     def __init__(self, executor: Executor, tokenizer: Decoder, *, poll_timeout: float = 0.02,
-                 on_death: Callable[[str], None] | None = None, capabilities: Capabilities | None = None):
+                 on_death: Callable[[str], None] | None = None, capabilities: Capabilities | None = None,
+                 on_behind: Callable[[bool], None] | None = None):
+        """`on_behind(behind)` is called on the looper thread when the event loop falls behind its readers (True) and
+        when it catches up (False); the server gives the looper thread a scheduling policy by it (service.placement)."""
         self.executor = executor
         self._tokenizer = tokenizer
         self._poll_timeout = poll_timeout
@@ -54,6 +60,10 @@ class Looper:
         # held from the moment a hand-off is scheduled until the event loop takes it (released by _deliver): the
         # looper waits on it, GIL released, when the event loop is behind (a plain lock: no Python per wait)
         self._handoff_pending = threading.Lock()
+        # the last hand-off found most of its readers behind (written by _deliver on the event loop)
+        self.readers_behind = False
+        self._on_behind = on_behind
+        self._told_behind = False  # what on_behind was last told (looper thread)
         self._streams: dict[str, RequestStream] = {}  # request id -> open stream (event loop only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -146,7 +156,8 @@ class Looper:
             outbox, self._handoff = self._handoff, Outbox()
             self._handoff_scheduled = False
             self._handoff_pending.release()
-        outbox.deliver()
+        behind = outbox.deliver()
+        self.readers_behind = behind >= _BEHIND_MIN and 2 * behind > len(outbox.events)
         for stream in outbox.ends:  # ended for the client: the id is free again
             if self._streams.get(stream.request.request_id) is stream:
                 del self._streams[stream.request.request_id]
@@ -166,6 +177,9 @@ class Looper:
                     self._pull_steps()  # 2+3) executor steps -> events
                     self._expire_deadlines()
                 self._fan_out()  # 4) one hand-off to the event loop
+                if self.readers_behind is not self._told_behind and self._on_behind is not None:
+                    self._told_behind = self.readers_behind  # 5) the event loop fell behind, or caught up
+                    self._on_behind(self._told_behind)
             self._fan_out()  # stopping: deliver what _fail_all queued
         except EngineDeadError as exc:
             self._die(str(exc) or "the executor died")

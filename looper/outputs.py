@@ -51,12 +51,15 @@ class Outbox:
         for stream, error in later.ends.items():
             self.add(stream, [], True, error)
 
-    def deliver(self) -> None:
-        """On the event loop: push every stream's events, then the ends."""
+    def deliver(self) -> int:
+        """On the event loop: push every stream's events, then the ends. Returns how many of the streams given
+        events had readers still behind (the events pushed before not yet read)."""
+        behind = 0
         for stream, events in self.events.items():
-            stream.push(events)
+            behind += stream.push(events)
         for stream, error in self.ends.items():
             stream.end(error)
+        return behind
 
 
 class SequenceState:

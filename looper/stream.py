@@ -111,15 +111,17 @@ class RequestStream:
         self.executor_id: int | None = None  # written by the looper thread only
 
     # -- event-loop side, called by the looper's batched hand-off --------------------------
-    def push(self, events: list[Event]) -> None:
-        """Append events (the list is the stream's from now on) and wake the reader."""
+    def push(self, events: list[Event]) -> bool:
+        """Append events (the list is the stream's from now on) and wake the reader. True when the reader had not
+        yet read the events pushed before (it is behind)."""
         if self._events:
             self._events += events
-        else:
-            self._events = events
+            return True
+        self._events = events
         waiter = self._waiter  # as _wake(), inline: one call less per stream per hand-off
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        return False
 
     def end(self, error: RequestFailed | None = None) -> None:
         """No more events will come: the request finished, or failed with `error`; wake the reader."""

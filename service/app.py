@@ -134,7 +134,8 @@ class App:
             await self.loras.load(*parse_lora_flag(value))
         loop = asyncio.get_running_loop()
         self.looper = Looper(self.executor, self.tokenizer, poll_timeout=self.config.poll_timeout,
-                             on_death=self._on_death, capabilities=self.capabilities)
+                             on_death=self._on_death, capabilities=self.capabilities,
+                             on_behind=self.placement.looper_behind)
         self.looper.start(loop)
         if self.placement.pin(threading.get_native_id(), self.looper.thread_id) is not None:
             # threads started from now on by the event loop would inherit its one CPU

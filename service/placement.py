@@ -9,12 +9,14 @@ on the GIL. On one CPU the hand-off is a context switch on the spot, and the oth
 threads that work without the GIL: gRPC's core threads, the tokenizer threads, the engine, and, on a
 shared machine, whatever else runs there (bench/RESULTS-overhead.md, round 11, has the numbers).
 
-On their shared CPU the looper thread runs as SCHED_BATCH. The event loop wakes it many times a second (it takes a
-hand-off, which lets the looper poll again; it queues a command), and the kernel lets a thread that wakes preempt
-the one running: the looper took the CPU from the event loop at every wake-up only to find the GIL held and sleep
-again, two context switches for nothing. A SCHED_BATCH thread does not preempt on waking: the looper runs when the
-event loop blocks (in epoll, waiting for gRPC) or its time slice ends, which is when it could take the GIL anyway.
-Measured on the 2-vCPU bench VM: the front from 0.85x to ~1.1x bare grpc.aio at 256 streams (docs/performance.md).
+While the event loop is behind its readers (most streams of a hand-off had not read the one before:
+`Looper.readers_behind`), the looper thread runs as SCHED_BATCH on their shared CPU (`looper_behind`). The event
+loop wakes the looper many times a second (taking a hand-off lets the looper poll again), and the kernel lets a
+thread that wakes preempt the one running: the looper took the CPU from the busy event loop at each wake-up and held
+the GIL through its poll while the event loop, the thread that sends, waited. A SCHED_BATCH thread does not preempt
+on waking: it runs when the event loop blocks (in epoll, waiting for gRPC) or its time slice ends. Once the readers
+keep up, the looper is SCHED_OTHER again: then its wake-up (a token due) is the token's latency, and a batch thread
+could wait out the event loop's slice (docs/performance.md has both measurements).
 
 `--front-cpu auto` (the default) pins the two threads to the CPU the server is running on when the looper
 starts, if the process may use two CPUs or more; `off` leaves placement (and scheduling) to the OS; a number picks
@@ -70,7 +72,9 @@ class FrontPlacement:
         self.cpu: int | None = None  # the shared CPU, once pinned
         self._wide: set[int] | None = None  # the process's CPUs before pinning
         self._pinned: list[int] = []
-        self._batched: int | None = None  # the looper thread, once it runs as SCHED_BATCH
+        self._looper: int | None = None  # the pinned looper thread
+        self._batched = False  # it runs as SCHED_BATCH now (looper_behind)
+        self._no_batch = False  # the system refused SCHED_BATCH
 
     @property
     def enabled(self) -> bool:
@@ -110,23 +114,25 @@ class FrontPlacement:
             log.warning("--front-cpu auto: cannot pin the event-loop and looper threads (%s); the OS places them", exc)
             return None
         self.cpu = cpu
-        self._batch(looper_tid)
-        log.info("event-loop and looper threads share CPU %d (--front-cpu %s; other threads: CPUs %s)%s", cpu,
-                 self.spec, cpu_list(self._wide), "; the looper as SCHED_BATCH" if self._batched else "")
+        self._looper = looper_tid
+        log.info("event-loop and looper threads share CPU %d (--front-cpu %s; other threads: CPUs %s)", cpu,
+                 self.spec, cpu_list(self._wide))
         return cpu
 
-    def _batch(self, looper_tid: int) -> None:
-        """The looper thread as SCHED_BATCH: woken by the event loop, it does not preempt it (the module's doc).
-        Where the system refuses it, a warning: the threads stay pinned."""
-        if not hasattr(os, "SCHED_BATCH"):
+    def looper_behind(self, behind: bool, tid: int = 0) -> None:
+        """The Looper's `on_behind`, on the looper thread (`tid` 0: the calling thread): SCHED_BATCH while the event
+        loop is behind its readers, SCHED_OTHER once they keep up (the module's doc). Only while the threads are
+        pinned; where the system refuses the policy, one warning and the looper keeps its policy from then on."""
+        if self.cpu is None or self._no_batch or not hasattr(os, "SCHED_BATCH"):
             return
         try:
-            os.sched_setscheduler(looper_tid, os.SCHED_BATCH, os.sched_param(0))
+            os.sched_setscheduler(tid, os.SCHED_BATCH if behind else os.SCHED_OTHER, os.sched_param(0))
         except OSError as exc:
-            log.warning("--front-cpu %s: cannot run the looper thread as SCHED_BATCH (%s); it may preempt the event "
-                        "loop when woken", self.spec, exc)
+            self._no_batch = True
+            log.warning("--front-cpu %s: cannot run the looper thread as SCHED_BATCH (%s); it keeps preempting the "
+                        "event loop when woken", self.spec, exc)
             return
-        self._batched = looper_tid
+        self._batched = behind
 
     def release_this_thread(self) -> None:
         """A pool's thread initializer: give the calling thread the process's CPUs back (a thread started by a
@@ -139,12 +145,12 @@ class FrontPlacement:
 
     def restore(self) -> None:
         """Give the pinned threads (those still alive) the process's CPUs back, and the looper its normal policy."""
-        if self._batched is not None:
+        if self._batched and self._looper is not None:
             try:
-                os.sched_setscheduler(self._batched, os.SCHED_OTHER, os.sched_param(0))
+                os.sched_setscheduler(self._looper, os.SCHED_OTHER, os.sched_param(0))
             except OSError:  # the looper thread has exited
                 pass
-            self._batched = None
+        self._batched, self._looper = False, None
         for tid in reversed(self._pinned):
             try:
                 os.sched_setaffinity(tid, self._wide)

@@ -327,3 +327,46 @@ def test_a_plain_requests_token_steps_decoded_in_line_give_what_apply_gives(toke
         assert [e.cached_prompt_tokens for e in got if isinstance(e, Chunk)][-1] == 2
     else:
         assert all(isinstance(e, Complete) for e in got)
+
+
+def test_a_hand_off_counts_the_readers_still_behind(tokenizer):
+    """Outbox.deliver says how many streams it gave events to had not read the events before (Looper.readers_behind
+    is made of it)."""
+    streams = [RequestStream(make_request(tokenizer, rid=str(i)), lambda s: None) for i in range(5)]
+
+    def hand_off():
+        outbox = Outbox()
+        for s in streams:
+            outbox.add(s, [Chunk(0, "a", [1])])
+        return outbox.deliver()
+    assert hand_off() == 0  # nothing was pending
+    assert hand_off() == 5  # nobody read the first
+    for s in streams[:3]:
+        s.take()
+    assert hand_off() == 2
+
+
+def test_the_looper_says_when_the_event_loop_falls_behind_its_readers_and_when_it_catches_up(tokenizer):
+    """on_behind(True) on the looper thread once most readers of a hand-off (at least four) had not read the one
+    before; on_behind(False) once they keep up again; nothing while it stays the same."""
+    import threading
+    calls = []
+
+    def on_behind(behind):
+        calls.append((behind, threading.current_thread().name))
+
+    async def body(looper, ex, _):
+        unread = [looper.submit(make_request(tokenizer, rid=f"u{i}", max_new=32)) for i in range(6)]
+        while not all(s.ended for s in unread):  # nobody reads: every hand-off after the first finds them behind
+            await asyncio.sleep(0.01)
+        assert calls and calls[0] == (True, "tokenloop-looper")
+        for s in unread:
+            await collect(s)
+        for round_ in range(3):  # readers that keep up
+            await asyncio.gather(*(collect(looper.submit(make_request(tokenizer, rid=f"r{round_}.{i}", max_new=16)))
+                                   for i in range(6)))
+            if calls[-1][0] is False:
+                break
+        assert calls[-1] == (False, "tokenloop-looper")
+        assert all(a[0] != b[0] for a, b in zip(calls, calls[1:]))  # told only when it changes
+    run(with_looper(tokenizer, body, on_behind=on_behind))

@@ -65,8 +65,8 @@ def _mask(tid: int) -> set[int]:
 @needs_two_cpus
 def test_pin_puts_both_threads_on_one_cpu_and_restore_gives_every_cpu_back():
     """Real threads: the two pinned threads get one CPU (the same one); a thread started by a pinned thread
-    inherits its CPU unless it calls `release_this_thread` first; the looper runs as SCHED_BATCH; `restore` undoes
-    both."""
+    inherits its CPU unless it calls `release_this_thread` first; the looper runs as SCHED_BATCH while told the event
+    loop is behind; `restore` undoes both."""
     release, started = threading.Event(), threading.Event()
     seen: dict[str, set[int]] = {}
 
@@ -81,9 +81,14 @@ def test_pin_puts_both_threads_on_one_cpu_and_restore_gives_every_cpu_back():
     try:
         assert front.pin(threading.get_native_id(), looper.native_id) == max(CPUS)
         assert _mask(0) == _mask(looper.native_id) == {max(CPUS)}
-        # the looper does not preempt the event loop when woken; the event loop keeps the normal policy
+        # while the event loop is behind its readers the looper does not preempt it when woken; then normal again
+        assert os.sched_getscheduler(looper.native_id) == os.SCHED_OTHER
+        front.looper_behind(True, looper.native_id)
         assert os.sched_getscheduler(looper.native_id) == os.SCHED_BATCH
-        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the event loop keeps the normal policy
+        front.looper_behind(False, looper.native_id)
+        assert os.sched_getscheduler(looper.native_id) == os.SCHED_OTHER
+        front.looper_behind(True, looper.native_id)
 
         def child(key, widen):
             if widen:
@@ -127,7 +132,7 @@ def test_a_refused_pin_is_a_warning_with_auto_and_an_error_with_a_cpu_number(mon
         FrontPlacement("0").pin(101, 102)
 
 
-def test_a_refused_batch_policy_is_a_warning_and_the_threads_stay_pinned(monkeypatch, caplog):
+def test_a_refused_batch_policy_is_one_warning_and_the_threads_stay_pinned(monkeypatch, caplog):
     """Where the system refuses SCHED_BATCH for the looper thread, the server serves pinned and says so."""
     def refuse(tid, policy, param):
         raise PermissionError(1, "Operation not permitted")
@@ -137,5 +142,18 @@ def test_a_refused_batch_policy_is_a_warning_and_the_threads_stay_pinned(monkeyp
     monkeypatch.setattr(placement, "_current_cpu", lambda: 1)
     front = FrontPlacement("auto")
     assert front.pin(101, 102) == 1 and front.cpu == 1
-    assert "cannot run the looper thread as SCHED_BATCH" in caplog.text
+    front.looper_behind(True)
+    assert "cannot run the looper thread as SCHED_BATCH" in caplog.text and front.cpu == 1
+    caplog.clear()
+    front.looper_behind(True)  # said once; not tried again
+    assert caplog.text == ""
     front.restore()  # nothing to undo for the policy
+
+
+def test_the_policy_follows_only_pinned_threads(monkeypatch):
+    """Unpinned (--front-cpu off, one CPU, or before pin) the looper's policy is left to the OS."""
+    calls = []
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *a: calls.append(a))
+    FrontPlacement("off").looper_behind(True)
+    FrontPlacement("auto").looper_behind(True)
+    assert calls == []
