@@ -118,6 +118,12 @@ def _over_bare(d: dict, streams: int) -> float:
     return full["tokens_per_s"] / next(r for r in d["bare"] if r["streams"] == streams)["messages_per_s"]
 
 
+def _scenario_over_bare(d: dict, scenario: str, streams: int) -> float:
+    """A scenario's tokens/s over bare grpc.aio's messages/s at `streams`."""
+    row = next(r for r in d[scenario] if r["streams"] == streams)
+    return row["tokens_per_s"] / next(r for r in d["bare"] if r["streams"] == streams)["messages_per_s"]
+
+
 def overhead_table(d: dict) -> str:
     """The front against bare grpc.aio: the run's date, CPU, commit and command, then the ratio at each concurrency."""
     intro = (f"One run, {_when(d)}, on a {d['cpus']}-vCPU {describe(d)}, code at `{d['commit']}`: `{d['command']}`. "
@@ -268,6 +274,13 @@ FIGURES |= {f"front_ab.{arm}_256_{q}": Figure(AB, lambda d, arm=arm, i=i: f"{d['
             for arm in ("A", "B") for i, q in ((0, "q1"), (2, "q3"))}
 FIGURES |= {f"front_ab.{arm}_256_mean": Figure(AB, lambda d, arm=arm: f"{d['mean_rate_ratio_256'][arm]:.3f}x")
             for arm in ("A", "B")}
+# --- results-overhead.json: the front's scenarios against bare grpc.aio at 256 streams ---
+OV = "results-overhead.json"
+FIGURES |= {f"overhead.{scenario}_256": Figure(OV, lambda d, sc=scenario: f"{_scenario_over_bare(d, sc, 256):.2f}x")
+            for scenario in ("messages", "coalesced", "router")}
+FIGURES |= {f"overhead.{scenario}_p50_256": Figure(
+    OV, lambda d, sc=scenario: f"{next(r for r in d[sc] if r['streams'] == 256)['latency_p50_ms']:.2f} ms")
+    for scenario in ("paced", "bare-paced")}
 
 
 def model_load_table(d: dict) -> str:
