@@ -23,7 +23,10 @@ def test_cluster_demo_narrates_and_its_kill_reads_as_intended():
     base = free_port()
     while any(_busy(base + k) for k in (1, 2, 10, 11, 12)):  # workers on base..+2, metrics on base+10..+12
         base = free_port()
-    env = dict(os.environ, BASE_PORT=str(base), ROUTER_PORT=str(free_port()))
+    router = free_port()
+    while base <= router <= base + 12:  # free now, but a worker's metrics port once the workers start
+        router = free_port()
+    env = dict(os.environ, BASE_PORT=str(base), ROUTER_PORT=str(router))
     run = subprocess.run(["bash", str(Path(ROOT) / "scripts" / "cluster_demo.sh")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1200, check=False)
     out = run.stdout + run.stderr
