@@ -112,14 +112,9 @@ def engine_table(data: dict) -> str:
 
 # --- results-overhead.json: one run of `tokenloop-bench service_overhead` ---
 
-def _over_bare(d: dict, streams: int) -> float:
-    """The full path's tokens/s, one token per message, over a bare grpc.aio method's messages/s at `streams`."""
-    full = next(r for r in d["messages"] if r["streams"] == streams)
-    return full["tokens_per_s"] / next(r for r in d["bare"] if r["streams"] == streams)["messages_per_s"]
-
-
-def _scenario_over_bare(d: dict, scenario: str, streams: int) -> float:
-    """A scenario's tokens/s over bare grpc.aio's messages/s at `streams`."""
+def _over_bare(d: dict, streams: int, scenario: str = "messages") -> float:
+    """A scenario's tokens/s (by default the full path's, one token per message) over a bare grpc.aio method's
+    messages/s at `streams`."""
     row = next(r for r in d[scenario] if r["streams"] == streams)
     return row["tokens_per_s"] / next(r for r in d["bare"] if r["streams"] == streams)["messages_per_s"]
 
@@ -276,7 +271,7 @@ FIGURES |= {f"front_ab.{arm}_256_mean": Figure(AB, lambda d, arm=arm: f"{d['mean
             for arm in ("A", "B")}
 # --- results-overhead.json: the front's scenarios against bare grpc.aio at 256 streams ---
 OV = "results-overhead.json"
-FIGURES |= {f"overhead.{scenario}_256": Figure(OV, lambda d, sc=scenario: f"{_scenario_over_bare(d, sc, 256):.2f}x")
+FIGURES |= {f"overhead.{scenario}_256": Figure(OV, lambda d, sc=scenario: f"{_over_bare(d, 256, sc):.2f}x")
             for scenario in ("messages", "coalesced", "router")}
 FIGURES |= {f"overhead.{scenario}_p50_256": Figure(
     OV, lambda d, sc=scenario: f"{next(r for r in d[sc] if r['streams'] == 256)['latency_p50_ms']:.2f} ms")

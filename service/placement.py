@@ -73,7 +73,6 @@ class FrontPlacement:
         self._wide: set[int] | None = None  # the process's CPUs before pinning
         self._pinned: list[int] = []
         self._looper: int | None = None  # the pinned looper thread
-        self._batched = False  # it runs as SCHED_BATCH now (looper_behind)
         self._no_batch = False  # the system refused SCHED_BATCH
 
     @property
@@ -131,8 +130,6 @@ class FrontPlacement:
             self._no_batch = True
             log.warning("--front-cpu %s: cannot run the looper thread as SCHED_BATCH (%s); it keeps preempting the "
                         "event loop when woken", self.spec, exc)
-            return
-        self._batched = behind
 
     def release_this_thread(self) -> None:
         """A pool's thread initializer: give the calling thread the process's CPUs back (a thread started by a
@@ -145,12 +142,12 @@ class FrontPlacement:
 
     def restore(self) -> None:
         """Give the pinned threads (those still alive) the process's CPUs back, and the looper its normal policy."""
-        if self._batched and self._looper is not None:
+        if self._looper is not None and not self._no_batch:
             try:
                 os.sched_setscheduler(self._looper, os.SCHED_OTHER, os.sched_param(0))
             except OSError:  # the looper thread has exited
                 pass
-        self._batched, self._looper = False, None
+        self._looper = None
         for tid in reversed(self._pinned):
             try:
                 os.sched_setaffinity(tid, self._wide)
